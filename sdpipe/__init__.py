@@ -1,0 +1,12 @@
+"""sdpipe: heterogeneity-aware pipeline-parallel training on Dask and torch.distributed.
+
+``import sdpipe`` needs neither Jupyter nor plotly; the notebook layer lives
+in ``sdpipe.widgets``.
+"""
+
+from .config import Heterogeneity, TrainConfig
+from .partition import partition
+from ._runtime import Run, RunError, RunResult, train
+
+__all__ = ["train", "Run", "RunResult", "RunError", "Heterogeneity", "TrainConfig", "partition"]
+__version__ = "0.1.0"

@@ -1,0 +1,76 @@
+"""Process groups among chosen workers, built without a global collective.
+
+A group is a ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) over a prefix of
+the run's shared store: only its members take part in building it, so groups
+of some workers can be formed at any time, in any order, by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+TAG_CTRL, TAG_ACT, TAG_GRAD = 0, 1, 2
+
+
+def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout: float, host: str):
+    """A process group of ``size`` members named ``name``; this worker is ``rank``."""
+    prefixed = dist.PrefixStore(f"group/{name}/", store)
+    td = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = td
+        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = td
+    # Bind gloo's listener to the configured address (loopback by default).
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+
+
+class Link:
+    """Point-to-point traffic of one worker with its pipeline neighbours.
+
+    With NCCL tensors travel on the GPU; with gloo they are staged on the CPU.
+    """
+
+    def __init__(self, group, device: torch.device, backend: str):
+        self.group = group
+        self.device = device
+        self.comm_device = device if backend == "nccl" else torch.device("cpu")
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
+        t = tensor.detach().to(self.comm_device).contiguous()
+        return self.group.send([t], dst, tag), t
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        work, _ = self.isend(tensor, dst, tag)
+        work.wait()
+
+    def recv(self, shape, dtype, src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
+        self.group.recv([buf], src, tag).wait()
+        return buf.to(self.device)
+
+
+def allreduce_mean_(tensors: list, group, size: int, extra: float = 0.0, comm_device=None) -> float:
+    """Average ``tensors`` in place over ``group``; also sums ``extra`` over it.
+
+    The tensors travel as one flat buffer, with ``extra`` appended as one more
+    element (used to agree on a stop vote in the same collective).
+    """
+    device = tensors[0].device if tensors else torch.device("cpu")
+    comm_device = comm_device or device
+    flat = torch.cat([t.reshape(-1) for t in tensors] + [torch.tensor([float(extra)], device=device, dtype=tensors[0].dtype if tensors else torch.float32)])
+    flat = flat.to(comm_device)
+    group.allreduce([flat]).wait()
+    extra_sum = float(flat[-1])
+    flat = flat[:-1].div_(size).to(device)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+    return extra_sum

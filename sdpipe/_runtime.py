@@ -1,0 +1,496 @@
+"""The driver side of a run: validation, cluster, launch, monitoring, results.
+
+``train`` checks everything it can before any worker starts, connects to (or
+starts) a Dask cluster, hosts the run's rendezvous store, launches one task
+per worker pinned to its own Dask worker, and returns a :class:`Run` handle at
+once.  A monitor thread watches the tasks and the cluster; events arrive in
+the background through the Dask event log, so reading them never waits on a
+worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .config import Heterogeneity, TrainConfig
+from .data import as_tensors, steps_per_epoch
+from .partition import partition
+from .schedule import build_plan
+
+__all__ = ["train", "Run", "RunResult", "RunError"]
+
+log = logging.getLogger("sdpipe")
+
+#: Seconds to reach an existing Dask scheduler before giving up.
+CONNECT_TIMEOUT = 10.0
+
+
+class RunError(RuntimeError):
+    """A run ended because a worker failed or was lost."""
+
+
+@dataclass
+class RunResult:
+    """What a finished run returns."""
+
+    models: list
+    """One full ``nn.Sequential`` per pipeline, on the CPU."""
+    history: list
+    """One dict per epoch and pipeline: epoch, pipeline, loss, accuracy (with eval data), samples_per_s, ..."""
+    events: list
+    """Every event record of the run, in arrival order."""
+    config: TrainConfig
+    wall_time: float
+    """Seconds from launch to the last worker's end."""
+    stopped: bool = False
+    """True when the run ended early through ``Run.stop``."""
+    steps: dict = field(default_factory=dict)
+    """Steps each pipeline completed."""
+
+    def max_param_diff(self) -> float:
+        """Largest absolute difference of any parameter between pipeline 0 and the others."""
+        ref = self.models[0].state_dict()
+        worst = 0.0
+        for m in self.models[1:]:
+            for k, v in m.state_dict().items():
+                worst = max(worst, float((v.float() - ref[k].float()).abs().max()))
+        return worst
+
+
+def _probe_shapes(stage_modules, sample, device_name: str):
+    """Feature shape and dtype of each stage's output, from one micro-batch on the driver."""
+    import torch
+
+    shapes = []
+    x = sample
+    with torch.no_grad():
+        for s, mod in enumerate(stage_modules):
+            try:
+                x = copy.deepcopy(mod)(x)
+            except Exception as e:
+                raise ValueError(f"model: stage {s} fails on a micro-batch of train_data: {type(e).__name__}: {e}") from None
+            if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != sample.shape[0]:
+                raise ValueError(f"model: stage {s} must return one tensor with the micro-batch as dimension 0")
+            shapes.append((tuple(x.shape[1:]), str(x.dtype).replace("torch.", "")))
+    return shapes
+
+
+def _connect(cluster, config: TrainConfig):
+    """(client, embedded cluster or None, whether we own the client)."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    if cluster is None:
+        kwargs = dict(
+            n_workers=config.world_size,
+            threads_per_worker=1,
+            processes=True,
+            host=config.host,
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        )
+        if config.device == "cuda":
+            kwargs["resources"] = {"GPU": 1}
+        # A training rank must never be re-run on another worker after its worker died.
+        with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+            lc = LocalCluster(**kwargs)
+        try:
+            return Client(lc, set_as_default=False), lc, True
+        except BaseException:
+            lc.close()
+            raise
+    if isinstance(cluster, str):
+        try:
+            return Client(cluster, timeout=CONNECT_TIMEOUT, set_as_default=False), None, True
+        except (OSError, TimeoutError, ValueError) as e:
+            raise ConnectionError(
+                f"cluster: cannot reach a Dask scheduler at {cluster!r} within {CONNECT_TIMEOUT:.0f}s ({type(e).__name__})"
+            ) from None
+    if isinstance(cluster, Client):
+        return cluster, None, False
+    if hasattr(cluster, "scheduler_address"):
+        return Client(cluster, set_as_default=False), None, True
+    raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
+
+
+def _pick_workers(client, config: TrainConfig) -> list:
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    addrs = sorted(info)
+    if config.device == "cuda":
+        addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]
+    need = config.world_size
+    if len(addrs) < need:
+        what = "Dask workers with a 'GPU' resource" if config.device == "cuda" else "Dask workers"
+        raise ValueError(f"cluster: needs {need} {what} (stages x pipelines), found {len(addrs)}")
+    return addrs[:need]
+
+
+class Run:
+    """Handle of a running (or finished) training run.
+
+    Usable from a notebook while training goes on: ``events_since`` returns the
+    new events, ``stop`` ends the run at the next step boundary, ``result``
+    blocks for the outcome.
+    """
+
+    def __init__(self, config: TrainConfig, stage_modules, spec: dict, data: tuple, cluster):
+        self.config = config
+        self.run_id = spec["run_id"]
+        self._stage_modules = stage_modules
+        self._events: list = []
+        self._lock = threading.Lock()
+        self._received: dict = {}
+        self._done = threading.Event()
+        self._result: Optional[RunResult] = None
+        self._error: Optional[BaseException] = None
+        self._stop_requested = False
+        self._t0 = spec["t0"]
+        self._launch(spec, data, cluster)
+
+    # ------------------------------------------------------------ launch
+    def _launch(self, spec, data, cluster) -> None:
+        import torch.distributed as dist
+
+        cfg = self.config
+        self._client, self._cluster, self._own_client = _connect(cluster, cfg)
+        self._store = None
+        try:
+            workers = _pick_workers(self._client, cfg)
+            self._workers = workers
+            self._store = dist.TCPStore(
+                cfg.host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=cfg.timeout)
+            )
+            self._run_store = dist.PrefixStore(f"sdpipe/{self.run_id}/", self._store)
+            spec["store_host"], spec["store_port"] = cfg.host, self._store.port
+            self._topic = spec["topic"]
+            self._client.subscribe_topic(self._topic, self._on_event)
+            X, Y, EX, EY = data
+            S = cfg.stages
+            first = [workers[p * S] for p in range(cfg.pipelines)]
+            last = [workers[p * S + S - 1] for p in range(cfg.pipelines)]
+            scatter = lambda obj, ws: self._client.scatter(obj, workers=ws, broadcast=True, hash=False) if obj is not None else None
+            fX, fEX = scatter(X, first), scatter(EX, first)
+            fY, fEY = scatter(Y, last), scatter(EY, last)
+            from ._worker import worker_main
+
+            resources = {"GPU": 1} if cfg.device == "cuda" else None
+            self._futures = []
+            for rank, addr in enumerate(workers):
+                s = rank % S
+                self._futures.append(
+                    self._client.submit(
+                        worker_main,
+                        spec,
+                        rank,
+                        fX if s == 0 else None,
+                        fY if s == S - 1 else None,
+                        fEX if s == 0 else None,
+                        fEY if s == S - 1 else None,
+                        key=f"sdpipe-{self.run_id}-rank{rank}",
+                        workers=[addr],
+                        allow_other_workers=False,
+                        resources=resources,
+                        pure=False,
+                        retries=0,
+                    )
+                )
+            self._data_futures = [f for f in (fX, fY, fEX, fEY) if f is not None]
+        except BaseException:
+            self._cleanup()
+            raise
+        self._monitor_thread = threading.Thread(target=self._monitor, name=f"sdpipe-monitor-{self.run_id}", daemon=True)
+        self._monitor_thread.start()
+
+    def _on_event(self, event) -> None:
+        _, msg = event
+        with self._lock:
+            self._events.extend(msg["events"])
+            self._received[msg["rank"]] = self._received.get(msg["rank"], 0) + len(msg["events"])
+
+    # ------------------------------------------------------------ public
+    def events_since(self, cursor: int = 0) -> tuple[list, int]:
+        """``(new events, new cursor)``: the records that arrived after ``cursor``."""
+        with self._lock:
+            new = self._events[cursor:]
+        return new, cursor + len(new)
+
+    @property
+    def events(self) -> list:
+        with self._lock:
+            return list(self._events)
+
+    def history(self) -> list:
+        """Per-epoch, per-pipeline metrics received so far."""
+        return _history(self.events)
+
+    def stop(self) -> None:
+        """Ask every pipeline to stop at its next step boundary (pipelines that sync together stop together)."""
+        self._stop_requested = True
+        if not self._done.is_set() and self._store is not None:
+            try:
+                self._run_store.set("stop", "1")
+            except Exception:  # the store is gone: the run already ended
+                pass
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def status(self) -> str:
+        if not self._done.is_set():
+            return "stopping" if self._stop_requested else "running"
+        return "error" if self._error else ("stopped" if self._result and self._result.stopped else "finished")
+
+    def result(self, timeout: Optional[float] = None) -> RunResult:
+        """Block until the run ends; return its :class:`RunResult` or raise its error.
+
+        A KeyboardInterrupt while waiting stops the run and waits (bounded) for
+        it to wind down before re-raising.
+        """
+        try:
+            if not self._done.wait(timeout):
+                raise TimeoutError(f"run {self.run_id} still running after {timeout}s")
+        except KeyboardInterrupt:
+            self.stop()
+            self._done.wait(self.config.timeout)
+            raise
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"<sdpipe.Run {self.run_id} {c.stages}x{c.pipelines} policy={c.policy} {self.status}>"
+
+    # ------------------------------------------------------------ monitor
+    def _monitor(self) -> None:
+        cfg = self.config
+        error: Optional[BaseException] = None
+        grace_until = None
+        results = {}
+        try:
+            last_check = time.monotonic()
+            while True:
+                statuses = [f.status for f in self._futures]
+                if all(s == "finished" for s in statuses):
+                    break
+                if error is None:
+                    for rank, (f, s) in enumerate(zip(self._futures, statuses)):
+                        if s in ("error", "cancelled"):
+                            error = self._describe_failure(rank, f)
+                            break
+                    if error is None and time.monotonic() - last_check > 1.0:
+                        last_check = time.monotonic()
+                        error = self._check_workers()
+                    if error is not None:
+                        self.stop()
+                        grace_until = time.monotonic() + min(10.0, cfg.timeout)
+                elif all(s != "pending" for s in statuses) or time.monotonic() > grace_until:
+                    break
+                time.sleep(0.05)
+            for rank, f in enumerate(self._futures):
+                if f.status == "finished":
+                    results[rank] = f.result(timeout=cfg.timeout)
+            self._await_events(results)
+            if error is None:
+                self._result = self._assemble(results)
+        except BaseException as e:  # keep the handle usable whatever happened
+            error = error or e
+        finally:
+            self._error = error
+            self._cleanup()
+            self._done.set()
+
+    def _describe_failure(self, rank: int, future) -> BaseException:
+        p, s = divmod(rank, self.config.stages)
+        try:
+            exc = future.exception(timeout=5)
+        except Exception as e:  # cancelled futures raise here
+            exc = e
+        err = RunError(f"worker pipeline {p} stage {s} (rank {rank}, {self._workers[rank]}) failed: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc if isinstance(exc, BaseException) else None
+        return err
+
+    def _check_workers(self) -> Optional[BaseException]:
+        try:
+            alive = set(self._client.scheduler_info(n_workers=-1)["workers"])
+        except Exception as e:
+            return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
+        for rank, addr in enumerate(self._workers):
+            if addr not in alive and self._futures[rank].status == "pending":
+                p, s = divmod(rank, self.config.stages)
+                return RunError(f"worker pipeline {p} stage {s} (rank {rank}, {addr}) was lost")
+        return None
+
+    def _await_events(self, results: dict, timeout: float = 10.0) -> None:
+        """Wait (bounded) until every finished worker's events have arrived."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(self._received.get(r, 0) >= res["events"] for r, res in results.items()):
+                    return
+            time.sleep(0.02)
+        log.warning("sdpipe: some events of run %s did not arrive within %.0fs", self.run_id, timeout)
+
+    def _assemble(self, results: dict) -> RunResult:
+        from torch import nn
+
+        cfg = self.config
+        models = []
+        for p in range(cfg.pipelines):
+            parts = []
+            for s in range(cfg.stages):
+                mod = copy.deepcopy(self._stage_modules[s])
+                mod.load_state_dict(results[p * cfg.stages + s]["state"])
+                parts.append(mod)
+            models.append(nn.Sequential(*parts) if cfg.stages > 1 else nn.Sequential(*parts[0]) if isinstance(parts[0], nn.Sequential) else nn.Sequential(parts[0]))
+        events = self.events
+        return RunResult(
+            models=models,
+            history=_history(events),
+            events=events,
+            config=cfg,
+            wall_time=max([e["end"] for e in events] + [0.0]),
+            stopped=any(r["stopped"] for r in results.values()),
+            steps={p: results[p * cfg.stages]["steps"] for p in range(cfg.pipelines)},
+        )
+
+    def _cleanup(self) -> None:
+        """Close everything this run opened; safe to call more than once."""
+        client = getattr(self, "_client", None)
+        if client is not None:
+            try:
+                client.unsubscribe_topic(self._topic)
+            except Exception:
+                pass
+            for f in getattr(self, "_futures", []) + getattr(self, "_data_futures", []):
+                try:
+                    f.release()
+                except Exception:
+                    pass
+            if self._own_client:
+                try:
+                    client.close(timeout=10)
+                except Exception:
+                    pass
+            self._client = None
+        if self._cluster is not None:
+            try:
+                self._cluster.close(timeout=20)
+            except Exception:
+                pass
+            self._cluster = None
+        self._run_store = None
+        self._store = None  # dropping the last reference shuts the store's listener
+
+
+def _history(events: list) -> list:
+    rows = [e["metrics"] for e in events if e.get("kind") == "epoch"]
+    return sorted(rows, key=lambda r: (r["epoch"], r["pipeline"]))
+
+
+def train(
+    model,
+    train_data,
+    *,
+    stages: int = 2,
+    pipelines: int = 2,
+    policy: str = "allreduce",
+    schedule: str = "1f1b",
+    microbatches: int = 4,
+    batch_size: int = 32,
+    epochs: int = 10,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    eval_data=None,
+    loss_fn=None,
+    cuts=None,
+    cluster=None,
+    device: str = "cpu",
+    backend: Optional[str] = None,
+    seed: int = 0,
+    heterogeneity: Optional[Heterogeneity] = None,
+    timeout: float = 120.0,
+    host: str = "127.0.0.1",
+) -> Run:
+    """Train ``model`` with ``stages`` x ``pipelines`` workers; returns a :class:`Run` at once.
+
+    ``model`` is an ``nn.Sequential`` (cut into ``stages`` contiguous stages,
+    balanced by parameter count unless ``cuts`` is given) or a list of stage
+    modules.  ``train_data``/``eval_data`` are a torch Dataset or an
+    ``(inputs, targets)`` pair.  ``cluster=None`` starts an embedded
+    ``LocalCluster`` (one single-threaded process per worker, closed at the
+    end); a scheduler address or a ``distributed.Client`` uses an existing one.
+
+    Everything is checked before any worker starts; bad input raises a
+    one-line ``ValueError`` naming the field.
+    """
+    import torch
+    from torch import nn
+
+    config = TrainConfig(
+        stages=stages,
+        pipelines=pipelines,
+        policy=policy,
+        schedule=schedule,
+        microbatches=microbatches,
+        batch_size=batch_size,
+        epochs=epochs,
+        optimizer=optimizer,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        cuts=cuts,
+        device=device,
+        backend=backend,
+        seed=seed,
+        heterogeneity=heterogeneity,
+        timeout=timeout,
+        host=host,
+    )
+    if config.device == "cuda" and cluster is None and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but this machine has no GPU; use device='cpu'")
+    stage_modules = [copy.deepcopy(m) for m in partition(model, stages, cuts)]
+    X, Y = as_tensors(train_data, "train_data")
+    EX = EY = None
+    if eval_data is not None:
+        EX, EY = as_tensors(eval_data, "eval_data")
+    steps = steps_per_epoch(len(X), batch_size, pipelines)
+    if steps < 1:
+        raise ValueError(
+            f"batch_size: {batch_size} x {pipelines} pipelines exceeds the {len(X)} training samples; no full step per epoch"
+        )
+    if loss_fn is None:
+        loss_fn = nn.CrossEntropyLoss()
+    elif not callable(loss_fn):
+        raise ValueError(f"loss_fn: must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
+    shapes = _probe_shapes(stage_modules, X[: config.microbatch_size], device)
+    classify = not Y.is_floating_point()
+    plan = build_plan(schedule, stages, microbatches)
+    run_id = uuid.uuid4().hex[:10]
+    spec: dict[str, Any] = {
+        "run_id": run_id,
+        "topic": f"sdpipe-{run_id}",
+        "config": config.to_dict(),
+        "backend": config.resolved_backend,
+        "stage_modules": stage_modules,
+        "loss_fn": loss_fn,
+        "shapes": shapes,
+        "plan": plan,
+        "train_size": len(X),
+        "eval_size": 0 if EX is None else len(EX),
+        "steps_per_epoch": steps,
+        "classify": classify,
+        "t0": time.time(),
+    }
+    return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster)

@@ -1,0 +1,347 @@
+"""The code one worker (one stage of one pipeline) runs inside a Dask task.
+
+The worker walks its stage's list of the schedule plan each step; every
+pipeline's stage 0 drives its pipeline with a small control message at each
+step boundary (run this batch, or stop), so all stages of a pipeline agree on
+what the next step is without a central coordinator.
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._comm import TAG_ACT, TAG_CTRL, TAG_GRAD, Link, make_group
+from .config import Heterogeneity
+from .data import batch_indices
+from .policy import make_policy
+
+CMD_STOP, CMD_RUN = 0, 1
+
+
+class EventSink:
+    """Buffers event records and ships them to the driver in batches.
+
+    Batches go through the Dask worker's event log (``log_event``), which the
+    driver subscribes to; the worker never waits for the driver.
+    """
+
+    def __init__(self, topic: str, rank: int, interval: float = 0.1, max_buffer: int = 500):
+        from distributed import get_worker
+
+        self._worker = get_worker()
+        self.topic, self.rank = topic, rank
+        self.interval, self.max_buffer = interval, max_buffer
+        self.buffer: list = []
+        self.sent = 0
+        self.batches = 0
+        self._last = time.monotonic()
+
+    def add(self, record: dict) -> None:
+        self.buffer.append(record)
+        if len(self.buffer) >= self.max_buffer or time.monotonic() - self._last >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last = time.monotonic()
+        if not self.buffer:
+            return
+        batch, self.buffer = self.buffer, []
+        self._worker.log_event(self.topic, {"rank": self.rank, "seq": self.batches, "events": batch})
+        self.batches += 1
+        self.sent += len(batch)
+
+
+@dataclass
+class _Shapes:
+    inp: tuple  # feature shape entering this stage (None for stage 0)
+    out: tuple  # feature shape leaving this stage
+    in_dtype: torch.dtype
+    out_dtype: torch.dtype
+
+
+class Worker:
+    """State of one worker during a run (what policies see as ``worker``)."""
+
+    def __init__(self, spec: dict, rank: int, sink: EventSink):
+        cfg = spec["config"]
+        self.spec, self.cfg, self.rank, self.sink = spec, cfg, rank, sink
+        self.stages, self.pipelines = cfg["stages"], cfg["pipelines"]
+        self.pipeline, self.stage = divmod(rank, self.stages)
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.t0 = spec["t0"]
+        self.backend = spec["backend"]
+        self.timeout = cfg["timeout"]
+        self.host = cfg["host"]
+        self.device = self._pick_device(cfg["device"])
+        self.link_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        self.hetero = Heterogeneity.from_dict(cfg["heterogeneity"]) if cfg["heterogeneity"] else Heterogeneity()
+        self.rng = random.Random(cfg["seed"] * 100003 + rank)
+        self._groups: list = []
+
+        base = dist.TCPStore(
+            spec["store_host"], spec["store_port"], is_master=False, timeout=datetime.timedelta(seconds=self.timeout)
+        )
+        self._base_store = base
+        self.store = dist.PrefixStore(f"sdpipe/{spec['run_id']}/", base)
+
+        self.module = spec["stage_modules"][self.stage].to(self.device)
+        self.module.train()
+        self.loss_fn = spec["loss_fn"]
+        opt = cfg["optimizer"]
+        params = self.module.parameters()
+        if opt == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+        elif opt == "adam":
+            self.optimizer = torch.optim.Adam(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+
+        shapes = spec["shapes"]
+        self.shapes = _Shapes(
+            inp=tuple(shapes[self.stage - 1][0]) if not self.first else None,
+            out=tuple(shapes[self.stage][0]),
+            in_dtype=getattr(torch, shapes[self.stage - 1][1]) if not self.first else None,
+            out_dtype=getattr(torch, shapes[self.stage][1]),
+        )
+        self.plan = spec["plan"][self.stage]
+        self.link = None
+        if self.stages > 1:
+            self.link = Link(self.group(f"pipe{self.pipeline}", self.stage, self.stages), self.device, self.backend)
+        self.policy = make_policy(cfg["policy"])
+        self.policy.setup(self)
+
+    # ----------------------------------------------------------- helpers
+    def _pick_device(self, name: str) -> torch.device:
+        if name == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device: 'cuda' requested but worker rank {self.rank} sees no GPU")
+            index = self.rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    def group(self, name: str, rank: int, size: int):
+        g = make_group(self.store, name, rank, size, backend=self.backend, timeout=self.timeout, host=self.host)
+        self._groups.append(g)
+        return g
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def span(self, kind: str, step, microbatch, start: float, end: float, **extra) -> None:
+        rec = {
+            "kind": kind,
+            "pipeline": self.pipeline,
+            "stage": self.stage,
+            "step": step,
+            "microbatch": microbatch,
+            "start": start - self.t0,
+            "end": end - self.t0,
+        }
+        rec.update(extra)
+        self.sink.add(rec)
+
+    def delay_link(self) -> None:
+        d = self.hetero.link_delay_of(self.pipeline, self.stage)
+        if d > 0:
+            time.sleep(d)
+
+    def _slow(self, elapsed: float) -> None:
+        k = self.hetero.slowdown_of(self.pipeline, self.stage)
+        if k > 1.0:
+            time.sleep((k - 1.0) * elapsed)
+
+    # ----------------------------------------------------------- control
+    def control(self, cmd: int, epoch: int, step: int, batch: int) -> tuple:
+        """Stage 0 sends the step's command down the pipeline; others receive and forward it."""
+        if self.link is None:
+            return cmd, epoch, step, batch
+        start = time.time()
+        if self.first:
+            msg = torch.tensor([cmd, epoch, step, batch], dtype=torch.int64)
+        else:
+            msg = self.link.recv((4,), torch.int64, self.stage - 1, TAG_CTRL)
+        if not self.last:
+            self.link.send(msg, self.stage + 1, TAG_CTRL)
+        if not self.first:
+            self.span("wait", step, None, start, time.time())
+        return tuple(int(x) for x in msg.tolist())
+
+    def stop_requested(self) -> bool:
+        return self.store.check(["stop"])
+
+    # ----------------------------------------------------------- one step
+    def train_step(self, step: int, xb, yb) -> float | None:
+        """Run this stage's share of one step (all micro-batches) and return the loss at the last stage."""
+        M = self.spec["config"]["microbatches"]
+        mb = self.spec["config"]["batch_size"] // M
+        inputs, outputs, grads, pending = {}, {}, {}, []
+        losses = []
+        for a in self.plan:
+            m = a.microbatch
+            t = time.time()
+            if a.op == "RF":
+                x = self.link.recv((mb, *self.shapes.inp), self.shapes.in_dtype, self.stage - 1, TAG_ACT)
+                if x.is_floating_point():
+                    x.requires_grad_(True)
+                inputs[m] = x
+                self.span("recv", step, m, t, time.time())
+            elif a.op == "F":
+                x = xb[m * mb : (m + 1) * mb] if self.first else inputs[m]
+                out = self.module(x)
+                if self.last:
+                    loss = self.loss_fn(out, yb[m * mb : (m + 1) * mb])
+                    losses.append(float(loss.detach()))
+                    outputs[m] = loss / M
+                else:
+                    outputs[m] = out
+                self._slow(time.time() - t)
+                self.span("forward", step, m, t, time.time())
+            elif a.op == "SF":
+                pending.append(self.link.isend(outputs[m], self.stage + 1, TAG_ACT))
+                self.span("send", step, m, t, time.time())
+            elif a.op == "RB":
+                grads[m] = self.link.recv((mb, *self.shapes.out), self.shapes.out_dtype, self.stage + 1, TAG_GRAD)
+                self.span("recv", step, m, t, time.time())
+            elif a.op == "B":
+                out = outputs.pop(m)
+                if self.last:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, grads.pop(m))
+                self._slow(time.time() - t)
+                self.span("backward", step, m, t, time.time())
+            elif a.op == "SB":
+                g = inputs.pop(m).grad
+                pending.append(self.link.isend(g, self.stage - 1, TAG_GRAD))
+                self.span("send", step, m, t, time.time())
+        if pending:
+            t = time.time()
+            for work, _ in pending:
+                work.wait()
+            self.span("wait", step, None, t, time.time())
+        return sum(losses) / len(losses) if losses else None
+
+    def evaluate(self, step: int, X, Y) -> dict | None:
+        """Forward the eval data through this pipeline; the last stage returns loss and accuracy."""
+        n = self.spec["eval_size"]
+        bs = self.spec["config"]["batch_size"]
+        self.module.eval()
+        loss_sum, correct, t = 0.0, 0, time.time()
+        classify = self.spec["classify"]
+        with torch.no_grad():
+            for lo in range(0, n, bs):
+                k = min(bs, n - lo)
+                if self.first:
+                    x = X[lo : lo + k].to(self.device)
+                else:
+                    x = self.link.recv((k, *self.shapes.inp), self.shapes.in_dtype, self.stage - 1, TAG_ACT)
+                out = self.module(x)
+                if not self.last:
+                    self.link.send(out, self.stage + 1, TAG_ACT)
+                    continue
+                y = Y[lo : lo + k].to(self.device)
+                loss_sum += float(self.loss_fn(out, y)) * k
+                if classify:
+                    correct += int((out.argmax(dim=-1) == y).sum())
+        self.module.train()
+        self.span("eval", step, None, t, time.time())
+        if not self.last:
+            return None
+        res = {"eval_loss": loss_sum / n}
+        if classify:
+            res["accuracy"] = correct / n
+        return res
+
+    def close(self, failed: bool) -> None:
+        """Drop every group; after a failure abort them so peers fail fast instead of timing out."""
+        try:
+            self.policy.close()
+        finally:
+            self.link = None
+            if failed:
+                for g in self._groups:
+                    try:
+                        g.abort()
+                    except Exception:
+                        pass
+            self._groups.clear()
+
+
+def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict:
+    """Entry point of a worker task; returns its final stage weights."""
+    torch.set_num_threads(1)
+    torch.manual_seed(spec["config"]["seed"] + 1 + rank)
+    sink = EventSink(spec["topic"], rank)
+    worker = None
+    failed = True
+    stopped = False
+    global_step = 0
+    try:
+        worker = Worker(spec, rank, sink)
+        cfg = spec["config"]
+        D, bs = cfg["pipelines"], cfg["batch_size"]
+        steps_per_epoch = spec["steps_per_epoch"]
+        agreed_stop = False
+        for epoch in range(cfg["epochs"]):
+            epoch_start = time.time()
+            losses, samples = [], 0
+            for j in range(steps_per_epoch):
+                batch = j * D + worker.pipeline
+                cmd = CMD_STOP if agreed_stop else CMD_RUN
+                cmd, _, _, batch = worker.control(cmd, epoch, global_step, batch)
+                if cmd == CMD_STOP:
+                    stopped = True
+                    break
+                t = time.time()
+                h = worker.hetero
+                if h.straggle_prob > 0 and worker.rng.random() < h.straggle_prob:
+                    time.sleep(h.straggle_delay)
+                    worker.span("straggle", global_step, None, t, time.time())
+                idx = batch_indices(spec["train_size"], bs, cfg["seed"], epoch, batch)
+                xb = X[idx].to(worker.device) if worker.first else None
+                yb = Y[idx].to(worker.device) if worker.last else None
+                loss = worker.train_step(global_step, xb, yb)
+                vote = worker.first and worker.stop_requested()
+                agreed_stop = worker.policy.after_backward(worker, global_step, vote)
+                t = time.time()
+                worker.optimizer.step()
+                worker.optimizer.zero_grad(set_to_none=False)
+                worker.span("optimizer", global_step, None, t, time.time())
+                worker.policy.after_step(worker, global_step)
+                if loss is not None:
+                    losses.append(loss)
+                samples += bs
+                global_step += 1
+            train_time = time.time() - epoch_start
+            if samples:
+                metrics = worker.evaluate(global_step, EX, EY) if spec["eval_size"] else None
+                if worker.last:
+                    rec = {
+                        "epoch": epoch,
+                        "pipeline": worker.pipeline,
+                        "loss": sum(losses) / len(losses),
+                        "samples": samples,
+                        "samples_per_s": samples / train_time,
+                        "steps": len(losses),
+                        "complete": not stopped,
+                    }
+                    if metrics:
+                        rec.update(metrics)
+                    now = time.time()
+                    worker.span("epoch", global_step, None, now, now, metrics=rec)
+            if stopped:
+                break
+        state = {k: v.detach().cpu().clone() for k, v in worker.module.state_dict().items()}
+        failed = False
+        return {"rank": rank, "state": state, "steps": global_step, "stopped": stopped, "events": sink.sent + len(sink.buffer)}
+    finally:
+        if worker is not None:
+            worker.close(failed)
+        sink.flush()

@@ -1,0 +1,217 @@
+"""Typed, self-checking configuration of a training run.
+
+Glossary used throughout sdpipe:
+
+* **stage** -- one contiguous slice of the model (S of them);
+* **pipeline** -- one replica of the whole model, made of S stages (D of them);
+* **worker** -- one stage of one pipeline, one process; rank = pipeline * S + stage;
+* **step** -- one optimizer update of a pipeline, over ``batch_size`` samples;
+* **micro-batch** -- a slice of a step's batch that flows through the stages;
+* **policy** -- how the D replicas of each stage synchronize.
+
+Every check here runs on the driver before any worker starts, and raises a
+one-line ``ValueError`` that names the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Optional, Union
+
+__all__ = ["Heterogeneity", "TrainConfig", "POLICIES", "SCHEDULE_NAMES", "OPTIMIZERS", "DEVICES"]
+
+POLICIES = ("allreduce", "none")
+SCHEDULE_NAMES = ("1f1b", "gpipe")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+DEVICES = ("cpu", "cuda")
+BACKENDS = ("gloo", "nccl")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _number(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        lo_s = f"> {lo}" if lo_open else f">= {lo}"
+        hi_s = "" if hi == math.inf else f" and <= {hi}"
+        raise ValueError(f"{name}: must be {lo_s}{hi_s}, got {value!r}")
+    return float(value)
+
+
+WorkerKey = Union[int, tuple]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heterogeneity:
+    """Emulated heterogeneity, applied by each worker at its step boundaries.
+
+    ``Heterogeneity(slowdown={3: 4.0})`` makes every stage of pipeline 3 run
+    its forward and backward compute 4x as long as measured;
+    ``slowdown={(3, 1): 2.0}`` slows only stage 1 of pipeline 3.
+    """
+
+    slowdown: Mapping[WorkerKey, float] = field(default_factory=dict)
+    """Persistent slowdown factor >= 1 per pipeline or per (pipeline, stage)."""
+    straggle_prob: float = 0.0
+    """Probability, per worker and step, of a transient straggle."""
+    straggle_delay: float = 0.0
+    """Seconds a transient straggle adds to the step."""
+    link_delay: Mapping[WorkerKey, float] = field(default_factory=dict)
+    """Extra seconds per synchronization per pipeline or (pipeline, stage): a slow link."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "slowdown", dict(self.slowdown or {}))
+        object.__setattr__(self, "link_delay", dict(self.link_delay or {}))
+        for name, table, lo in (("slowdown", self.slowdown, 1.0), ("link_delay", self.link_delay, 0.0)):
+            for key, value in table.items():
+                if not (isinstance(key, int) and not isinstance(key, bool)) and not (
+                    isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)
+                ):
+                    raise ValueError(f"heterogeneity.{name}: key {key!r} must be a pipeline id or a (pipeline, stage) pair")
+                _number(f"heterogeneity.{name}[{key!r}]", value, lo)
+        _number("heterogeneity.straggle_prob", self.straggle_prob, 0.0, 1.0)
+        _number("heterogeneity.straggle_delay", self.straggle_delay, 0.0)
+
+    def check_workers(self, pipelines: int, stages: int) -> None:
+        """Reject keys naming pipelines or stages the run does not have."""
+        for name in ("slowdown", "link_delay"):
+            for key in getattr(self, name):
+                p, s = key if isinstance(key, tuple) else (key, 0)
+                if not 0 <= p < pipelines or not 0 <= s < stages:
+                    raise ValueError(
+                        f"heterogeneity.{name}: key {key!r} names no worker; pipelines are 0..{pipelines - 1}, stages 0..{stages - 1}"
+                    )
+
+    def _lookup(self, table: Mapping, pipeline: int, stage: int, default: float) -> float:
+        if (pipeline, stage) in table:
+            return float(table[(pipeline, stage)])
+        return float(table.get(pipeline, default))
+
+    def slowdown_of(self, pipeline: int, stage: int) -> float:
+        return self._lookup(self.slowdown, pipeline, stage, 1.0)
+
+    def link_delay_of(self, pipeline: int, stage: int) -> float:
+        return self._lookup(self.link_delay, pipeline, stage, 0.0)
+
+    def to_dict(self) -> dict:
+        """A msgpack-friendly form (tuple keys written as "p,s")."""
+        enc = lambda t: {(f"{k[0]},{k[1]}" if isinstance(k, tuple) else str(k)): float(v) for k, v in t.items()}
+        return {
+            "slowdown": enc(self.slowdown),
+            "straggle_prob": self.straggle_prob,
+            "straggle_delay": self.straggle_delay,
+            "link_delay": enc(self.link_delay),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Heterogeneity":
+        dec = lambda t: {(tuple(int(x) for x in k.split(",")) if "," in str(k) else int(k)): v for k, v in (t or {}).items()}
+        return cls(
+            slowdown=dec(d.get("slowdown")),
+            straggle_prob=d.get("straggle_prob", 0.0),
+            straggle_delay=d.get("straggle_delay", 0.0),
+            link_delay=dec(d.get("link_delay")),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that defines a run except the model and the data."""
+
+    stages: int = 2
+    """Number of stages S the model is cut into."""
+    pipelines: int = 2
+    """Number of pipelines D trained at once (replicas of the whole model)."""
+    policy: str = "allreduce"
+    """How the D replicas of a stage synchronize: one of POLICIES."""
+    schedule: str = "1f1b"
+    """Micro-batch schedule inside a step: "1f1b" or "gpipe"."""
+    microbatches: int = 4
+    """Micro-batches per step; must divide batch_size."""
+    batch_size: int = 32
+    """Samples per step per pipeline."""
+    epochs: int = 10
+    """Passes over the training data."""
+    optimizer: str = "sgd"
+    """Local optimizer of every worker: one of OPTIMIZERS."""
+    lr: float = 0.05
+    """Learning rate."""
+    momentum: float = 0.9
+    """Momentum of "sgd" (ignored by the Adam family)."""
+    weight_decay: float = 0.0
+    """Weight decay of the optimizer."""
+    cuts: Optional[tuple] = None
+    """Explicit cut points of an nn.Sequential (start layer of stages 1..S-1)."""
+    device: str = "cpu"
+    """"cpu" or "cuda" (one GPU per worker, NCCL by default)."""
+    backend: Optional[str] = None
+    """torch.distributed backend; None picks gloo on cpu and nccl on cuda."""
+    seed: int = 0
+    """Seed of the initial weights and of the data order."""
+    heterogeneity: Optional[Heterogeneity] = None
+    """Emulated stragglers and slow links, or None."""
+    timeout: float = 120.0
+    """Seconds any single wait (rendezvous, receive, collective) may take."""
+    host: str = "127.0.0.1"
+    """Address the run's rendezvous store listens on and workers reach it by."""
+
+    def __post_init__(self):
+        _positive_int("stages", self.stages)
+        _positive_int("pipelines", self.pipelines)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
+        _positive_int("microbatches", self.microbatches)
+        _positive_int("batch_size", self.batch_size)
+        if self.batch_size % self.microbatches:
+            raise ValueError(
+                f"batch_size: {self.batch_size} is not divisible into {self.microbatches} micro-batches; "
+                f"use a multiple of microbatches"
+            )
+        _positive_int("epochs", self.epochs)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        _number("lr", self.lr, 0.0, lo_open=True)
+        _number("momentum", self.momentum, 0.0, 1.0)
+        _number("weight_decay", self.weight_decay, 0.0)
+        if self.cuts is not None:
+            object.__setattr__(self, "cuts", tuple(self.cuts))
+        if self.device not in DEVICES:
+            raise ValueError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend: {self.backend!r} is not one of {', '.join(BACKENDS)} (or None)")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError("backend: 'nccl' needs device='cuda'")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed: must be an integer >= 0, got {self.seed!r}")
+        if self.heterogeneity is not None:
+            if not isinstance(self.heterogeneity, Heterogeneity):
+                raise ValueError(f"heterogeneity: must be a sdpipe.Heterogeneity or None, got {type(self.heterogeneity).__name__}")
+            self.heterogeneity.check_workers(self.pipelines, self.stages)
+        _number("timeout", self.timeout, 0.0, lo_open=True)
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host: must be a non-empty address string, got {self.host!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.pipelines
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or ("nccl" if self.device == "cuda" else "gloo")
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["heterogeneity"] = self.heterogeneity.to_dict() if self.heterogeneity else None
+        out["cuts"] = list(self.cuts) if self.cuts is not None else None
+        return out

@@ -1,0 +1,89 @@
+"""Training data: normalizing inputs, the batch order, and the built-in example.
+
+A *batch* is identified by ``(epoch, batch id)``: batch ``b`` of an epoch is
+the slice ``[b * batch_size, (b + 1) * batch_size)`` of that epoch's
+permutation of the training set, so any worker can find the samples of a
+batch from its id alone.  With per-pipeline shards, pipeline ``p`` of ``D``
+takes batches ``p, p + D, p + 2D, ...``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+__all__ = ["as_tensors", "batch_indices", "steps_per_epoch", "digits", "digits_mlp"]
+
+
+def as_tensors(data, name: str):
+    """``(inputs, targets)`` tensors from a torch Dataset or a pair of tensors."""
+    import torch
+    from torch.utils.data import Dataset
+
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        X, Y = data
+    elif isinstance(data, Dataset):
+        try:
+            n = len(data)
+        except TypeError:
+            raise ValueError(f"{name}: a Dataset must have a length (map-style)") from None
+        if n == 0:
+            raise ValueError(f"{name}: the Dataset is empty")
+        items = [data[i] for i in range(n)]
+        if not all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items[:1]):
+            raise ValueError(f"{name}: a Dataset must yield (input, target) pairs")
+        X = torch.stack([torch.as_tensor(it[0]) for it in items])
+        Y = torch.stack([torch.as_tensor(it[1]) for it in items])
+    else:
+        raise ValueError(f"{name}: must be a torch Dataset or an (inputs, targets) pair of tensors, got {type(data).__name__}")
+    if X.shape[0] != Y.shape[0]:
+        raise ValueError(f"{name}: inputs hold {X.shape[0]} samples but targets hold {Y.shape[0]}")
+    if X.shape[0] == 0:
+        raise ValueError(f"{name}: holds no samples")
+    return X, Y
+
+
+def steps_per_epoch(n: int, batch_size: int, pipelines: int) -> int:
+    """Steps each pipeline takes per epoch when every pipeline reads its own shard."""
+    return (n // batch_size) // pipelines
+
+
+@lru_cache(maxsize=2)
+def _permutation(n: int, seed: int, epoch: int):
+    import torch
+
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def batch_indices(n: int, batch_size: int, seed: int, epoch: int, batch: int):
+    """Sample indices of batch ``batch`` of ``epoch`` (a fresh permutation per epoch)."""
+    return _permutation(n, seed, epoch)[batch * batch_size : (batch + 1) * batch_size]
+
+
+def digits(test_fraction: float = 0.2, seed: int = 0):
+    """scikit-learn's 8x8 digits as ``((X_train, y_train), (X_test, y_test))`` tensors.
+
+    Pixels are scaled to [0, 1]; the split is stratified and fixed by ``seed``.
+    """
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    X, y = load_digits(return_X_y=True)
+    Xtr, Xte, ytr, yte = train_test_split(X / 16.0, y, test_size=test_fraction, random_state=seed, stratify=y)
+    f = lambda a: torch.tensor(a, dtype=torch.float32)
+    l = lambda a: torch.tensor(a, dtype=torch.int64)
+    return (f(Xtr), l(ytr)), (f(Xte), l(yte))
+
+
+def digits_mlp(hidden: int = 128, layers: int = 2, seed: int = 0):
+    """The example model: an MLP for the 64-pixel digits, as an ``nn.Sequential``."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    mods, width = [], 64
+    for _ in range(layers):
+        mods += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    mods.append(nn.Linear(width, 10))
+    return nn.Sequential(*mods)
