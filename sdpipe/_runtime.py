@@ -153,6 +153,8 @@ class Run:
         self._error: Optional[BaseException] = None
         self._stop_requested = False
         self._t0 = spec["t0"]
+        #: Steps each pipeline takes per epoch.
+        self.steps_per_epoch = spec["steps_per_epoch"]
         self._launch(spec, data, cluster)
 
     # ------------------------------------------------------------ launch
@@ -170,6 +172,8 @@ class Run:
             )
             self._run_store = dist.PrefixStore(f"sdpipe/{self.run_id}/", self._store)
             spec["store_host"], spec["store_port"] = cfg.host, self._store.port
+            #: Port of the run's rendezvous store (closed when the run ends).
+            self.store_port = self._store.port
             self._topic = spec["topic"]
             self._client.subscribe_topic(self._topic, self._on_event)
             X, Y, EX, EY = data
@@ -408,8 +412,8 @@ def train(
     microbatches: int = 4,
     batch_size: int = 32,
     epochs: int = 10,
-    optimizer: str = "sgd",
-    lr: float = 0.05,
+    optimizer: str = "adam",
+    lr: float = 0.002,
     momentum: float = 0.9,
     weight_decay: float = 0.0,
     eval_data=None,

@@ -137,9 +137,9 @@ class TrainConfig:
     """Samples per step per pipeline."""
     epochs: int = 10
     """Passes over the training data."""
-    optimizer: str = "sgd"
+    optimizer: str = "adam"
     """Local optimizer of every worker: one of OPTIMIZERS."""
-    lr: float = 0.05
+    lr: float = 0.002
     """Learning rate."""
     momentum: float = 0.9
     """Momentum of "sgd" (ignored by the Adam family)."""
