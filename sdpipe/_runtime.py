@@ -36,6 +36,17 @@ class RunError(RuntimeError):
     """A run ended because a worker failed or was lost."""
 
 
+class _LostWorker(RunError):
+    pass
+
+
+_COMM_FAILURES = ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "Broken pipe", "aborted", "Socket closed")
+
+
+def _is_comm_failure(exc) -> bool:
+    return exc is not None and any(m in str(exc) for m in _COMM_FAILURES)
+
+
 @dataclass
 class RunResult:
     """What a finished run returns."""
@@ -141,8 +152,9 @@ class Run:
     blocks for the outcome.
     """
 
-    def __init__(self, config: TrainConfig, stage_modules, spec: dict, data: tuple, cluster):
+    def __init__(self, config: TrainConfig, stage_modules, spec: dict, data: tuple, cluster, from_sequential: bool = True):
         self.config = config
+        self._from_sequential = from_sequential
         self.run_id = spec["run_id"]
         self._stage_modules = stage_modules
         self._events: list = []
@@ -215,8 +227,12 @@ class Run:
 
     def _on_event(self, event) -> None:
         _, msg = event
+        batch = msg["events"]
+        for rec in batch:  # msgpack hands lists back as tuples
+            if "group" in rec:
+                rec["group"] = list(rec["group"])
         with self._lock:
-            self._events.extend(msg["events"])
+            self._events.extend(batch)
             self._received[msg["rank"]] = self._received.get(msg["rank"], 0) + len(msg["events"])
 
     # ------------------------------------------------------------ public
@@ -303,6 +319,8 @@ class Run:
             for rank, f in enumerate(self._futures):
                 if f.status == "finished":
                     results[rank] = f.result(timeout=cfg.timeout)
+            if error is not None and not isinstance(error, _LostWorker):
+                error = self._root_cause() or error
             self._await_events(results)
             if error is None:
                 self._result = self._assemble(results)
@@ -312,6 +330,17 @@ class Run:
             self._error = error
             self._cleanup()
             self._done.set()
+
+    def _root_cause(self) -> Optional[BaseException]:
+        """The failure that started it: peers of a failed worker fail after it with communication errors."""
+        failed = [(r, f) for r, f in enumerate(self._futures) if f.status == "error"]
+        if not failed:
+            return None
+        errors = [(r, self._describe_failure(r, f)) for r, f in failed]
+        primary = next((e for r, e in errors if not _is_comm_failure(e.__cause__)), errors[0][1])
+        if len(errors) > 1:
+            primary.args = (f"{primary.args[0]} ({len(errors) - 1} other worker(s) failed after it)",)
+        return primary
 
     def _describe_failure(self, rank: int, future) -> BaseException:
         p, s = divmod(rank, self.config.stages)
@@ -331,7 +360,7 @@ class Run:
         for rank, addr in enumerate(self._workers):
             if addr not in alive and self._futures[rank].status == "pending":
                 p, s = divmod(rank, self.config.stages)
-                return RunError(f"worker pipeline {p} stage {s} (rank {rank}, {addr}) was lost")
+                return _LostWorker(f"worker pipeline {p} stage {s} (rank {rank}, {addr}) was lost")
         return None
 
     def _await_events(self, results: dict, timeout: float = 10.0) -> None:
@@ -355,7 +384,9 @@ class Run:
                 mod = copy.deepcopy(self._stage_modules[s])
                 mod.load_state_dict(results[p * cfg.stages + s]["state"])
                 parts.append(mod)
-            models.append(nn.Sequential(*parts) if cfg.stages > 1 else nn.Sequential(*parts[0]) if isinstance(parts[0], nn.Sequential) else nn.Sequential(parts[0]))
+            # An nn.Sequential comes back with its original layer names; a list of stages as one module per stage.
+            layers = [layer for part in parts for layer in part] if self._from_sequential else parts
+            models.append(nn.Sequential(*layers))
         events = self.events
         return RunResult(
             models=models,
@@ -497,4 +528,4 @@ def train(
         "classify": classify,
         "t0": time.time(),
     }
-    return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster)
+    return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster, from_sequential=isinstance(model, nn.Sequential))

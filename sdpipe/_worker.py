@@ -93,15 +93,7 @@ class Worker:
         self.module = spec["stage_modules"][self.stage].to(self.device)
         self.module.train()
         self.loss_fn = spec["loss_fn"]
-        opt = cfg["optimizer"]
-        params = self.module.parameters()
-        if opt == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
-        elif opt == "adam":
-            self.optimizer = torch.optim.Adam(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-        else:
-            self.optimizer = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-
+        self.optimizer = self._make_optimizer(cfg)
         shapes = spec["shapes"]
         self.shapes = _Shapes(
             inp=tuple(shapes[self.stage - 1][0]) if not self.first else None,
@@ -117,6 +109,17 @@ class Worker:
         self.policy.setup(self)
 
     # ----------------------------------------------------------- helpers
+    def _make_optimizer(self, cfg: dict):
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not params:  # a stage of parameter-free layers (a lone activation) has nothing to update
+            return None
+        opt, lr, wd = cfg["optimizer"], cfg["lr"], cfg["weight_decay"]
+        if opt == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=cfg["momentum"], weight_decay=wd)
+        if opt == "adam":
+            return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+
     def _pick_device(self, name: str) -> torch.device:
         if name == "cuda":
             if not torch.cuda.is_available():
@@ -311,8 +314,9 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
                 vote = worker.first and worker.stop_requested()
                 agreed_stop = worker.policy.after_backward(worker, global_step, vote)
                 t = time.time()
-                worker.optimizer.step()
-                worker.optimizer.zero_grad(set_to_none=False)
+                if worker.optimizer is not None:
+                    worker.optimizer.step()
+                    worker.optimizer.zero_grad(set_to_none=False)
                 worker.span("optimizer", global_step, None, t, time.time())
                 worker.policy.after_step(worker, global_step)
                 if loss is not None:

@@ -5,11 +5,20 @@ import psutil
 import pytest
 
 
+# Python's own per-interpreter helpers: started once, they live as long as the interpreter.
+_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def _children():
-    try:
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    except psutil.Error:
-        return set()
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if not any(h in cmd for h in _INTERPRETER_HELPERS):
+            out.add(p.pid)
+    return out
 
 
 @pytest.fixture
@@ -23,15 +32,17 @@ def no_leaks():
         if not extra or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert not extra, f"processes left running: {sorted(extra)}"
+    assert not extra, f"processes left running: {_describe(extra)}"
 
 
-def port_closed(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) != 0
+def _describe(pids):
+    out = []
+    for pid in sorted(pids):
+        try:
+            out.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:200]}")
+        except psutil.Error:
+            out.append(f"{pid}: (gone)")
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -47,18 +58,3 @@ def shared_cluster():
     yield client
     client.close()
     cluster.close()
-
-
-def live_process_groups(client) -> int:
-    """How many torch process groups are alive in the cluster's worker processes."""
-
-    def count():
-        import gc
-
-        import torch.distributed as dist
-
-        gc.collect()
-        kinds = (dist.ProcessGroupGloo,)
-        return sum(1 for o in gc.get_objects() if isinstance(o, kinds))
-
-    return sum(client.run(count).values())

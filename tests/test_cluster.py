@@ -1,0 +1,182 @@
+"""Training on a real Dask LocalCluster with torch.distributed (gloo) on the CPU."""
+
+import time
+
+import pytest
+import torch
+
+import sdpipe
+from sdpipe.data import batch_indices, digits, digits_mlp, steps_per_epoch
+
+from helpers import live_process_groups, port_closed
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits()
+
+
+def reference_training(model, X, Y, *, epochs, batch_size, lr, seed=0):
+    """Plain single-process training on the very batches a 1-pipeline run reads."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for epoch in range(epochs):
+        for b in range(steps_per_epoch(len(X), batch_size, 1)):
+            idx = batch_indices(len(X), batch_size, seed, epoch, b)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(X[idx]), Y[idx]).backward()
+            opt.step()
+    return model
+
+
+def max_diff(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
+
+
+def test_allreduce_demo_accuracy_identical_models(data, no_leaks):
+    (train_data, eval_data) = data
+    run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="allreduce", epochs=10)
+    result = run.result(timeout=300)
+    final = [h for h in result.history if h["epoch"] == 9]
+    assert len(final) == 2 and all(h["accuracy"] >= 0.95 for h in final), final
+    assert result.max_param_diff() < 1e-6
+    assert {h["pipeline"] for h in result.history} == {0, 1} and len(result.history) == 20
+    assert all(h["samples_per_s"] > 0 and h["loss"] > 0 for h in result.history)
+    # the trained models really are the ones that scored: evaluate them here
+    EX, EY = eval_data
+    with torch.no_grad():
+        acc = float((result.models[0](EX).argmax(1) == EY).float().mean())
+    assert acc == pytest.approx(final[0]["accuracy"])
+    # events: spans of every kind, on one clock, sync spans name their group
+    kinds = {e["kind"] for e in result.events}
+    assert {"forward", "backward", "send", "recv", "optimizer", "sync", "wait"} <= kinds
+    syncs = [e for e in result.events if e["kind"] == "sync"]
+    assert syncs and all(e["group"] == [0, 1] for e in syncs)
+    spans = [e for e in result.events if e["kind"] in ("forward", "backward")]
+    assert all(0 <= e["start"] <= e["end"] <= result.wall_time + 1e-6 for e in spans)
+    assert {(e["pipeline"], e["stage"]) for e in spans} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert all(e["microbatch"] in range(4) for e in spans)
+    # forward of a micro-batch on stage 1 starts after stage 0 finished it (same step)
+    f = {(e["pipeline"], e["stage"], e["step"], e["microbatch"]): e for e in result.events if e["kind"] == "forward"}
+    assert all(f[(p, 1, st, m)]["start"] >= f[(p, 0, st, m)]["end"] for (p, s, st, m) in f if s == 0)
+    assert port_closed(run.store_port)
+
+
+def test_none_policy_models_differ(data, shared_cluster, no_leaks):
+    train_data, _ = data
+    result = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="none", epochs=1, cluster=shared_cluster).result(timeout=300)
+    assert result.max_param_diff() > 1e-3
+    assert not any(e["kind"] == "sync" for e in result.events)
+    assert live_process_groups(shared_cluster) == 0
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gpipe_and_1f1b_match_single_process(data, shared_cluster, stages):
+    (X, Y), _ = data
+    common = dict(stages=stages, pipelines=1, epochs=2, optimizer="sgd", lr=0.05, momentum=0.9, batch_size=32, microbatches=4, cluster=shared_cluster)
+    r1 = sdpipe.train(digits_mlp(), (X, Y), schedule="1f1b", **common).result(timeout=300)
+    r2 = sdpipe.train(digits_mlp(), (X, Y), schedule="gpipe", **common).result(timeout=300)
+    ref = reference_training(digits_mlp(), X, Y, epochs=2, batch_size=32, lr=0.05)
+    assert max_diff(r1.models[0], r2.models[0]) < 1e-5
+    assert max_diff(r1.models[0], ref) < 1e-5
+    assert max_diff(digits_mlp(), ref) > 1e-2  # training moved the weights
+    assert live_process_groups(shared_cluster) == 0
+
+
+def test_existing_cluster_by_address_and_stop(data, shared_cluster, no_leaks):
+    train_data, _ = data
+    addr = shared_cluster.scheduler.address
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, epochs=500, cluster=addr)
+    deadline = time.monotonic() + 120
+    while not any(e["kind"] == "optimizer" for e in run.events_since(0)[0]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    run.stop()
+    result = run.result(timeout=60)
+    assert result.stopped and run.status == "stopped"
+    # every pipeline stopped after the same number of steps (allreduce couples them)
+    assert len(set(result.steps.values())) == 1 and 0 < result.steps[0] < 500 * 22
+    assert result.max_param_diff() < 1e-6
+    assert live_process_groups(shared_cluster) == 0
+    assert port_closed(run.store_port)
+    # the cluster stays usable for the next run
+    assert sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=4, epochs=1, cluster=shared_cluster).result(timeout=120).history
+
+
+def test_events_stream_while_running(data, shared_cluster):
+    train_data, _ = data
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, epochs=3, cluster=shared_cluster)
+    seen, cursor, polls = [], 0, 0
+    while not run.done():
+        new, cursor = run.events_since(cursor)
+        seen += new
+        polls += 1
+        time.sleep(0.05)
+    result = run.result()
+    seen += run.events_since(cursor)[0]
+    assert len(seen) == len(result.events) and polls > 3
+    assert len([e for e in seen if e["kind"] == "epoch"]) == 6
+
+
+def test_unreachable_scheduler_fails_before_launch(data):
+    train_data, _ = data
+    t = time.monotonic()
+    with pytest.raises(ConnectionError, match="cluster: cannot reach a Dask scheduler at 'tcp://127.0.0.1:9'"):
+        sdpipe.train(digits_mlp(), train_data, cluster="tcp://127.0.0.1:9")
+    assert time.monotonic() - t < 30
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stages=6), "stages: 6 exceeds the 5 layers"),
+        (dict(pipelines=0), "pipelines: must be an integer >= 1"),
+        (dict(policy="gossip"), "policy: 'gossip' is not one of"),
+        (dict(schedule="zigzag"), "schedule: 'zigzag' is not one of"),
+        (dict(batch_size=30), "batch_size: 30 is not divisible into 4 micro-batches"),
+        (dict(batch_size=2048), "batch_size: 2048 x 2 pipelines exceeds the 1437 training samples"),
+        (dict(cluster=3.5), "cluster: must be None, a scheduler address"),
+    ],
+)
+def test_bad_input_fails_before_any_worker_starts(data, kwargs, message, no_leaks):
+    train_data, _ = data
+    with pytest.raises(ValueError, match=message):
+        sdpipe.train(digits_mlp(), train_data, **kwargs)
+
+
+def test_too_small_cluster_is_rejected(data, shared_cluster):
+    train_data, _ = data
+    with pytest.raises(ValueError, match="cluster: needs 6 Dask workers"):
+        sdpipe.train(digits_mlp(), train_data, stages=3, pipelines=2, cluster=shared_cluster)
+
+
+def test_model_that_does_not_fit_the_data(data):
+    (X, Y), _ = data
+    with pytest.raises(ValueError, match="model: stage 0 fails on a micro-batch of train_data"):
+        sdpipe.train(torch.nn.Sequential(torch.nn.Linear(10, 4), torch.nn.Linear(4, 2)), (X, Y))
+    with pytest.raises(ValueError, match="train_data: inputs hold 1437 samples but targets hold 3"):
+        sdpipe.train(digits_mlp(), (X, Y[:3]))
+
+
+def test_worker_exception_ends_the_run_with_its_error(data, shared_cluster):
+    (X, Y), _ = data
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            if self.training and torch.is_grad_enabled() and x.shape[0] == 8 and getattr(self, "armed", False):
+                raise RuntimeError("boom in stage 1")
+            return x
+
+    boom = Boom()
+    model = [torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()), torch.nn.Sequential(boom, torch.nn.Linear(32, 10))]
+    boom.armed = True  # set after the driver's shape probe would also see it; the probe runs without grad
+    run = sdpipe.train(model, (X, Y), stages=2, pipelines=2, epochs=1, cluster=shared_cluster)
+    t = time.monotonic()
+    with pytest.raises(sdpipe.RunError, match="stage 1 .* failed: RuntimeError: boom in stage 1"):
+        run.result(timeout=120)
+    assert time.monotonic() - t < 60
+    assert run.status == "error"
+    assert live_process_groups(shared_cluster) == 0
