@@ -1,0 +1,80 @@
+"""Samples/s of the digits MLP for D in {1, 2, 4} pipelines and S in {1, 2} stages.
+
+    python benchmarks/throughput.py [--epochs 4] [--policy allreduce] [--out benchmarks/results/throughput.md]
+
+All configurations share one embedded LocalCluster of 8 single-threaded
+worker processes (bound to 127.0.0.1) so that cluster start-up is not timed.
+Throughput is the sum over pipelines of samples/s, the median over the epochs
+after the first (which includes process-group set-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--policy", default="allreduce")
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "throughput.md"))
+    args = ap.parse_args(argv)
+
+    import dask
+    import distributed
+    import torch
+    from distributed import Client, LocalCluster
+
+    import sdpipe
+    from sdpipe.data import digits, digits_mlp
+
+    train_data, _ = digits()
+    cluster = LocalCluster(n_workers=8, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
+                           env={"OMP_NUM_THREADS": "1"})
+    client = Client(cluster, set_as_default=False)
+    rows = []
+    try:
+        for S in (1, 2):
+            for D in (1, 2, 4):
+                t = time.time()
+                r = sdpipe.train(digits_mlp(), train_data, stages=S, pipelines=D, policy=args.policy, schedule=args.schedule,
+                                 epochs=args.epochs, cluster=client).result(timeout=900)
+                per_epoch = [sum(h["samples_per_s"] for h in r.history if h["epoch"] == e) for e in range(1, args.epochs)]
+                rows.append({"stages": S, "pipelines": D, "samples_per_s": statistics.median(per_epoch),
+                             "min": min(per_epoch), "max": max(per_epoch), "wall_s": time.time() - t})
+                print(f"S={S} D={D}: {rows[-1]['samples_per_s']:.0f} samples/s (epochs 2..{args.epochs}: {min(per_epoch):.0f}-{max(per_epoch):.0f})", flush=True)
+    finally:
+        client.close()
+        cluster.close()
+
+    cmd = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": cmd.strip(),
+        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}",
+        "versions": f"python {platform.python_version()}, torch {torch.__version__}, dask {dask.__version__}, distributed {distributed.__version__}, sdpipe {sdpipe.__version__}",
+        "config": f"digits MLP 64-128-128-10, batch 32 per pipeline, 4 micro-batches, policy {args.policy}, schedule {args.schedule}, gloo on CPU",
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["# Throughput of the digits MLP", ""]
+    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", "| stages S | pipelines D | samples/s (median) | range over epochs | run wall s |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['stages']} | {r['pipelines']} | {r['samples_per_s']:.0f} | {r['min']:.0f}-{r['max']:.0f} | {r['wall_s']:.1f} |")
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

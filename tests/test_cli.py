@@ -1,0 +1,36 @@
+"""The command line, run as a user would."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def sdpipe(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "sdpipe.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.cluster
+def test_cli_train_prints_progress_and_summary(no_leaks):
+    out = sdpipe("train", "--epochs", "2", "--pipelines", "2", "--stages", "2", "--policy", "none", "--schedule", "gpipe")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "epoch 2/2" in out.stderr  # tqdm writes its bars to stderr
+    assert "summary: 2 stages x 2 pipelines, policy=none, schedule=gpipe" in out.stdout
+    assert out.stdout.count("held-out accuracy 0.") == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policy", "gossip"], "sdpipe: error: policy: 'gossip' is not one of allreduce, none"),
+        (["--pipelines", "0"], "sdpipe: error: pipelines: must be an integer >= 1, got 0"),
+        (["--batch-size", "30"], "sdpipe: error: batch_size: 30 is not divisible into 4 micro-batches"),
+        (["--cluster", "tcp://127.0.0.1:9"], "sdpipe: error: cluster: cannot reach a Dask scheduler"),
+        (["--slowdown", "x"], "--slowdown: 'x' is not PIPELINE=FACTOR"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_line(args, message):
+    out = sdpipe("train", *args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
