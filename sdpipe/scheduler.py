@@ -1,0 +1,446 @@
+"""The SDPipe group scheduler, as a pure state machine.
+
+No torch, no Dask, no clock: time comes in with each event.  The Dask service
+(:mod:`sdpipe._service`), the tests and a simulator all drive this same code.
+
+Per stage, following the SDPipe paper (Miao et al., PVLDB 2023, Sec. 4) and
+its prototype's constants::
+
+    worker ready  ->  no round open?  open one, deadline = now + that worker's window
+                      round open?     join it
+    a round closes when it holds max_group workers ("full") or its window ends
+    ("window"); its members average together (a group of one skips averaging).
+    Each member's window then adapts: doubled (<= window_max) when the group
+    had fewer than min_group members, else times 0.9 (>= window_min).
+
+Connectivity bound: rounds are counted per stage; the groups since the last
+reset are kept in a disjoint set.  When the union connects every live worker
+of the stage the count resets.  Otherwise the ``staleness``-th round becomes a
+*graph-sync* round: it ignores window and size and closes only once its
+members join the union into one component.  So every run of at most
+``staleness`` rounds mixes every worker's model with every other's, directly
+or transitively.  One stage holds a graph sync at a time (across stages,
+pipelines are coupled; two stages holding workers could wait on each other);
+a stage whose graph sync must wait keeps forming ordinary rounds meanwhile.
+
+Global sync: a worker may ask for the global group instead (at an epoch end).
+Such a worker takes part in no ordinary round; when every live worker of the
+stage asked, they form one group with reason "global".  A pending round is
+closed at once when a worker asks for the global group, so nobody waits on a
+worker that will not come.
+
+Pairing: above ``pair_threshold`` live workers an ordinary round splits its
+sorted members into adjacent pairs (a trailing odd worker joins the last pair).
+
+Worked case, D=3, window 1 ms, max_group 3::
+
+    t=0.0000 Ready(0)  -> round 0 opens, deadline 0.0010
+    t=0.0004 Ready(2)  -> joins
+    t=0.0010 Tick      -> Group(round 0, members (0, 2), reason "window")
+    t=0.0030 Ready(1)  -> round 1 opens ... worker 1 waits alone, its window doubles
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Optional, Union
+
+__all__ = [
+    "SchedulerPolicy",
+    "Ready",
+    "Lost",
+    "Tick",
+    "Group",
+    "StageScheduler",
+    "GroupScheduler",
+    "DisjointSet",
+    "POLICY_PRESETS",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerPolicy:
+    """Parameters of the group scheduler (defaults: the SDPipe prototype's)."""
+
+    max_group: Optional[int] = None
+    """Largest group; None means all live workers of the stage."""
+    min_group: int = 2
+    """A group smaller than this doubles its members' windows."""
+    window_init: float = 0.001
+    """Initial window of every worker, seconds; math.inf waits until the group is full."""
+    window_min: float = 0.00001
+    """Floor of the adaptive window, seconds."""
+    window_max: float = 0.010
+    """Cap of the adaptive window, seconds."""
+    grow: float = 2.0
+    """Factor of the window after a too-small group."""
+    shrink: float = 0.9
+    """Factor of the window after a large enough group."""
+    staleness: int = 10
+    """P: every run of at most P rounds of a stage connects all its live workers."""
+    pair_threshold: int = 8
+    """Above this many live workers, ordinary rounds pair their members."""
+
+    def __post_init__(self):
+        def check(name, ok, allowed):
+            if not ok:
+                raise ValueError(f"policy.{name}: {getattr(self, name)!r} is not allowed; {allowed}")
+
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))
+        check("max_group", self.max_group is None or (isinstance(self.max_group, int) and self.max_group >= 1), "use None or an integer >= 1")
+        check("min_group", isinstance(self.min_group, int) and self.min_group >= 1, "use an integer >= 1")
+        check("window_min", num(self.window_min) and self.window_min >= 0, "use seconds >= 0")
+        check("window_max", num(self.window_max) and self.window_max >= self.window_min, "use seconds >= window_min")
+        check("window_init", num(self.window_init) and self.window_min <= self.window_init <= self.window_max, "use seconds within [window_min, window_max]")
+        check("grow", num(self.grow) and self.grow >= 1, "use a factor >= 1")
+        check("shrink", num(self.shrink) and 0 < self.shrink <= 1, "use a factor in (0, 1]")
+        check("staleness", isinstance(self.staleness, int) and self.staleness >= 1, "use an integer >= 1")
+        check("pair_threshold", isinstance(self.pair_threshold, int) and self.pair_threshold >= 2, "use an integer >= 2")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def updated(self, **changes) -> "SchedulerPolicy":
+        unknown = set(changes) - set(self.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"policy: unknown parameter(s) {sorted(unknown)}; allowed {sorted(self.__dataclass_fields__)}")
+        return replace(self, **changes)
+
+
+#: Scheduler settings by policy name; "allreduce" waits for every worker each round (no window, no pairing).
+POLICY_PRESETS = {
+    "sdpipe": SchedulerPolicy(),
+    "allreduce": SchedulerPolicy(window_init=math.inf, window_min=math.inf, window_max=math.inf, pair_threshold=2**31),
+}
+
+
+# ------------------------------------------------------------------ events
+@dataclass(frozen=True)
+class Ready:
+    """Worker (a pipeline id) finished a step and waits for its group."""
+
+    worker: int
+    step: int
+    time: float
+    global_sync: bool = False
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Worker left the stage for good (failure or stop)."""
+
+    worker: int
+    time: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; closes a round whose window ended."""
+
+    time: float
+
+
+Event = Union[Ready, Lost, Tick]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Decision: ``members`` average together now."""
+
+    stage: int
+    round: int
+    members: tuple
+    reason: str  # "full" | "window" | "graph" | "global" | "preempted" | "alone"
+    opened: float
+    closed: float
+    windows: tuple = ()  # ((member, new window), ...)
+    connected: bool = False  # this round completed a connected union (the count resets)
+
+    @property
+    def wait(self) -> float:
+        """Seconds the first member waited for the round to close."""
+        return self.closed - self.opened
+
+    def to_dict(self) -> dict:
+        return {
+            "stage": self.stage,
+            "round": self.round,
+            "members": list(self.members),
+            "reason": self.reason,
+            "opened": self.opened,
+            "closed": self.closed,
+            "wait": self.wait,
+            "connected": self.connected,
+        }
+
+
+class DisjointSet:
+    """Union-find over worker ids."""
+
+    def __init__(self, items: Iterable[int] = ()):
+        self.parent = {i: i for i in items}
+
+    def find(self, x: int) -> int:
+        self.parent.setdefault(x, x)
+        root = x
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[x] != root:
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def union(self, members: Iterable[int]) -> None:
+        members = list(members)
+        for m in members[1:]:
+            a, b = self.find(members[0]), self.find(m)
+            if a != b:
+                self.parent[b] = a
+
+    def connects(self, items: Iterable[int]) -> bool:
+        roots = {self.find(i) for i in items}
+        return len(roots) <= 1
+
+    def copy(self) -> "DisjointSet":
+        d = DisjointSet()
+        d.parent = dict(self.parent)
+        return d
+
+
+@dataclass
+class _Round:
+    members: list
+    opened: float
+    deadline: float
+    graph: bool = False
+
+
+@dataclass
+class StageScheduler:
+    """Group formation for the D workers of one stage."""
+
+    stage: int
+    workers: Iterable[int]
+    policy: SchedulerPolicy = field(default_factory=SchedulerPolicy)
+
+    def __post_init__(self):
+        self.live = set(self.workers)
+        self.windows = {w: self.policy.window_init for w in self.live}
+        self.round = 0
+        self.open: Optional[_Round] = None
+        self.dsu = DisjointSet(self.live)
+        self.since_reset = 0
+        self.global_waiting: set = set()
+        self.waiting: set = set()  # workers inside the open round
+
+    # -------------------------------------------------------------- helpers
+    def _available(self) -> set:
+        return self.live - self.global_waiting
+
+    def _max_group(self) -> int:
+        avail = len(self._available())
+        return max(1, min(self.policy.max_group or avail, avail))
+
+    def needs_graph_sync(self) -> bool:
+        return self.since_reset >= self.policy.staleness - 1 and not self.dsu.connects(self._available())
+
+    def next_deadline(self) -> Optional[float]:
+        """When a Tick could close the open round (None: nothing to time)."""
+        if self.open is None or self.open.graph or math.isinf(self.open.deadline):
+            return None
+        return self.open.deadline
+
+    def set_policy(self, policy: SchedulerPolicy, now: float, graph_token_free: bool = True) -> list:
+        """Change parameters; windows are reset to the new initial window.
+
+        A pending round is re-examined under the new parameters at once.
+        """
+        self.policy = policy
+        self.windows = {w: policy.window_init for w in self.live}
+        if self.open is not None and not self.open.graph:
+            self.open.deadline = self.open.opened + policy.window_init
+        return self._try_close(now)
+
+    # -------------------------------------------------------------- events
+    def handle(self, event: Event, graph_token_free: bool = True) -> list:
+        """Apply one event; returns the decided groups (possibly none)."""
+        if isinstance(event, Ready):
+            return self._ready(event, graph_token_free)
+        if isinstance(event, Lost):
+            return self._lost(event, graph_token_free)
+        if isinstance(event, Tick):
+            return self._try_close(event.time)
+        raise TypeError(f"event: {event!r} is not Ready, Lost or Tick")
+
+    def _ready(self, ev: Ready, graph_token_free: bool) -> list:
+        w = ev.worker
+        if w not in self.live:
+            raise ValueError(f"worker: {w} is not a live worker of stage {self.stage} (live: {sorted(self.live)})")
+        if w in self.waiting or w in self.global_waiting:
+            raise ValueError(f"worker: {w} of stage {self.stage} is already waiting for a group")
+        decisions = []
+        if ev.global_sync:
+            self.global_waiting.add(w)
+            if self.open is not None:
+                decisions += self._close(ev.time, "preempted")
+            return decisions + self._try_global(ev.time)
+        self.waiting.add(w)
+        if self.open is None:
+            graph = graph_token_free and self.needs_graph_sync()
+            self.open = _Round([w], ev.time, ev.time + self.windows[w], graph=graph)
+        else:
+            self.open.members.append(w)
+        return self._try_close(ev.time)
+
+    def _lost(self, ev: Lost, graph_token_free: bool) -> list:
+        w = ev.worker
+        if w not in self.live:
+            return []
+        self.live.discard(w)
+        self.global_waiting.discard(w)
+        self.waiting.discard(w)
+        self.windows.pop(w, None)
+        decisions = []
+        if self.open is not None and w in self.open.members:
+            self.open.members.remove(w)
+            if not self.open.members:
+                self.open = None
+        decisions += self._try_global(ev.time)
+        decisions += self._try_close(ev.time)
+        return decisions
+
+    def _try_global(self, now: float) -> list:
+        if not self.global_waiting or self.global_waiting != self.live:
+            return []
+        members = tuple(sorted(self.global_waiting))
+        self.global_waiting.clear()
+        g = Group(self.stage, self.round, members, "global", now, now, tuple((m, self.windows[m]) for m in members), True)
+        self.round += 1
+        self.dsu = DisjointSet(self.live)
+        self.since_reset = 0
+        return [g]
+
+    def _try_close(self, now: float) -> list:
+        r = self.open
+        if r is None:
+            return []
+        if r.graph:
+            trial = self.dsu.copy()
+            trial.union(r.members)
+            if trial.connects(self._available()):
+                return self._close(now, "graph")
+            return []
+        if len(r.members) >= self._max_group():
+            return self._close(now, "full")
+        if now >= r.deadline:
+            return self._close(now, "window")
+        return []
+
+    def _close(self, now: float, reason: str) -> list:
+        r, self.open = self.open, None
+        members = sorted(r.members)
+        self.waiting.difference_update(members)
+        if reason != "graph" and len(self._available()) > self.policy.pair_threshold and len(members) > 3:
+            groups = [members[i : i + 2] for i in range(0, len(members) - 1, 2)]
+            if len(members) % 2:
+                groups[-1].append(members[-1])
+        else:
+            groups = [members]
+        for g in groups:
+            self.dsu.union(g)
+        connected = self.dsu.connects(self._available() | set(members))
+        out = []
+        for g in groups:
+            for m in g:
+                wnd = self.windows[m]
+                if len(g) < self.policy.min_group:
+                    wnd = min(wnd * self.policy.grow, self.policy.window_max) if wnd > 0 else self.policy.window_min
+                else:
+                    wnd = max(wnd * self.policy.shrink, self.policy.window_min)
+                self.windows[m] = wnd
+            why = reason if len(g) > 1 or reason in ("graph", "preempted") else ("alone" if reason == "window" else reason)
+            out.append(Group(self.stage, self.round, tuple(g), why, r.opened, now, tuple((m, self.windows[m]) for m in g), connected))
+        self.round += 1
+        if connected:
+            self.dsu = DisjointSet(self.live)
+            self.since_reset = 0
+        else:
+            self.since_reset += 1
+        return out
+
+    # -------------------------------------------------------------- state
+    def snapshot(self) -> dict:
+        """A plain-data copy of the state, enough to rebuild the machine."""
+        return {
+            "stage": self.stage,
+            "live": sorted(self.live),
+            "windows": {str(k): v for k, v in self.windows.items()},
+            "round": self.round,
+            "since_reset": self.since_reset,
+            "dsu": {str(k): v for k, v in self.dsu.parent.items()},
+            "policy": self.policy.to_dict(),
+        }
+
+    @classmethod
+    def restore(cls, snap: dict) -> "StageScheduler":
+        s = cls(snap["stage"], snap["live"], SchedulerPolicy(**snap["policy"]))
+        s.windows = {int(k): v for k, v in snap["windows"].items()}
+        s.round = snap["round"]
+        s.since_reset = snap["since_reset"]
+        s.dsu.parent = {int(k): v for k, v in snap["dsu"].items()}
+        return s
+
+
+class GroupScheduler:
+    """All stages of a run, with the one-graph-sync-at-a-time token."""
+
+    def __init__(self, stages: int, pipelines: int, policy: SchedulerPolicy = SchedulerPolicy()):
+        self.stages = [StageScheduler(s, range(pipelines), policy) for s in range(stages)]
+        self.policy = policy
+        self.graph_holder: Optional[int] = None
+
+    def _token_free(self, stage: int) -> bool:
+        return self.graph_holder is None or self.graph_holder == stage
+
+    def handle(self, stage: int, event: Event) -> list:
+        """Apply ``event`` to ``stage``; returns every decided group (any stage)."""
+        st = self.stages[stage]
+        out = st.handle(event, self._token_free(stage))
+        return out + self._settle()
+
+    def tick(self, now: float) -> list:
+        out = []
+        for st in self.stages:
+            out += st.handle(Tick(now), self._token_free(st.stage))
+        return out + self._settle()
+
+    def lost(self, worker: int, now: float) -> list:
+        """A whole pipeline is gone: remove it from every stage."""
+        out = []
+        for st in self.stages:
+            out += st.handle(Lost(worker, now), self._token_free(st.stage))
+        return out + self._settle()
+
+    def set_policy(self, policy: SchedulerPolicy, now: float) -> list:
+        self.policy = policy
+        out = []
+        for st in self.stages:
+            out += st.set_policy(policy, now, self._token_free(st.stage))
+        return out + self._settle()
+
+    def _settle(self) -> list:
+        """Track the graph-sync token after decisions."""
+        if self.graph_holder is not None:
+            st = self.stages[self.graph_holder]
+            if st.open is None or not st.open.graph:
+                self.graph_holder = None
+        if self.graph_holder is None:
+            for st in self.stages:
+                if st.open is not None and st.open.graph:
+                    self.graph_holder = st.stage
+                    break
+        return []
+
+    def next_deadline(self) -> Optional[float]:
+        ds = [d for d in (st.next_deadline() for st in self.stages) if d is not None]
+        return min(ds) if ds else None

@@ -1,0 +1,283 @@
+"""Property tests of the pure group scheduler: no torch, no Dask, no clock."""
+
+import heapq
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpipe.scheduler import (
+    POLICY_PRESETS,
+    DisjointSet,
+    GroupScheduler,
+    Lost,
+    Ready,
+    SchedulerPolicy,
+    StageScheduler,
+    Tick,
+)
+
+
+def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None):
+    """Event-driven run of the scheduler: worker p of each stage computes for 1/speed[p] (jittered),
+    sends Ready, waits for its group, repeats. ``losses``: (time, pipeline) pairs.
+    Returns (decisions, log of (time, stage, group, live-before-decision, waiting-before))."""
+    rng = random.Random(seed)
+    D = len(speeds)
+    sched = GroupScheduler(stages, D, policy)
+    heap, seq = [], 0
+
+    def push(t, kind, *args):
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, args))
+        seq += 1
+
+    step = {(s, p): 0 for s in range(stages) for p in range(D)}
+    for s in range(stages):
+        for p in range(D):
+            push(rng.uniform(0.5, 1.5) / speeds[p], "ready", s, p)
+    for t, p in losses:
+        push(t, "lost", p)
+    log = []
+    lost = set()
+    now = 0.0
+
+    def apply(decisions, before):
+        for g in decisions:
+            st_ = sched.stages[g.stage]
+            after = (set(st_.live), st_.live - st_.global_waiting)
+            log.append((now, g, before[g.stage] + after))
+            if g.reason == "global":
+                continue
+            for m in g.members:
+                push(now + rng.uniform(0.5, 1.5) / speeds[m], "ready", g.stage, m)
+
+    guard = 0
+    while heap:
+        guard += 1
+        assert guard < 200_000, "scheduler simulation did not finish (deadlock?)"
+        deadline = sched.next_deadline()
+        if deadline is not None and deadline <= heap[0][0]:
+            now = deadline
+            before = {s: (set(sched.stages[s].live), sched.stages[s].waiting | sched.stages[s].global_waiting) for s in range(stages)}
+            apply(sched.tick(now), before)
+            continue
+        now, _, kind, args = heapq.heappop(heap)
+        before = {s: (set(sched.stages[s].live), sched.stages[s].waiting | sched.stages[s].global_waiting) for s in range(stages)}
+        if kind == "lost":
+            lost.add(args[0])
+            apply(sched.lost(args[0], now), before)
+            continue
+        s, p = args
+        if p in lost:
+            continue
+        step[(s, p)] += 1
+        # a worker that did its last step asks for the global group (the epoch end)
+        g_sync = step[(s, p)] >= steps or (global_every is not None and step[(s, p)] % global_every == 0)
+        before[s][1].add(p)
+        apply(sched.handle(s, Ready(p, step[(s, p)], now, global_sync=g_sync)), before)
+    # everything left open must be explained by lost workers
+    for st_ in sched.stages:
+        assert st_.open is None or not (set(st_.open.members) - lost)
+    return sched, log, step, lost
+
+
+speeds_st = st.lists(st.floats(min_value=0.05, max_value=5.0), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    speeds=speeds_st,
+    staleness=st.integers(1, 12),
+    max_group=st.one_of(st.none(), st.integers(1, 12)),
+    window=st.floats(min_value=0.0, max_value=2.0),
+    seed=st.integers(0, 10_000),
+    n_losses=st.integers(0, 3),
+    stages=st.integers(1, 3),
+)
+def test_invariants_under_random_speeds_and_losses(speeds, staleness, max_group, window, seed, n_losses, stages):
+    D = len(speeds)
+    policy = SchedulerPolicy(max_group=max_group, window_init=window, window_min=0.0, window_max=max(window, 4.0), staleness=staleness, pair_threshold=6)
+    rng = random.Random(seed)
+    losses = [(rng.uniform(0, 30), rng.randrange(D)) for _ in range(min(n_losses, D - 1))]
+    sched, log, _, lost = drive(stages, speeds, policy, steps=25, losses=losses, seed=seed)
+
+    per_round = {}
+    dsu = {s: DisjointSet(range(D)) for s in range(stages)}
+    since = {s: 0 for s in range(stages)}
+    last_round = {s: None for s in range(stages)}
+    for i, (now, g, (live, waiting, live_after, available_after)) in enumerate(log):
+        # members are live workers of that stage, and each was waiting for a group
+        assert set(g.members) <= live, (g, live)
+        assert set(g.members) <= waiting
+        # a worker is never in two groups of one round
+        seen = per_round.setdefault((g.stage, g.round), set())
+        assert not (seen & set(g.members)), (g, seen)
+        seen |= set(g.members)
+        assert max_group is None or g.reason in ("graph", "global", "preempted") or len(g.members) <= max(max_group, 3)
+        # connectivity bound: recompute the union independently, once all groups of the round are in
+        if last_round[g.stage] != g.round and g.reason != "preempted":  # preempted: the global group follows
+            since[g.stage] += 1
+        last_round[g.stage] = g.round
+        dsu[g.stage].union(g.members)
+        round_done = i + 1 == len(log) or (log[i + 1][1].stage, log[i + 1][1].round) != (g.stage, g.round)
+        if not round_done:
+            continue
+        if g.connected:
+            assert dsu[g.stage].connects(available_after | set(g.members)), g
+            assert stages > 1 or since[g.stage] <= staleness, (since[g.stage], staleness)
+            dsu[g.stage] = DisjointSet(range(D))
+            since[g.stage] = 0
+        elif stages == 1:
+            assert since[g.stage] < staleness
+
+
+@settings(max_examples=60, deadline=None)
+@given(speeds=speeds_st, seed=st.integers(0, 10_000), staleness=st.integers(1, 6))
+def test_every_staleness_rounds_connect_the_stage(speeds, seed, staleness):
+    """Single stage, no losses: rounds split into segments of <= P rounds, each connecting all workers."""
+    D = len(speeds)
+    policy = SchedulerPolicy(window_init=0.05, window_min=0.0, window_max=0.2, staleness=staleness, max_group=max(1, D // 2))
+    sched, log, _, _ = drive(1, speeds, policy, steps=30, seed=seed)
+    rounds = {}
+    for _, g, state in log:
+        if len(state[3]) < D:  # a worker asked for the global group: the epoch ends, the global group connects
+            break
+        rounds.setdefault(g.round, []).append(g)
+    assert rounds
+    seg, dsu = 0, DisjointSet(range(D))
+    for r in sorted(rounds):
+        seg += 1
+        for g in rounds[r]:
+            dsu.union(g.members)
+        if dsu.connects(range(D)):
+            assert all(g.connected for g in rounds[r])
+            seg, dsu = 0, DisjointSet(range(D))
+        else:
+            assert not any(g.connected for g in rounds[r])
+        assert seg < staleness or D == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(speeds=speeds_st, seed=st.integers(0, 10_000))
+def test_full_groups_without_window_equal_allreduce(speeds, seed):
+    D = len(speeds)
+    sched, log, steps, _ = drive(2, speeds, POLICY_PRESETS["allreduce"], steps=10, seed=seed)
+    assert all(g.members == tuple(range(D)) for _, g, _ in log)
+    assert [g.reason for _, g, _ in log].count("global") == 2  # the last step of each stage
+    assert all(g.reason in ("full", "graph") for _, g, _ in log if g.reason != "global")
+    assert len(log) == 2 * 10  # one group per step per stage
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    values=st.lists(st.lists(st.floats(-1e3, 1e3), min_size=3, max_size=3), min_size=2, max_size=10),
+    groups=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=10), max_size=30),
+)
+def test_group_averaging_conserves_the_sum(values, groups):
+    """x_i <- mean(x_j, j in G) for i in G is doubly stochastic: the sum over replicas never changes."""
+    D = len(values)
+    x = [list(v) for v in values]
+    total = [sum(col) for col in zip(*x)]
+    for g in groups:
+        members = sorted({m % D for m in g})
+        avg = [sum(x[m][k] for m in members) / len(members) for k in range(3)]
+        for m in members:
+            x[m] = list(avg)
+    for k, col in enumerate(zip(*x)):
+        assert math.isclose(sum(col), total[k], rel_tol=1e-9, abs_tol=1e-6)
+
+
+def test_straggler_is_left_out_of_most_groups():
+    speeds = [1.0, 1.0, 1.0, 0.25]
+    sched, log, _, _ = drive(1, speeds, SchedulerPolicy(window_init=0.05, window_max=0.2, window_min=0.001), steps=40)
+    groups = [g for _, g, _ in log if len(g.members) > 1]
+    with_slow = sum(3 in g.members for g in groups)
+    assert with_slow < len(groups) / 2
+    assert any(g.reason == "graph" for _, g, _ in log)  # the bound pulled the straggler in
+
+
+def test_window_closes_rounds_and_adapts():
+    s = StageScheduler(0, range(3), SchedulerPolicy(window_init=0.001, window_max=0.004, window_min=0.0005))
+    assert s.handle(Ready(0, 1, 0.0)) == [] and s.next_deadline() == 0.001
+    assert s.handle(Ready(2, 1, 0.0004)) == []
+    [g] = s.handle(Tick(0.001))
+    assert (g.members, g.reason, g.wait) == ((0, 2), "window", 0.001)
+    assert dict(g.windows) == {0: pytest.approx(0.0009), 2: pytest.approx(0.0009)}
+    [g] = s.handle(Ready(1, 1, 0.002)) or s.handle(Tick(0.003))
+    assert (g.members, g.reason) == ((1,), "alone") and dict(g.windows)[1] == 0.002  # doubled
+    s.handle(Ready(1, 2, 0.01))
+    [g] = s.handle(Tick(0.02))
+    assert dict(g.windows)[1] == 0.004  # doubled again, capped at window_max
+
+
+def test_full_round_closes_at_once():
+    s = StageScheduler(0, range(3), SchedulerPolicy(max_group=2))
+    s.handle(Ready(1, 1, 0.0))
+    [g] = s.handle(Ready(0, 1, 0.0001))
+    assert (g.members, g.reason) == ((0, 1), "full")
+
+
+def test_global_sync_waits_for_every_live_worker_and_preempts():
+    s = StageScheduler(0, range(3))
+    s.handle(Ready(0, 5, 0.0))
+    out = s.handle(Ready(1, 5, 0.0001, global_sync=True))
+    assert [(g.members, g.reason) for g in out] == [((0,), "preempted")]
+    assert s.handle(Ready(0, 5, 0.0002, global_sync=True)) == []
+    [g] = s.handle(Ready(2, 5, 0.0003, global_sync=True))
+    assert (g.members, g.reason, g.connected) == ((0, 1, 2), "global", True)
+
+
+def test_lost_worker_releases_a_waiting_global_group():
+    s = StageScheduler(0, range(3))
+    s.handle(Ready(0, 5, 0.0, global_sync=True))
+    s.handle(Ready(1, 5, 0.0, global_sync=True))
+    [g] = s.handle(Lost(2, 0.1))
+    assert g.members == (0, 1) and g.reason == "global"
+    assert s.live == {0, 1}
+
+
+def test_pairs_above_threshold():
+    s = StageScheduler(0, range(10), SchedulerPolicy(pair_threshold=8))
+    for w in (7, 2, 5, 0, 9):
+        s.handle(Ready(w, 1, 0.0))
+    out = s.handle(Tick(1.0))
+    assert [g.members for g in out] == [(0, 2), (5, 7, 9)]
+    assert len({g.round for g in out}) == 1
+
+
+def test_graph_sync_holds_one_stage_at_a_time():
+    sched = GroupScheduler(2, 2, SchedulerPolicy(staleness=1, window_init=0.001))
+    assert sched.handle(0, Ready(0, 1, 0.0)) == []  # stage 0 opens a graph round (P=1)
+    assert sched.graph_holder == 0
+    sched.handle(1, Ready(0, 1, 0.0))
+    assert not sched.stages[1].open.graph  # stage 1 must wait for the token
+    [g] = sched.tick(0.002)
+    assert g.stage == 1 and g.reason == "alone"
+    [g] = sched.handle(0, Ready(1, 1, 0.003))
+    assert (g.stage, g.reason, g.members) == (0, "graph", (0, 1)) and sched.graph_holder is None
+
+
+def test_bad_events_are_rejected():
+    s = StageScheduler(0, range(2))
+    s.handle(Ready(0, 1, 0.0))
+    with pytest.raises(ValueError, match="already waiting"):
+        s.handle(Ready(0, 1, 0.0))
+    with pytest.raises(ValueError, match="not a live worker"):
+        s.handle(Ready(7, 1, 0.0))
+    with pytest.raises(ValueError, match=r"policy.staleness: 0 is not allowed"):
+        SchedulerPolicy(staleness=0)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        SchedulerPolicy().updated(wait=3)
+
+
+def test_snapshot_restores_the_state():
+    s = StageScheduler(1, range(4), SchedulerPolicy(staleness=3))
+    s.handle(Ready(0, 1, 0.0))
+    s.handle(Ready(1, 1, 0.0005))
+    s.handle(Tick(0.01))
+    r = StageScheduler.restore(s.snapshot())
+    assert (r.round, r.since_reset, r.windows, r.live) == (s.round, s.since_reset, s.windows, s.live)
+    assert r.dsu.connects([0, 1]) and not r.dsu.connects([0, 2])
