@@ -55,22 +55,24 @@ class Link:
         return buf.to(self.device)
 
 
-def allreduce_mean_(tensors: list, group, size: int, extra: float = 0.0, comm_device=None) -> float:
-    """Average ``tensors`` in place over ``group``; also sums ``extra`` over it.
+def allreduce_mean_(tensors: list, group, size: int, extras=(), comm_device=None) -> list:
+    """Average ``tensors`` in place over ``group``; returns ``extras`` summed over it.
 
-    The tensors travel as one flat buffer, with ``extra`` appended as one more
-    element (used to agree on a stop vote in the same collective).
+    The tensors travel as one flat buffer with the ``extras`` appended (used to
+    agree on a stop vote or a policy version in the same collective).
     """
     device = tensors[0].device if tensors else torch.device("cpu")
+    dtype = tensors[0].dtype if tensors else torch.float32
     comm_device = comm_device or device
-    flat = torch.cat([t.reshape(-1) for t in tensors] + [torch.tensor([float(extra)], device=device, dtype=tensors[0].dtype if tensors else torch.float32)])
-    flat = flat.to(comm_device)
+    tail = torch.tensor([float(x) for x in extras], device=device, dtype=torch.float64).to(dtype)
+    flat = torch.cat([t.reshape(-1) for t in tensors] + [tail]).to(comm_device)
     group.allreduce([flat]).wait()
-    extra_sum = float(flat[-1])
-    flat = flat[:-1].div_(size).to(device)
+    n = flat.numel() - len(extras)
+    sums = [float(x) for x in flat[n:]]
+    flat = flat[:n].div_(size).to(device)
     offset = 0
     for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
-    return extra_sum
+        k = t.numel()
+        t.copy_(flat[offset : offset + k].view_as(t))
+        offset += k
+    return sums

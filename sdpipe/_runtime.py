@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import logging
 import threading
 import time
@@ -188,6 +189,7 @@ class Run:
             self.store_port = self._store.port
             self._topic = spec["topic"]
             self._client.subscribe_topic(self._topic, self._on_event)
+            self._init_control(spec)
             X, Y, EX, EY = data
             S = cfg.stages
             first = [workers[p * S] for p in range(cfg.pipelines)]
@@ -225,6 +227,106 @@ class Run:
         self._monitor_thread = threading.Thread(target=self._monitor, name=f"sdpipe-monitor-{self.run_id}", daemon=True)
         self._monitor_thread.start()
 
+    # ------------------------------------------------------------ control
+    def _init_control(self, spec) -> None:
+        from ._service import ensure_service
+
+        cfg = self.config
+        self._token = uuid.uuid4().hex
+        self._ctl_lock = threading.Lock()
+        self._ctl = {"stop": 0, "hetero": 0, "policy": 0}
+        self._mode = "scheduled" if cfg.policy == "sdpipe" else cfg.policy
+        self.policy = cfg.policy
+        self.scheduler_policy = cfg.scheduler_policy()
+        hetero = cfg.heterogeneity or Heterogeneity()
+        self.heterogeneity = hetero
+        self._run_store.set("hetero/0", json.dumps(hetero.to_dict()))
+        self._run_store.set("policy/0", json.dumps({"mode": self._mode, "name": cfg.policy}))
+        self._write_ctl()
+        ensure_service(self._client)
+        self._service("sdpipe_open", token=self._token, stages=cfg.stages, pipelines=cfg.pipelines,
+                      policy=self.scheduler_policy.to_dict(), policy_name=cfg.policy, topic=self._topic, t0=self._t0)
+        self._service_open = True
+
+    def _service(self, route: str, **kwargs):
+        client = self._client
+        return client.sync(getattr(client.scheduler, route), run_id=self.run_id, **kwargs)
+
+    def _write_ctl(self) -> None:
+        c = self._ctl
+        self._run_store.set("ctl", f"{c['stop']},{c['hetero']},{c['policy']}")
+
+    def _record(self, what: str, **extra) -> None:
+        now = time.time() - self._t0
+        rec = {"kind": "control", "pipeline": None, "stage": None, "step": None, "microbatch": None,
+               "start": now, "end": now, "what": what, "applied_by": "driver"}
+        rec.update(extra)
+        with self._lock:
+            self._events.append(rec)
+
+    def _require_running(self, what: str) -> None:
+        if self._done.is_set() or self._store is None:
+            raise RuntimeError(f"{what}: run {self.run_id} has already ended")
+
+    def set_heterogeneity(self, heterogeneity: Optional[Heterogeneity] = None, **fields) -> None:
+        """Replace the emulated heterogeneity; every worker takes it up at its next step boundary.
+
+        ``run.set_heterogeneity(sdpipe.Heterogeneity(slowdown={3: 4.0}))`` or
+        ``run.set_heterogeneity(slowdown={3: 4.0})``; None (or no argument) removes it.
+        """
+        if heterogeneity is not None and fields:
+            raise ValueError("heterogeneity: pass a Heterogeneity or its fields, not both")
+        if heterogeneity is None:
+            heterogeneity = Heterogeneity(**fields)
+        if not isinstance(heterogeneity, Heterogeneity):
+            raise ValueError(f"heterogeneity: must be a sdpipe.Heterogeneity, got {type(heterogeneity).__name__}")
+        heterogeneity.check_workers(self.config.pipelines, self.config.stages)
+        self._require_running("set_heterogeneity")
+        with self._ctl_lock:
+            v = self._ctl["hetero"] + 1
+            self._run_store.set(f"hetero/{v}", json.dumps(heterogeneity.to_dict()))
+            self._ctl["hetero"] = v
+            self._write_ctl()
+            self.heterogeneity = heterogeneity
+        self._record("heterogeneity", version=v, heterogeneity=heterogeneity.to_dict())
+
+    def set_policy(self, policy: Optional[str] = None, **params) -> None:
+        """Switch the synchronization policy and/or change its parameters while training.
+
+        ``policy`` is "sdpipe", "allreduce" or "none"; ``params`` are fields of
+        :class:`sdpipe.scheduler.SchedulerPolicy` (``staleness``, ``max_group``,
+        ``window_init``, ``window_min``, ``window_max``, ...).  Every worker takes
+        the change up at its next step boundary, replicas that synchronize
+        together at the same step.  A run that started with the static
+        ``allreduce`` or ``none`` moves to scheduled groups; from then on
+        "allreduce" means every replica averages with all others after every step.
+        """
+        from .scheduler import POLICY_PRESETS
+
+        name = policy or self.policy
+        if name not in POLICY_PRESETS:
+            raise ValueError(f"policy: {name!r} is not one of {', '.join(POLICY_PRESETS)}")
+        base = self.scheduler_policy if policy is None or policy == self.policy else POLICY_PRESETS[name]
+        new = base.updated(**params)
+        if new.max_group is not None and new.max_group > self.config.pipelines:
+            raise ValueError(f"policy.max_group: {new.max_group} exceeds the {self.config.pipelines} pipelines; allowed 1..{self.config.pipelines} or None")
+        self._require_running("set_policy")
+        with self._ctl_lock:
+            self._service("sdpipe_set_policy", token=self._token, policy=new.to_dict(), policy_name=name)
+            self.policy, self.scheduler_policy = name, new
+            if self._mode != "scheduled":
+                v = self._ctl["policy"] + 1
+                self._run_store.set(f"policy/{v}", json.dumps({"mode": "scheduled", "name": name}))
+                self._ctl["policy"] = v
+                self._write_ctl()
+                self._mode = "scheduled"
+        self._record("policy", policy=name, params={k: (None if v == float("inf") else v) for k, v in new.to_dict().items()})
+
+    def scheduler_state(self) -> dict:
+        """A snapshot of the group service's state for this run (rounds, windows, disjoint sets)."""
+        self._require_running("scheduler_state")
+        return self._service("sdpipe_state")
+
     def _on_event(self, event) -> None:
         _, msg = event
         batch = msg["events"]
@@ -256,7 +358,9 @@ class Run:
         self._stop_requested = True
         if not self._done.is_set() and self._store is not None:
             try:
-                self._run_store.set("stop", "1")
+                with self._ctl_lock:
+                    self._ctl["stop"] = 1
+                    self._write_ctl()
             except Exception:  # the store is gone: the run already ended
                 pass
 
@@ -353,14 +457,17 @@ class Run:
         return err
 
     def _check_workers(self) -> Optional[BaseException]:
+        """A worker whose Dask worker left the cluster in two checks in a row (a second apart) is lost."""
         try:
             alive = set(self._client.scheduler_info(n_workers=-1)["workers"])
         except Exception as e:
             return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
-        for rank, addr in enumerate(self._workers):
-            if addr not in alive and self._futures[rank].status == "pending":
-                p, s = divmod(rank, self.config.stages)
-                return _LostWorker(f"worker pipeline {p} stage {s} (rank {rank}, {addr}) was lost")
+        missing = {r for r, addr in enumerate(self._workers) if addr not in alive and self._futures[r].status == "pending"}
+        confirmed = missing & getattr(self, "_missing", set())
+        self._missing = missing
+        for rank in sorted(confirmed):
+            p, s = divmod(rank, self.config.stages)
+            return _LostWorker(f"worker pipeline {p} stage {s} (rank {rank}, {self._workers[rank]}) was lost")
         return None
 
     def _await_events(self, results: dict, timeout: float = 10.0) -> None:
@@ -401,6 +508,12 @@ class Run:
     def _cleanup(self) -> None:
         """Close everything this run opened; safe to call more than once."""
         client = getattr(self, "_client", None)
+        if client is not None and getattr(self, "_service_open", False):
+            try:
+                self._service("sdpipe_close", token=self._token)
+            except Exception:
+                pass
+            self._service_open = False
         if client is not None:
             try:
                 client.unsubscribe_topic(self._topic)
@@ -455,6 +568,7 @@ def train(
     backend: Optional[str] = None,
     seed: int = 0,
     heterogeneity: Optional[Heterogeneity] = None,
+    scheduler=None,
     timeout: float = 120.0,
     host: str = "127.0.0.1",
 ) -> Run:
@@ -490,6 +604,7 @@ def train(
         backend=backend,
         seed=seed,
         heterogeneity=heterogeneity,
+        scheduler=scheduler,
         timeout=timeout,
         host=host,
     )
@@ -501,9 +616,11 @@ def train(
     if eval_data is not None:
         EX, EY = as_tensors(eval_data, "eval_data")
     steps = steps_per_epoch(len(X), batch_size, pipelines)
-    if steps < 1:
+    if steps < 1 and config.policy == "allreduce" or len(X) < batch_size:
         raise ValueError(
             f"batch_size: {batch_size} x {pipelines} pipelines exceeds the {len(X)} training samples; no full step per epoch"
+        if len(X) >= batch_size
+        else f"batch_size: {batch_size} exceeds the {len(X)} training samples"
         )
     if loss_fn is None:
         loss_fn = nn.CrossEntropyLoss()
@@ -525,6 +642,7 @@ def train(
         "train_size": len(X),
         "eval_size": 0 if EX is None else len(EX),
         "steps_per_epoch": steps,
+        "batches_per_epoch": len(X) // batch_size,
         "classify": classify,
         "t0": time.time(),
     }

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from ._comm import TAG_ACT, TAG_CTRL, TAG_GRAD, Link, make_group
 from .config import Heterogeneity
 from .data import batch_indices
-from .policy import make_policy
+from .policy import AllReduce, make_policy
 
-CMD_STOP, CMD_RUN = 0, 1
+CMD_STOP, CMD_RUN, CMD_EPOCH_END = 0, 1, 2
 
 
 class EventSink:
@@ -105,6 +105,13 @@ class Worker:
         self.link = None
         if self.stages > 1:
             self.link = Link(self.group(f"pipe{self.pipeline}", self.stage, self.stages), self.device, self.backend)
+        self.steps_per_epoch = spec["steps_per_epoch"]
+        self.batches_per_epoch = spec["batches_per_epoch"]
+        self.run_id = spec["run_id"]
+        self._dask_worker = sink._worker
+        self.hetero_version = 0
+        self.policy_version = 0
+        self.dispense_base: dict = {}
         self.policy = make_policy(cfg["policy"])
         self.policy.setup(self)
 
@@ -161,23 +168,86 @@ class Worker:
             time.sleep((k - 1.0) * elapsed)
 
     # ----------------------------------------------------------- control
-    def control(self, cmd: int, epoch: int, step: int, batch: int) -> tuple:
-        """Stage 0 sends the step's command down the pipeline; others receive and forward it."""
+    def control(self, msg: list) -> list:
+        """Stage 0 sends the step's control message down the pipeline; the others receive and forward it.
+
+        ``[command, epoch, step, batch, heterogeneity version, policy version]``
+        """
         if self.link is None:
-            return cmd, epoch, step, batch
+            return msg
         start = time.time()
         if self.first:
-            msg = torch.tensor([cmd, epoch, step, batch], dtype=torch.int64)
+            t = torch.tensor(msg, dtype=torch.int64)
         else:
-            msg = self.link.recv((4,), torch.int64, self.stage - 1, TAG_CTRL)
+            t = self.link.recv((len(msg),), torch.int64, self.stage - 1, TAG_CTRL)
         if not self.last:
-            self.link.send(msg, self.stage + 1, TAG_CTRL)
+            self.link.send(t, self.stage + 1, TAG_CTRL)
         if not self.first:
-            self.span("wait", step, None, start, time.time())
-        return tuple(int(x) for x in msg.tolist())
+            self.span("wait", msg[2] if self.first else int(t[2]), None, start, time.time())
+        return [int(x) for x in t.tolist()]
 
-    def stop_requested(self) -> bool:
-        return self.store.check(["stop"])
+    def read_ctl(self) -> tuple:
+        """(stop requested, heterogeneity version, policy version) as the driver last set them."""
+        stop, hv, pv = self.store.get("ctl").decode().split(",")
+        return stop == "1", int(hv), int(pv)
+
+    def apply_ctl(self, step: int, hv: int, pv: int, epoch: int, j) -> None:
+        """Take up new heterogeneity or a new policy at this step boundary (same step on every stage)."""
+        import json
+
+        if hv != self.hetero_version:
+            self.hetero = Heterogeneity.from_dict(json.loads(self.store.get(f"hetero/{hv}").decode()))
+            self.hetero_version = hv
+            now = time.time()
+            self.span("control", step, None, now, now, what="heterogeneity", version=hv, applied_by="worker")
+        if pv != self.policy_version:
+            spec = json.loads(self.store.get(f"policy/{pv}").decode())
+            self.policy_version = pv
+            if spec["mode"] != self.policy.name:
+                if isinstance(self.policy, AllReduce) and j is not None:
+                    # leaving the lock-step shards mid-epoch: the shared counter continues after the
+                    # batches every pipeline has taken (this step's included)
+                    self.dispense_base[epoch] = (j + 1) * self.pipelines
+                self.policy.close()
+                self.policy = make_policy(spec["mode"])
+                self.policy.setup(self)
+            now = time.time()
+            self.span("control", step, None, now, now, what="policy", policy=spec["name"], version=pv, applied_by="worker")
+
+    def dispense(self, epoch: int):
+        """Stage 0: the next batch of ``epoch`` from the counter shared by all pipelines, or None when it is used up."""
+        b = self.dispense_base.get(epoch, 0) + self.store.add(f"epoch{epoch}/taken", 1) - 1
+        return b if b < self.batches_per_epoch else None
+
+    def ask_group(self, step: int, global_sync: bool) -> dict:
+        """Tell the group service this worker is ready; wait (bounded) for its group."""
+        from distributed.utils import sync
+
+        start = time.time()
+        answer = sync(
+            self._dask_worker.loop,
+            self._dask_worker.scheduler.sdpipe_ready,
+            run_id=self.run_id,
+            stage=self.stage,
+            pipeline=self.pipeline,
+            step=step,
+            global_sync=global_sync,
+            timeout=self.timeout,
+            callback_timeout=self.timeout + 10,
+        )
+        if "error" in answer:
+            raise RuntimeError(f"group service: {answer['error']}")
+        self.span("wait", step, None, start, time.time(), what="group", group=answer["members"], round=answer["round"])
+        return answer
+
+    def leave_service(self) -> None:
+        from distributed.utils import sync
+
+        try:
+            sync(self._dask_worker.loop, self._dask_worker.scheduler.sdpipe_leave, run_id=self.run_id,
+                 stage=self.stage, pipeline=self.pipeline, callback_timeout=10)
+        except Exception:  # the service or the run is already gone
+            pass
 
     # ----------------------------------------------------------- one step
     def train_step(self, step: int, xb, yb) -> float | None:
@@ -285,53 +355,69 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
     worker = None
     failed = True
     stopped = False
-    global_step = 0
+    step = 0
     try:
         worker = Worker(spec, rank, sink)
         cfg = spec["config"]
-        D, bs = cfg["pipelines"], cfg["batch_size"]
-        steps_per_epoch = spec["steps_per_epoch"]
-        agreed_stop = False
+        bs = cfg["batch_size"]
+        pending_stop, pending_version = False, 0
         for epoch in range(cfg["epochs"]):
             epoch_start = time.time()
-            losses, samples = [], 0
-            for j in range(steps_per_epoch):
-                batch = j * D + worker.pipeline
-                cmd = CMD_STOP if agreed_stop else CMD_RUN
-                cmd, _, _, batch = worker.control(cmd, epoch, global_step, batch)
+            losses, samples, j = [], 0, 0
+            while True:
+                if worker.first:
+                    stop, hv, pv = worker.read_ctl()
+                    if isinstance(worker.policy, AllReduce):
+                        # coupled replicas act on what they agreed in the last collective
+                        stop, pv = pending_stop, pending_version or worker.policy_version
+                    batch = None if stop else worker.policy.next_batch(worker, epoch, j)
+                    cmd = CMD_STOP if stop else (CMD_EPOCH_END if batch is None else CMD_RUN)
+                    msg = [cmd, epoch, step, -1 if batch is None else batch, hv, pv]
+                else:
+                    msg = [0] * 6
+                cmd, _, _, batch, hv, pv = worker.control(msg)
+                worker.apply_ctl(step, hv, pv, epoch, j if cmd == CMD_RUN else None)
                 if cmd == CMD_STOP:
                     stopped = True
+                    worker.policy.leave(worker)
+                    break
+                if cmd == CMD_EPOCH_END:
+                    worker.policy.epoch_end(worker, step)
                     break
                 t = time.time()
                 h = worker.hetero
                 if h.straggle_prob > 0 and worker.rng.random() < h.straggle_prob:
                     time.sleep(h.straggle_delay)
-                    worker.span("straggle", global_step, None, t, time.time())
+                    worker.span("straggle", step, None, t, time.time())
                 idx = batch_indices(spec["train_size"], bs, cfg["seed"], epoch, batch)
                 xb = X[idx].to(worker.device) if worker.first else None
                 yb = Y[idx].to(worker.device) if worker.last else None
-                loss = worker.train_step(global_step, xb, yb)
-                vote = worker.first and worker.stop_requested()
-                agreed_stop = worker.policy.after_backward(worker, global_step, vote)
+                loss = worker.train_step(step, xb, yb)
+                local_stop, local_version = False, 0
+                if worker.first and isinstance(worker.policy, AllReduce):
+                    local_stop, _, local_version = worker.read_ctl()
+                pending_stop, pending_version = worker.policy.after_backward(worker, step, local_stop, local_version)
                 t = time.time()
                 if worker.optimizer is not None:
                     worker.optimizer.step()
                     worker.optimizer.zero_grad(set_to_none=False)
-                worker.span("optimizer", global_step, None, t, time.time())
-                worker.policy.after_step(worker, global_step)
+                worker.span("optimizer", step, None, t, time.time())
+                worker.policy.after_step(worker, step)
                 if loss is not None:
                     losses.append(loss)
                 samples += bs
-                global_step += 1
+                step += 1
+                j += 1
             train_time = time.time() - epoch_start
             if samples:
-                metrics = worker.evaluate(global_step, EX, EY) if spec["eval_size"] else None
-                if worker.last:
+                metrics = worker.evaluate(step, EX, EY) if spec["eval_size"] and not stopped else None
+                if worker.last and samples:
                     rec = {
                         "epoch": epoch,
                         "pipeline": worker.pipeline,
                         "loss": sum(losses) / len(losses),
                         "samples": samples,
+                        "share": samples / (spec["batches_per_epoch"] * bs),
                         "samples_per_s": samples / train_time,
                         "steps": len(losses),
                         "complete": not stopped,
@@ -339,13 +425,15 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
                     if metrics:
                         rec.update(metrics)
                     now = time.time()
-                    worker.span("epoch", global_step, None, now, now, metrics=rec)
+                    worker.span("epoch", step, None, now, now, metrics=rec)
             if stopped:
                 break
         state = {k: v.detach().cpu().clone() for k, v in worker.module.state_dict().items()}
         failed = False
-        return {"rank": rank, "state": state, "steps": global_step, "stopped": stopped, "events": sink.sent + len(sink.buffer)}
+        return {"rank": rank, "state": state, "steps": step, "stopped": stopped, "events": sink.sent + len(sink.buffer)}
     finally:
         if worker is not None:
+            if failed:
+                worker.policy.leave(worker)
             worker.close(failed)
         sink.flush()

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Union
 
 __all__ = ["Heterogeneity", "TrainConfig", "POLICIES", "SCHEDULE_NAMES", "OPTIMIZERS", "DEVICES"]
 
-POLICIES = ("allreduce", "none")
+POLICIES = ("sdpipe", "allreduce", "none")
 SCHEDULE_NAMES = ("1f1b", "gpipe")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
@@ -155,6 +155,8 @@ class TrainConfig:
     """Seed of the initial weights and of the data order."""
     heterogeneity: Optional[Heterogeneity] = None
     """Emulated stragglers and slow links, or None."""
+    scheduler: Optional[Any] = None
+    """Group-scheduler parameters for "sdpipe": a sdpipe.scheduler.SchedulerPolicy or a dict of its fields."""
     timeout: float = 120.0
     """Seconds any single wait (rendezvous, receive, collective) may take."""
     host: str = "127.0.0.1"
@@ -194,6 +196,13 @@ class TrainConfig:
             if not isinstance(self.heterogeneity, Heterogeneity):
                 raise ValueError(f"heterogeneity: must be a sdpipe.Heterogeneity or None, got {type(self.heterogeneity).__name__}")
             self.heterogeneity.check_workers(self.pipelines, self.stages)
+        if self.scheduler is not None:
+            from .scheduler import SchedulerPolicy
+
+            if isinstance(self.scheduler, dict):
+                object.__setattr__(self, "scheduler", SchedulerPolicy().updated(**self.scheduler))
+            elif not isinstance(self.scheduler, SchedulerPolicy):
+                raise ValueError(f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, got {type(self.scheduler).__name__}")
         _number("timeout", self.timeout, 0.0, lo_open=True)
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a non-empty address string, got {self.host!r}")
@@ -214,4 +223,13 @@ class TrainConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["heterogeneity"] = self.heterogeneity.to_dict() if self.heterogeneity else None
         out["cuts"] = list(self.cuts) if self.cuts is not None else None
+        out["scheduler"] = self.scheduler_policy().to_dict()
         return out
+
+    def scheduler_policy(self):
+        """The group scheduler's parameters for this run's policy."""
+        from .scheduler import POLICY_PRESETS
+
+        if self.scheduler is not None:
+            return self.scheduler
+        return POLICY_PRESETS.get(self.policy, POLICY_PRESETS["sdpipe"])

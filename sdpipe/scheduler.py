@@ -19,9 +19,12 @@ of the stage the count resets.  Otherwise the ``staleness``-th round becomes a
 *graph-sync* round: it ignores window and size and closes only once its
 members join the union into one component.  So every run of at most
 ``staleness`` rounds mixes every worker's model with every other's, directly
-or transitively.  One stage holds a graph sync at a time (across stages,
-pipelines are coupled; two stages holding workers could wait on each other);
-a stage whose graph sync must wait keeps forming ordinary rounds meanwhile.
+or transitively.  One stage holds a graph sync at a time: a stage whose
+graph sync would start while another stage holds one keeps forming ordinary
+rounds (so its bound stretches by those rounds) and starts its graph sync with
+its first round after the token is free.  Holding workers of two stages at
+once can deadlock: a held worker of stage 1 may be the one its pipeline's
+stage-0 worker needs to finish the step that stage 0's graph sync waits for.
 
 Global sync: a worker may ask for the global group instead (at an epoch end).
 Such a worker takes part in no ordinary round; when every live worker of the
@@ -112,6 +115,7 @@ class SchedulerPolicy:
 POLICY_PRESETS = {
     "sdpipe": SchedulerPolicy(),
     "allreduce": SchedulerPolicy(window_init=math.inf, window_min=math.inf, window_max=math.inf, pair_threshold=2**31),
+    "none": SchedulerPolicy(max_group=1, window_init=0.0, window_min=0.0, staleness=2**31),
 }
 
 
@@ -232,6 +236,8 @@ class StageScheduler:
         self.since_reset = 0
         self.global_waiting: set = set()
         self.waiting: set = set()  # workers inside the open round
+        #: set by GroupScheduler: whether this stage holds (or may take) the graph-sync token
+        self.may_graph_sync = True
 
     # -------------------------------------------------------------- helpers
     def _available(self) -> set:
@@ -250,7 +256,7 @@ class StageScheduler:
             return None
         return self.open.deadline
 
-    def set_policy(self, policy: SchedulerPolicy, now: float, graph_token_free: bool = True) -> list:
+    def set_policy(self, policy: SchedulerPolicy, now: float) -> list:
         """Change parameters; windows are reset to the new initial window.
 
         A pending round is re-examined under the new parameters at once.
@@ -262,17 +268,17 @@ class StageScheduler:
         return self._try_close(now)
 
     # -------------------------------------------------------------- events
-    def handle(self, event: Event, graph_token_free: bool = True) -> list:
+    def handle(self, event: Event) -> list:
         """Apply one event; returns the decided groups (possibly none)."""
         if isinstance(event, Ready):
-            return self._ready(event, graph_token_free)
+            return self._ready(event)
         if isinstance(event, Lost):
-            return self._lost(event, graph_token_free)
+            return self._lost(event)
         if isinstance(event, Tick):
             return self._try_close(event.time)
         raise TypeError(f"event: {event!r} is not Ready, Lost or Tick")
 
-    def _ready(self, ev: Ready, graph_token_free: bool) -> list:
+    def _ready(self, ev: Ready) -> list:
         w = ev.worker
         if w not in self.live:
             raise ValueError(f"worker: {w} is not a live worker of stage {self.stage} (live: {sorted(self.live)})")
@@ -286,13 +292,14 @@ class StageScheduler:
             return decisions + self._try_global(ev.time)
         self.waiting.add(w)
         if self.open is None:
-            graph = graph_token_free and self.needs_graph_sync()
+            # a graph-sync round needs the token; without it the stage forms an ordinary round meanwhile
+            graph = self.may_graph_sync and self.needs_graph_sync()
             self.open = _Round([w], ev.time, ev.time + self.windows[w], graph=graph)
         else:
             self.open.members.append(w)
         return self._try_close(ev.time)
 
-    def _lost(self, ev: Lost, graph_token_free: bool) -> list:
+    def _lost(self, ev: Lost) -> list:
         w = ev.worker
         if w not in self.live:
             return []
@@ -392,44 +399,44 @@ class StageScheduler:
 
 
 class GroupScheduler:
-    """All stages of a run, with the one-graph-sync-at-a-time token."""
+    """All stages of a run, with the one-graph-sync-at-a-time token (see the module docstring)."""
 
     def __init__(self, stages: int, pipelines: int, policy: SchedulerPolicy = SchedulerPolicy()):
         self.stages = [StageScheduler(s, range(pipelines), policy) for s in range(stages)]
         self.policy = policy
         self.graph_holder: Optional[int] = None
 
-    def _token_free(self, stage: int) -> bool:
-        return self.graph_holder is None or self.graph_holder == stage
+    def _flags(self) -> None:
+        for st in self.stages:
+            st.may_graph_sync = self.graph_holder is None or self.graph_holder == st.stage
+
+    def _apply(self, now: float, fn) -> list:
+        self._flags()
+        out = fn()
+        return out + self._settle(now)
 
     def handle(self, stage: int, event: Event) -> list:
         """Apply ``event`` to ``stage``; returns every decided group (any stage)."""
-        st = self.stages[stage]
-        out = st.handle(event, self._token_free(stage))
-        return out + self._settle()
+        now = getattr(event, "time")
+        return self._apply(now, lambda: self.stages[stage].handle(event))
 
     def tick(self, now: float) -> list:
-        out = []
-        for st in self.stages:
-            out += st.handle(Tick(now), self._token_free(st.stage))
-        return out + self._settle()
+        return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Tick(now))])
 
     def lost(self, worker: int, now: float) -> list:
         """A whole pipeline is gone: remove it from every stage."""
-        out = []
-        for st in self.stages:
-            out += st.handle(Lost(worker, now), self._token_free(st.stage))
-        return out + self._settle()
+        return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Lost(worker, now))])
+
+    def leave(self, stage: int, worker: int, now: float) -> list:
+        """One worker left its stage (its pipeline stopped)."""
+        return self._apply(now, lambda: self.stages[stage].handle(Lost(worker, now)))
 
     def set_policy(self, policy: SchedulerPolicy, now: float) -> list:
         self.policy = policy
-        out = []
-        for st in self.stages:
-            out += st.set_policy(policy, now, self._token_free(st.stage))
-        return out + self._settle()
+        return self._apply(now, lambda: [g for st in self.stages for g in st.set_policy(policy, now)])
 
-    def _settle(self) -> list:
-        """Track the graph-sync token after decisions."""
+    def _settle(self, now: float) -> list:
+        """Track which stage holds the graph-sync token."""
         if self.graph_holder is not None:
             st = self.stages[self.graph_holder]
             if st.open is None or not st.open.graph:
@@ -439,6 +446,7 @@ class GroupScheduler:
                 if st.open is not None and st.open.graph:
                     self.graph_holder = st.stage
                     break
+        self._flags()
         return []
 
     def next_deadline(self) -> Optional[float]:

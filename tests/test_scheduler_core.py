@@ -250,14 +250,16 @@ def test_pairs_above_threshold():
 
 def test_graph_sync_holds_one_stage_at_a_time():
     sched = GroupScheduler(2, 2, SchedulerPolicy(staleness=1, window_init=0.001))
-    assert sched.handle(0, Ready(0, 1, 0.0)) == []  # stage 0 opens a graph round (P=1)
+    assert sched.handle(0, Ready(0, 1, 0.0)) == []  # stage 0 opens a graph round (P=1) and takes the token
     assert sched.graph_holder == 0
     sched.handle(1, Ready(0, 1, 0.0))
-    assert not sched.stages[1].open.graph  # stage 1 must wait for the token
+    assert not sched.stages[1].open.graph  # stage 1 forms an ordinary round meanwhile
     [g] = sched.tick(0.002)
-    assert g.stage == 1 and g.reason == "alone"
+    assert (g.stage, g.reason) == (1, "alone")
     [g] = sched.handle(0, Ready(1, 1, 0.003))
     assert (g.stage, g.reason, g.members) == (0, "graph", (0, 1)) and sched.graph_holder is None
+    sched.handle(1, Ready(1, 2, 0.004))
+    assert sched.stages[1].open.graph and sched.graph_holder == 1  # now stage 1 takes its turn
 
 
 def test_bad_events_are_rejected():

@@ -1,0 +1,239 @@
+"""The group scheduler as a service on the Dask scheduler.
+
+:class:`GroupService` is a ``SchedulerPlugin``: it lives in the Dask
+scheduler process, which every worker and the driver already reach, and it
+hosts one :class:`~sdpipe.scheduler.GroupScheduler` per run.  Its routes
+(Dask scheduler handlers):
+
+``sdpipe_open(run_id, token, stages, pipelines, policy, policy_name, topic, t0)``
+    start scheduling a run (driver).
+``sdpipe_ready(run_id, stage, pipeline, step, global_sync, timeout)``
+    a worker is ready; answers with its group once decided (worker).
+``sdpipe_leave(run_id, stage, pipeline)``
+    a worker leaves its stage for good: stop or failure (worker or driver).
+``sdpipe_set_policy(run_id, token, policy, policy_name)``
+    change the policy live (driver).
+``sdpipe_state(run_id)``
+    a plain-data snapshot of the scheduler (anyone).
+``sdpipe_close(run_id, token)``
+    forget a run (driver).
+
+Handlers only touch in-memory state and futures: the scheduler's event loop
+never blocks.  Windows end through timers on that loop.  Every decision is
+logged to the run's event topic, which the driver subscribes to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from .scheduler import GroupScheduler, Ready, SchedulerPolicy
+
+log = logging.getLogger("sdpipe.service")
+
+SERVICE_NAME = "sdpipe-groups"
+
+
+class _RunState:
+    def __init__(self, token, stages, pipelines, policy, policy_name, topic, t0):
+        self.token = token
+        self.core = GroupScheduler(stages, pipelines, policy)
+        self.policy_name = policy_name
+        self.version = 0
+        self.topic = topic
+        self.t0 = t0
+        self.waiters: dict = {}
+        self.timer = None
+        self.seq = 0
+
+
+class GroupService(SchedulerPlugin):
+    """Scheduler-side home of the SDPipe group schedulers (see the module docstring for routes)."""
+
+    name = SERVICE_NAME
+
+    def __init__(self):
+        self.runs: dict = {}
+        self.scheduler = None
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update(
+            {
+                "sdpipe_open": self.open,
+                "sdpipe_ready": self.ready,
+                "sdpipe_leave": self.leave,
+                "sdpipe_set_policy": self.set_policy,
+                "sdpipe_state": self.state,
+                "sdpipe_close": self.close_run,
+            }
+        )
+
+    async def close(self) -> None:
+        """Scheduler shutdown: release every waiting worker."""
+        for run_id in list(self.runs):
+            self._drop(run_id)
+
+    # ------------------------------------------------------------- helpers
+    def _run(self, run_id: str, token=None) -> _RunState:
+        st = self.runs.get(run_id)
+        if st is None:
+            raise KeyError(f"run_id: no sdpipe run {run_id!r} is scheduled here")
+        if token is not None and token != st.token:
+            raise PermissionError(f"token: does not match run {run_id!r}")
+        return st
+
+    def _now(self, st: _RunState) -> float:
+        return time.time() - st.t0
+
+    def _log(self, st: _RunState, records: list) -> None:
+        if records and self.scheduler is not None:
+            self.scheduler.log_event(st.topic, {"rank": -1, "seq": st.seq, "events": records})
+            st.seq += 1
+
+    def _dispatch(self, run_id: str, st: _RunState, decisions: list) -> None:
+        records = []
+        for g in decisions:
+            name = f"s{g.stage}-" + "-".join(map(str, g.members))
+            answer = {
+                "round": g.round,
+                "members": list(g.members),
+                "reason": g.reason,
+                "name": name,
+                "policy": st.policy_name,
+                "version": st.version,
+            }
+            for m in g.members:
+                fut = st.waiters.pop((g.stage, m), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(answer)
+            records.append(
+                {
+                    "kind": "group",
+                    "pipeline": None,
+                    "stage": g.stage,
+                    "step": None,
+                    "microbatch": None,
+                    "start": g.opened,
+                    "end": g.closed,
+                    "round": g.round,
+                    "group": list(g.members),
+                    "reason": g.reason,
+                    "wait": g.wait,
+                    "connected": g.connected,
+                    "policy": st.policy_name,
+                }
+            )
+        self._log(st, records)
+        self._arm_timer(run_id, st)
+
+    def _arm_timer(self, run_id: str, st: _RunState) -> None:
+        if st.timer is not None:
+            st.timer.cancel()
+            st.timer = None
+        deadline = st.core.next_deadline()
+        if deadline is not None:
+            delay = max(0.0, deadline - self._now(st))
+            st.timer = asyncio.get_running_loop().call_later(delay, self._on_timer, run_id)
+
+    def _on_timer(self, run_id: str) -> None:
+        st = self.runs.get(run_id)
+        if st is None:
+            return
+        st.timer = None
+        self._dispatch(run_id, st, st.core.tick(self._now(st)))
+
+    def _drop(self, run_id: str) -> None:
+        st = self.runs.pop(run_id, None)
+        if st is None:
+            return
+        if st.timer is not None:
+            st.timer.cancel()
+        for fut in st.waiters.values():
+            if not fut.done():
+                fut.set_result({"error": "run closed"})
+
+    # ------------------------------------------------------------- routes
+    def open(self, run_id, token, stages, pipelines, policy, policy_name, topic, t0):
+        self._drop(run_id)
+        self.runs[run_id] = _RunState(token, stages, pipelines, SchedulerPolicy(**policy), policy_name, topic, t0)
+        return {"ok": True}
+
+    async def ready(self, run_id, stage, pipeline, step, global_sync=False, timeout=60.0):
+        st = self.runs.get(run_id)
+        if st is None:
+            return {"error": f"run {run_id!r} is not scheduled (closed or never opened)"}
+        key = (stage, pipeline)
+        if key in st.waiters:
+            return {"error": f"pipeline {pipeline} of stage {stage} is already waiting for a group"}
+        fut = asyncio.get_running_loop().create_future()
+        st.waiters[key] = fut
+        try:
+            decisions = st.core.handle(stage, Ready(pipeline, step, self._now(st), bool(global_sync)))
+        except ValueError as e:
+            st.waiters.pop(key, None)
+            return {"error": str(e)}
+        self._dispatch(run_id, st, decisions)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            # Nobody came: take the pipeline out so the others do not wait on it, and fail this worker.
+            st.waiters.pop(key, None)
+            if run_id in self.runs:
+                self._dispatch(run_id, st, st.core.lost(pipeline, self._now(st)))
+            return {"error": f"no group for pipeline {pipeline} stage {stage} within {timeout:.0f}s"}
+
+    def leave(self, run_id, stage, pipeline):
+        st = self.runs.get(run_id)
+        if st is None:
+            return {"ok": False}
+        now = self._now(st)
+        decisions = st.core.lost(pipeline, now) if stage is None else st.core.leave(stage, pipeline, now)
+        self._dispatch(run_id, st, decisions)
+        return {"ok": True}
+
+    def set_policy(self, run_id, token, policy, policy_name):
+        st = self._run(run_id, token)
+        st.policy_name = policy_name
+        st.version += 1
+        decisions = st.core.set_policy(SchedulerPolicy(**policy), self._now(st))
+        now = self._now(st)
+        self._log(st, [{"kind": "control", "pipeline": None, "stage": None, "step": None, "microbatch": None,
+                        "start": now, "end": now, "what": "policy", "policy": policy_name, "params": _plain(policy), "applied_by": "scheduler"}])
+        self._dispatch(run_id, st, decisions)
+        return {"ok": True, "version": st.version}
+
+    def state(self, run_id):
+        st = self._run(run_id)
+        return {
+            "policy": st.policy_name,
+            "version": st.version,
+            "stages": [s.snapshot() for s in st.core.stages],
+            "waiting": sorted([list(k) for k in st.waiters]),
+            "graph_holder": st.core.graph_holder,
+        }
+
+    def close_run(self, run_id, token):
+        if run_id in self.runs:
+            self._run(run_id, token)
+            self._drop(run_id)
+        return {"ok": True}
+
+
+def _plain(d: dict) -> dict:
+    """msgpack-safe copy (infinite windows become None)."""
+    return {k: (None if isinstance(v, float) and v == float("inf") else v) for k, v in d.items()}
+
+
+def ensure_service(client) -> None:
+    """Install the service on the cluster's scheduler once (never replaces a running one)."""
+
+    def installed(dask_scheduler=None):
+        return SERVICE_NAME in dask_scheduler.plugins
+
+    if not client.run_on_scheduler(installed):
+        client.register_plugin(GroupService(), name=SERVICE_NAME)

@@ -1,0 +1,136 @@
+"""The SDPipe policy, heterogeneity and live control on a real LocalCluster (gloo)."""
+
+import time
+from collections import Counter
+
+import pytest
+
+import sdpipe
+from sdpipe.data import digits, digits_mlp
+
+from helpers import live_process_groups
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits()
+
+
+def wait_for(run, pred, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not pred(run.events):
+        assert time.monotonic() < deadline, "condition not reached"
+        assert not run.done(), "run ended early"
+        time.sleep(0.05)
+
+
+def test_sdpipe_trains_with_partial_groups_and_global_sync(data, shared_cluster):
+    train_data, eval_data = data
+    run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="sdpipe",
+                       epochs=6, cluster=shared_cluster)
+    result = run.result(timeout=300)
+    final = [h for h in result.history if h["epoch"] == 5]
+    assert all(h["accuracy"] >= 0.9 for h in final), final
+    # the epoch ends with a global sync, so the pipelines end identical
+    assert result.max_param_diff() < 1e-6
+    # work follows speed: shares of an epoch add up to the whole data set (full batches)
+    for e in range(6):
+        assert sum(h["share"] for h in result.history if h["epoch"] == e) == pytest.approx(1.0, abs=0.03)
+    groups = [e for e in result.events if e["kind"] == "group"]
+    assert {g["reason"] for g in groups} >= {"global"}
+    assert all({"stage", "round", "group", "reason", "wait", "start", "end"} <= set(g) for g in groups)
+    assert all(g["group"] == sorted(g["group"]) and set(g["group"]) <= {0, 1} for g in groups)
+    # each worker's sync spans name the group it averaged with, and the service decided those groups
+    decided = {(g["stage"], g["round"], tuple(g["group"])) for g in groups}
+    syncs = [e for e in result.events if e["kind"] == "sync"]
+    assert syncs and all((e["stage"], e["round"], tuple(e["group"])) in decided for e in syncs)
+    assert Counter(g["reason"] for g in groups)["global"] == 2 * 6  # one per stage per epoch
+    assert live_process_groups(shared_cluster) == 0
+
+
+def test_straggler_is_left_out_and_bound_holds(data, shared_cluster):
+    train_data, _ = data
+    P = 4
+    hetero = sdpipe.Heterogeneity(slowdown={3: 6.0})
+    result = sdpipe.train(digits_mlp(hidden=256), train_data, stages=1, pipelines=4, policy="sdpipe", epochs=3,
+                          batch_size=32, heterogeneity=hetero, scheduler={"staleness": P, "window_init": 0.002},
+                          cluster=shared_cluster).result(timeout=300)
+    share = Counter()
+    for h in result.history:
+        share[h["pipeline"]] += h["samples"]
+    assert share[3] < min(share[p] for p in (0, 1, 2))  # the slow pipeline trained on less of each epoch
+    groups = sorted((e for e in result.events if e["kind"] == "group"), key=lambda g: g["round"])
+    multi = [g for g in groups if len(g["group"]) > 1 and g["reason"] != "global"]
+    assert sum(3 not in g["group"] for g in multi) > len(multi) / 2
+    # connectivity: between resets at most P rounds, and the resetting round connects everyone
+    since, seen = 0, set()
+    for g in groups:
+        if g["reason"] == "preempted":
+            continue
+        since += 1
+        seen |= set(g["group"])
+        if g["connected"]:
+            since = 0
+        assert since < P
+    assert any(g["reason"] == "graph" and 3 in g["group"] for g in groups)
+
+
+def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluster):
+    train_data, _ = data
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="allreduce", epochs=40, cluster=shared_cluster)
+    steps = lambda evs: max([e["step"] for e in evs if e["kind"] == "optimizer"] + [-1])
+    wait_for(run, lambda evs: steps(evs) >= 5)
+    run.set_policy("sdpipe", staleness=3)
+    wait_for(run, lambda evs: any(e["kind"] == "group" and e["reason"] != "global" for e in evs))
+    run.set_heterogeneity(slowdown={1: 3.0})
+    wait_for(run, lambda evs: sum(e["kind"] == "control" and e.get("what") == "heterogeneity" and e["pipeline"] is not None for e in evs) == 4)
+    run.set_policy("allreduce")
+    s = steps(run.events)
+    wait_for(run, lambda evs: steps(evs) >= s + 10)
+    run.stop()
+    result = run.result(timeout=120)
+    assert result.stopped
+    ctl = [e for e in result.events if e["kind"] == "control"]
+    # the driver recorded each change; every worker took the policy switch up at one step of its pipeline
+    assert [e["what"] for e in ctl if e["applied_by"] == "driver"] == ["policy", "heterogeneity", "policy"]
+    switch = [e for e in ctl if e.get("what") == "policy" and e["pipeline"] is not None]
+    assert len(switch) == 4 and len({e["step"] for e in switch}) == 1  # allreduce couples both pipelines
+    assert any(e.get("policy") == "allreduce" and e["applied_by"] == "scheduler" for e in ctl)
+    # after switching back, every round groups all pipelines, so the replicas are identical again
+    last_groups = [e for e in result.events if e["kind"] == "group"][-4:]
+    assert all(g["group"] == [0, 1] for g in last_groups)
+    assert result.max_param_diff() < 1e-6
+    # the slowdown took effect on pipeline 1 only
+    fwd = lambda p, after: [e["end"] - e["start"] for e in result.events if e["kind"] == "forward" and e["pipeline"] == p and e["start"] > after]
+    t_set = next(e["start"] for e in ctl if e["what"] == "heterogeneity")
+    assert sum(fwd(1, t_set)) / len(fwd(1, t_set)) > 1.5 * sum(fwd(0, t_set)) / len(fwd(0, t_set))
+    assert live_process_groups(shared_cluster) == 0
+
+
+def test_stop_under_sdpipe_ends_every_pipeline(data, shared_cluster):
+    train_data, _ = data
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=200, cluster=shared_cluster)
+    wait_for(run, lambda evs: any(e["kind"] == "group" for e in evs))
+    run.stop()
+    result = run.result(timeout=60)
+    assert result.stopped and all(0 < s for s in result.steps.values())
+    with pytest.raises(RuntimeError, match="has already ended"):
+        run.set_policy("allreduce")
+
+
+def test_bad_control_calls_are_rejected(data, shared_cluster):
+    train_data, _ = data
+    run = sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=shared_cluster)
+    try:
+        with pytest.raises(ValueError, match="policy: 'gossip' is not one of"):
+            run.set_policy("gossip")
+        with pytest.raises(ValueError, match="unknown parameter"):
+            run.set_policy(wait=4)
+        with pytest.raises(ValueError, match="policy.max_group: 5 exceeds the 2 pipelines"):
+            run.set_policy(max_group=5)
+        with pytest.raises(ValueError, match="heterogeneity.slowdown: key 7 names no worker"):
+            run.set_heterogeneity(slowdown={7: 2.0})
+    finally:
+        run.result(timeout=120)
