@@ -137,7 +137,8 @@ def test_unreachable_scheduler_fails_before_launch(data):
         (dict(policy="gossip"), "policy: 'gossip' is not one of"),
         (dict(schedule="zigzag"), "schedule: 'zigzag' is not one of"),
         (dict(batch_size=30), "batch_size: 30 is not divisible into 4 micro-batches"),
-        (dict(batch_size=2048), "batch_size: 2048 x 2 pipelines exceeds the 1437 training samples"),
+        (dict(batch_size=1024), "batch_size: 1024 x 2 pipelines exceeds the 1437 training samples"),
+        (dict(batch_size=2048, policy="sdpipe"), "batch_size: 2048 exceeds the 1437 training samples"),
         (dict(cluster=3.5), "cluster: must be None, a scheduler address"),
     ],
 )
