@@ -183,7 +183,7 @@ class Worker:
         if not self.last:
             self.link.send(t, self.stage + 1, TAG_CTRL)
         if not self.first:
-            self.span("wait", msg[2] if self.first else int(t[2]), None, start, time.time())
+            self.span("wait", int(t[2]), None, start, time.time())
         return [int(x) for x in t.tolist()]
 
     def read_ctl(self) -> tuple:
