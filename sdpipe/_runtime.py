@@ -168,6 +168,8 @@ class Run:
         self._t0 = spec["t0"]
         #: Steps each pipeline takes per epoch.
         self.steps_per_epoch = spec["steps_per_epoch"]
+        #: Steps of all pipelines together in one epoch.
+        self.updates_per_epoch = spec["steps_per_epoch"] * config.pipelines if config.policy == "allreduce" else spec["batches_per_epoch"]
         self._launch(spec, data, cluster)
 
     # ------------------------------------------------------------ launch

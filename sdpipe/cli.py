@@ -60,7 +60,7 @@ def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int) -> 
         events, cursor = run.events_since(cursor)
         for e in events:
             if e["kind"] == "optimizer" and e["stage"] == stages - 1:
-                steps[e["step"] * pipelines // per_epoch if per_epoch else 0] += 1
+                steps[e["epoch"]] += 1
             elif e["kind"] == "epoch":
                 reports.setdefault(e["metrics"]["epoch"], []).append(e["metrics"])
         while current < epochs:
@@ -110,7 +110,7 @@ def _train(args) -> int:
         cluster=args.cluster,
     )
     print(f"sdpipe: {run!r} on {len(run._workers)} Dask workers", flush=True)
-    per_epoch = run.steps_per_epoch * args.pipelines
+    per_epoch = run.updates_per_epoch
     try:
         _progress(run, args.epochs, args.pipelines, args.stages, per_epoch)
     except KeyboardInterrupt:

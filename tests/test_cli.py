@@ -11,11 +11,12 @@ def sdpipe(*args, timeout=300):
 
 
 @pytest.mark.cluster
-def test_cli_train_prints_progress_and_summary(no_leaks):
-    out = sdpipe("train", "--epochs", "2", "--pipelines", "2", "--stages", "2", "--policy", "none", "--schedule", "gpipe")
+@pytest.mark.parametrize("policy", ["none", "sdpipe"])
+def test_cli_train_prints_progress_and_summary(policy, no_leaks):
+    out = sdpipe("train", "--epochs", "2", "--pipelines", "2", "--stages", "2", "--policy", policy, "--schedule", "gpipe")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "epoch 2/2" in out.stderr  # tqdm writes its bars to stderr
-    assert "summary: 2 stages x 2 pipelines, policy=none, schedule=gpipe" in out.stdout
+    assert "epoch 2/2: 100%" in out.stderr  # tqdm writes its bars to stderr
+    assert f"summary: 2 stages x 2 pipelines, policy={policy}, schedule=gpipe" in out.stdout
     assert out.stdout.count("held-out accuracy 0.") == 2
 
 
