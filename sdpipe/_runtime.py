@@ -76,7 +76,7 @@ class RunResult:
         return worst
 
 
-def _probe_shapes(stage_modules, sample, device_name: str):
+def _probe_shapes(stage_modules, sample):
     """Feature shape and dtype of each stage's output, from one micro-batch on the driver."""
     import torch
 
@@ -628,7 +628,7 @@ def train(
         loss_fn = nn.CrossEntropyLoss()
     elif not callable(loss_fn):
         raise ValueError(f"loss_fn: must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
-    shapes = _probe_shapes(stage_modules, X[: config.microbatch_size], device)
+    shapes = _probe_shapes(stage_modules, X[: config.microbatch_size])
     classify = not Y.is_floating_point()
     plan = build_plan(schedule, stages, microbatches)
     run_id = uuid.uuid4().hex[:10]
