@@ -14,14 +14,13 @@ of the pipelines' speeds, each measured alone in the same cluster
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _common import local_cluster, meta_lines, run_meta
 
 
 def throughput(result, skip_first=True) -> float:
@@ -29,24 +28,20 @@ def throughput(result, skip_first=True) -> float:
     epochs = sorted({h["epoch"] for h in result.history})
     if skip_first and len(epochs) > 1:
         epochs = epochs[1:]
-    spans = [e for e in result.events if e["kind"] in ("forward", "backward", "optimizer") and e["step"] is not None]
     rows = [h for h in result.history if h["epoch"] in epochs]
     samples = sum(h["samples"] for h in rows)
     seconds = sum(statistics.median([h["samples"] / h["samples_per_s"] for h in rows if h["epoch"] == e]) for e in epochs)
     return samples / seconds
 
 
-def connectivity_report(result, pipelines: int, staleness: int, slow: int) -> dict:
+def connectivity_report(result, staleness: int, slow: int) -> dict:
     groups = [e for e in result.events if e["kind"] == "group"]
     multi = [g for g in groups if len(g["group"]) > 1 and g["reason"] not in ("global",)]
     without_slow = sum(slow not in g["group"] for g in multi)
     worst = {}
     for stage in sorted({g["stage"] for g in groups}):
-        rounds, since = [], 0
+        since, seen_round, longest = 0, None, 0
         for g in sorted((g for g in groups if g["stage"] == stage), key=lambda g: (g["round"], g["end"])):
-            rounds.append(g)
-        seen_round, longest = None, 0
-        for g in rounds:
             if g["round"] != seen_round and g["reason"] != "preempted":
                 since += 1
                 seen_round = g["round"]
@@ -77,19 +72,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "straggler.md"))
     args = ap.parse_args(argv)
 
-    import dask
-    import distributed
-    import torch
-    from distributed import Client, LocalCluster
-
     import sdpipe
     from sdpipe.data import digits, digits_mlp
 
     train_data, eval_data = digits()
     D, S = args.pipelines, args.stages
-    cluster = LocalCluster(n_workers=D * S, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address=None, env={"OMP_NUM_THREADS": "1"})
-    client = Client(cluster, set_as_default=False)
+    client, cluster = local_cluster(D * S)
     common = dict(stages=S, pipelines=D, epochs=args.epochs, batch_size=args.batch_size, eval_data=eval_data, cluster=client)
     slow = sdpipe.Heterogeneity(slowdown={args.slow: args.slowdown})
     rows = []
@@ -105,7 +93,7 @@ def main(argv=None) -> int:
         row = {"scenario": label, "policy": policy, "samples_per_s": throughput(r), "accuracy": acc, "wall_s": time.time() - t,
                "share": {h["pipeline"]: round(sum(x["samples"] for x in r.history if x["pipeline"] == h["pipeline"]) / sum(x["samples"] for x in r.history), 3) for h in r.history}}
         if policy == "sdpipe":
-            row["groups"] = connectivity_report(r, D, 10, args.slow)
+            row["groups"] = connectivity_report(r, 10, args.slow)
         rows.append(row)
         print(json.dumps(row), flush=True)
         return r
@@ -138,18 +126,11 @@ def main(argv=None) -> int:
         summary[label] = {"sdpipe": sd, "allreduce": ar, "ratio": sd / ar, "ideal": ideal[label]["sum"],
                           "sdpipe_to_ideal": sd / ideal[label]["sum"], "allreduce_to_ideal": ar / ideal[label]["sum"],
                           "sdpipe_accuracy": med(label, "sdpipe", "accuracy"), "allreduce_accuracy": med(label, "allreduce", "accuracy")}
-    cmd = "python benchmarks/straggler.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": cmd.strip(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "versions": f"python {platform.python_version()}, torch {torch.__version__}, dask {dask.__version__}, distributed {distributed.__version__}, sdpipe {sdpipe.__version__}",
-        "config": f"digits MLP 64-{args.hidden}-{args.hidden}-10, S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches, adam lr 0.002, {args.epochs} epochs, straggler: pipeline {args.slow} slowed {args.slowdown}x (compute), gloo on CPU",
-    }
+    meta = run_meta("straggler.py", argv, f"digits MLP 64-{args.hidden}-{args.hidden}-10, S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches, adam lr 0.002, {args.epochs} epochs, straggler: pipeline {args.slow} slowed {args.slowdown}x (compute), gloo on CPU")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     L = [f"# sdpipe against allreduce with a {args.slowdown:g}x straggler", ""]
-    L += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    L += meta_lines(meta)
     L += ["", "| scenario | sdpipe samples/s | allreduce samples/s | sdpipe / allreduce | ideal (sum of speeds) | sdpipe / ideal | allreduce / ideal | sdpipe acc | allreduce acc |",
           "|---|---|---|---|---|---|---|---|---|"]
     for label, s in summary.items():

@@ -11,13 +11,13 @@ after the first (which includes process-group set-up).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _common import local_cluster, meta_lines, run_meta
 
 
 def main(argv=None) -> int:
@@ -28,18 +28,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "throughput.md"))
     args = ap.parse_args(argv)
 
-    import dask
-    import distributed
-    import torch
-    from distributed import Client, LocalCluster
-
     import sdpipe
     from sdpipe.data import digits, digits_mlp
 
     train_data, _ = digits()
-    cluster = LocalCluster(n_workers=8, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
-                           env={"OMP_NUM_THREADS": "1"})
-    client = Client(cluster, set_as_default=False)
+    client, cluster = local_cluster(8)
     rows = []
     try:
         for S in (1, 2):
@@ -55,18 +48,11 @@ def main(argv=None) -> int:
         client.close()
         cluster.close()
 
-    cmd = "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": cmd.strip(),
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}",
-        "versions": f"python {platform.python_version()}, torch {torch.__version__}, dask {dask.__version__}, distributed {distributed.__version__}, sdpipe {sdpipe.__version__}",
-        "config": f"digits MLP 64-128-128-10, batch 32 per pipeline, 4 micro-batches, policy {args.policy}, schedule {args.schedule}, gloo on CPU",
-    }
+    meta = run_meta("throughput.py", argv, f"digits MLP 64-128-128-10, batch 32 per pipeline, 4 micro-batches, policy {args.policy}, schedule {args.schedule}, gloo on CPU")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = ["# Throughput of the digits MLP", ""]
-    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    lines += meta_lines(meta)
     lines += ["", "| stages S | pipelines D | samples/s (median) | range over epochs | run wall s |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['stages']} | {r['pipelines']} | {r['samples_per_s']:.0f} | {r['min']:.0f}-{r['max']:.0f} | {r['wall_s']:.1f} |")
