@@ -295,7 +295,8 @@ class Run:
     def set_policy(self, policy: Optional[str] = None, **params) -> None:
         """Switch the synchronization policy and/or change its parameters while training.
 
-        ``policy`` is "sdpipe", "allreduce" or "none"; ``params`` are fields of
+        ``policy`` is "sdpipe", "allreduce" or "none" (a run started with "ps" or
+        "adpsgd" keeps it, as their servers live for the whole run); ``params`` are fields of
         :class:`sdpipe.scheduler.SchedulerPolicy` (``staleness``, ``max_group``,
         ``window_init``, ``window_min``, ``window_max``, ...).  Every worker takes
         the change up at its next step boundary, replicas that synchronize
@@ -303,11 +304,15 @@ class Run:
         ``allreduce`` or ``none`` moves to scheduled groups; from then on
         "allreduce" means every replica averages with all others after every step.
         """
+        from .config import LIVE_POLICIES, POLICIES
         from .scheduler import POLICY_PRESETS
 
         name = policy or self.policy
-        if name not in POLICY_PRESETS:
-            raise ValueError(f"policy: {name!r} is not one of {', '.join(POLICY_PRESETS)}")
+        if name not in POLICIES:
+            raise ValueError(f"policy: {name!r} is not one of {', '.join(POLICIES)}")
+        if name not in LIVE_POLICIES or self.config.policy not in LIVE_POLICIES:
+            which = name if name not in LIVE_POLICIES else self.config.policy
+            raise ValueError(f"policy: {which!r} cannot be switched to or from while training; live switches are between {', '.join(LIVE_POLICIES)}")
         base = self.scheduler_policy if policy is None or policy == self.policy else POLICY_PRESETS[name]
         new = base.updated(**params)
         if new.max_group is not None and new.max_group > self.config.pipelines:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -38,23 +39,28 @@ class EventSink:
         self.topic, self.rank = topic, rank
         self.interval, self.max_buffer = interval, max_buffer
         self.buffer: list = []
+        self._lock = threading.Lock()  # policies' server threads add records too
         self.sent = 0
         self.batches = 0
         self._last = time.monotonic()
 
     def add(self, record: dict) -> None:
-        self.buffer.append(record)
-        if len(self.buffer) >= self.max_buffer or time.monotonic() - self._last >= self.interval:
+        with self._lock:
+            self.buffer.append(record)
+            due = len(self.buffer) >= self.max_buffer or time.monotonic() - self._last >= self.interval
+        if due:
             self.flush()
 
     def flush(self) -> None:
-        self._last = time.monotonic()
-        if not self.buffer:
-            return
-        batch, self.buffer = self.buffer, []
-        self._worker.log_event(self.topic, {"rank": self.rank, "seq": self.batches, "events": batch})
-        self.batches += 1
-        self.sent += len(batch)
+        with self._lock:
+            self._last = time.monotonic()
+            if not self.buffer:
+                return
+            batch, self.buffer = self.buffer, []
+            seq = self.batches
+            self.batches += 1
+            self.sent += len(batch)
+        self._worker.log_event(self.topic, {"rank": self.rank, "seq": seq, "events": batch})
 
 
 @dataclass
@@ -335,7 +341,7 @@ class Worker:
     def close(self, failed: bool) -> None:
         """Drop every group; after a failure abort them so peers fail fast instead of timing out."""
         try:
-            self.policy.close()
+            self.policy.close(failed)
         finally:
             self.link = None
             if failed:
@@ -430,10 +436,13 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
                 break
         state = {k: v.detach().cpu().clone() for k, v in worker.module.state_dict().items()}
         failed = False
-        return {"rank": rank, "state": state, "steps": step, "stopped": stopped, "events": sink.sent + len(sink.buffer)}
+        result = {"rank": rank, "state": state, "steps": step, "stopped": stopped}
+        return result
     finally:
         if worker is not None:
             if failed:
                 worker.policy.leave(worker)
             worker.close(failed)
         sink.flush()
+        if not failed:
+            result["events"] = sink.sent  # counted after closing: policy server threads record too

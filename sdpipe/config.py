@@ -21,7 +21,9 @@ from typing import Any, Mapping, Optional, Union
 
 __all__ = ["Heterogeneity", "TrainConfig", "POLICIES", "SCHEDULE_NAMES", "OPTIMIZERS", "DEVICES"]
 
-POLICIES = ("sdpipe", "allreduce", "none")
+POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
+#: policies a running run can switch between with Run.set_policy
+LIVE_POLICIES = ("sdpipe", "allreduce", "none")
 SCHEDULE_NAMES = ("1f1b", "gpipe")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")

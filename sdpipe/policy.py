@@ -23,16 +23,39 @@ Three kinds of worker-side behaviour cover the policies:
   after its optimizer step a worker asks the group service for its group and
   averages weights with exactly those members (partial-reduce), over a
   process group cached by member set.
+* :class:`GossipPairs` -- ``adpsgd``: asynchronous decentralized gossip with
+  no central view.  Even pipelines are active, odd ones passive (a bipartite
+  split, so no deadlock); after each step an active worker picks a passive
+  one at random and the two average their weights.  A passive worker serves
+  such requests from a background thread while it trains, so it never waits
+  for the active side and the active side never waits for the passive one's
+  step.  The epoch ends with a global sync through the group service.
+* :class:`ParameterServer` -- ``ps``: a parameter server per stage, hosted by
+  the stage's worker of pipeline 0 in a background thread (HetPipe-like).
+  After each step a worker pushes its update (weights minus the weights it
+  last pulled) and pulls the global weights; a pull waits while the worker is
+  more than ``staleness`` steps ahead of the slowest worker of its stage
+  (stale synchronous parallel).  The epoch ends with every worker pulling the
+  same global weights.
 
-``NoSync`` and ``Scheduled`` hand out batches from a shared counter, so a fast
-pipeline trains on more of each epoch than a slow one (work follows speed).
+Every policy except ``allreduce`` hands out batches from a shared counter, so
+a fast pipeline trains on more of each epoch than a slow one (work follows
+speed).
+
+``ps`` and ``adpsgd`` keep servers and request queues that live for the whole
+run, so they are chosen when the run starts; live switches move between
+``sdpipe``, ``allreduce`` and ``none``.
 """
 
 from __future__ import annotations
 
+import datetime
+import threading
 import time
 
-__all__ = ["SyncPolicy", "AllReduce", "NoSync", "Scheduled", "make_policy", "WORKER_MODES"]
+__all__ = ["SyncPolicy", "AllReduce", "NoSync", "Scheduled", "GossipPairs", "ParameterServer", "make_policy", "WORKER_MODES"]
+
+TAG_SERVE = 7  # point-to-point traffic of the gossip and parameter-server exchanges
 
 
 class SyncPolicy:
@@ -60,8 +83,8 @@ class SyncPolicy:
     def leave(self, worker) -> None:
         """The worker stops for good (stop or failure)."""
 
-    def close(self) -> None:
-        """Release groups; called once, also after an error."""
+    def close(self, failed: bool = False) -> None:
+        """Release groups; called once, also after an error (``failed``)."""
 
 
 class NoSync(SyncPolicy):
@@ -108,7 +131,7 @@ class AllReduce(SyncPolicy):
         worker.span("sync", step, None, start, time.time(), group=self.members)
         return votes[0] > 0.5, int(round(votes[1]))
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.group = None
 
 
@@ -150,12 +173,360 @@ class Scheduled(SyncPolicy):
     def leave(self, worker) -> None:
         worker.leave_service()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.groups.clear()
 
 
+# ---------------------------------------------------------------- servers
+def _state_tensors(worker) -> list:
+    """What replicas of a stage keep in step: parameters and floating buffers."""
+    return [p.data for p in worker.module.parameters()] + [b for b in worker.module.buffers() if b.is_floating_point()]
+
+
+def _flat(tensors: list, device):
+    import torch
+
+    if not tensors:
+        return torch.zeros(0, device=device)
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).to(device)
+
+
+def _unflat_(tensors: list, flat) -> None:
+    offset = 0
+    for t in tensors:
+        k = t.numel()
+        t.copy_(flat[offset : offset + k].view_as(t))
+        offset += k
+
+
+class _Mailbox:
+    """Requests to one server, through the run's store: a counter hands out slots in order."""
+
+    def __init__(self, store, prefix: str):
+        self.store, self.prefix = store, prefix
+
+    def put(self, text: str) -> int:
+        i = self.store.add(self.prefix + "n", 1) - 1
+        self.store.set(f"{self.prefix}req/{i}", text)
+        return i
+
+    def issued(self) -> int:
+        return self.store.add(self.prefix + "n", 0)
+
+    def get(self, i: int, timeout: float):
+        key = f"{self.prefix}req/{i}"
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=timeout))
+        except Exception:  # not there yet
+            return None
+        text = self.store.get(key).decode()
+        self.store.delete_key(key)
+        return text
+
+
+class _Server(threading.Thread):
+    """Serves a mailbox in order until stopped; an error is kept for the main thread to raise."""
+
+    def __init__(self, name: str, mailbox: _Mailbox, handle):
+        super().__init__(name=name, daemon=True)
+        self.mailbox, self.handle = mailbox, handle
+        self.stopping = threading.Event()
+        self.error = None
+        self.served = 0
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                text = self.mailbox.get(self.served, 0.2)
+                if text is None:
+                    continue
+                self.handle(text)
+                self.served += 1
+        except BaseException as e:  # surfaced by check() in the worker's main thread
+            self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"{self.name}: {type(self.error).__name__}: {self.error}") from self.error
+
+    def finish(self, timeout: float, until=None) -> None:
+        """Stop once ``until()`` holds (or at once), waiting at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while until is not None and not until() and self.error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.stopping.set()
+        self.join(max(0.0, deadline - time.monotonic()) + 1.0)
+
+
+class GossipPairs(Scheduled):
+    """``adpsgd``: random pairs, no central view (AD-PSGD, Lian et al. 2018).
+
+    Pipeline ``p`` is active when ``p`` is even.  An active worker, after its
+    optimizer step, picks a passive worker of its stage at random and the two
+    set their weights to the pair's mean: the active one in its main thread,
+    the passive one by adding ``(x_active - x_passive) / 2`` at its next step
+    boundary (so autograd never sees weights change under it and the sum over
+    the replicas is conserved).  The epoch ends with a global sync.
+    """
+
+    name = "adpsgd"
+
+    def setup(self, worker) -> None:
+        super().setup(worker)
+        D, stage = worker.pipelines, worker.stage
+        self.tensors = _state_tensors(worker)
+        self.device = worker.link_device
+        self.active = worker.pipeline % 2 == 0
+        self.passives = [p for p in range(D) if p % 2 == 1]
+        self.actives = [p for p in range(D) if p % 2 == 0]
+        self.prefix = f"adpsgd/{stage}/"
+        self.store = worker.store
+        self.pg = worker.group(f"adpsgd-stage{stage}", worker.pipeline, D) if D > 1 else None
+        self.lock = threading.Lock()
+        self.pending = None  # sum of the deltas served but not yet applied
+        self.left = False
+        self.server = None
+        self.worker = worker
+        if self.pg is not None and not self.active:
+            self.server = _Server(f"adpsgd-server-{stage}-{worker.pipeline}", _Mailbox(self.store, f"{self.prefix}{worker.pipeline}/"), self._serve)
+            self.server.start()
+
+    def _serve(self, text: str) -> None:
+        import torch
+
+        active, step = (int(x) for x in text.split(","))
+        start = time.time()
+        with self.lock:
+            mine = _flat(self.tensors, self.device)
+        theirs = torch.empty_like(mine)
+        self.pg.recv([theirs], active, TAG_SERVE).wait()
+        self.pg.send([mine], active, TAG_SERVE).wait()
+        delta = (theirs - mine).div_(2)
+        with self.lock:
+            self.pending = delta if self.pending is None else self.pending.add_(delta)
+        w = self.worker
+        w.span("sync", None, None, start, time.time(), group=sorted((active, w.pipeline)), reason="pair", served=True)
+
+    def _apply_pending(self) -> None:
+        if self.server is None:
+            return
+        self.server.check()
+        with self.lock:
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                flat = _flat(self.tensors, self.device).add_(pending)
+                _unflat_(self.tensors, flat.to(self.tensors[0].device))
+
+    def after_backward(self, worker, step: int, stop: bool, version: int) -> tuple:
+        if self.server is not None:
+            self.lock.acquire()  # the optimizer step must not interleave with a snapshot being served
+        return stop, version
+
+    def after_step(self, worker, step: int) -> None:
+        import torch
+
+        if self.server is not None:
+            self.lock.release()
+            self._apply_pending()
+            return
+        if self.pg is None or not self.passives:
+            return
+        peer = worker.rng.choice(self.passives)
+        start = time.time()
+        worker.delay_link()
+        _Mailbox(self.store, f"{self.prefix}{peer}/").put(f"{worker.pipeline},{step}")
+        mine = _flat(self.tensors, self.device)
+        theirs = torch.empty_like(mine)
+        work = self.pg.send([mine], peer, TAG_SERVE)
+        self.pg.recv([theirs], peer, TAG_SERVE).wait()
+        work.wait()
+        _unflat_(self.tensors, mine.add_(theirs).div_(2).to(self.tensors[0].device))
+        worker.span("sync", step, None, start, time.time(), group=sorted((worker.pipeline, peer)), reason="pair")
+
+    def epoch_end(self, worker, step: int) -> None:
+        answer = worker.ask_group(step, global_sync=True)
+        if self.server is not None:
+            # every active worker is at the global sync or gone, so no request is still coming:
+            # serve all issued ones and fold them in before averaging
+            issued = self.server.mailbox.issued()
+            deadline = time.monotonic() + worker.timeout
+            while self.server.served < issued and self.server.error is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served {self.server.served} of {issued} exchanges")
+                time.sleep(0.001)
+            self._apply_pending()
+        self._average(worker, answer, step)
+
+    def _leave_pairs(self) -> None:
+        if self.active and self.pg is not None and not self.left:
+            self.left = True
+            self.store.add(self.prefix + "left", 1)
+
+    def leave(self, worker) -> None:
+        self._leave_pairs()
+        super().leave(worker)
+
+    def close(self, failed: bool = False) -> None:
+        try:
+            self._leave_pairs()
+        except Exception:
+            pass
+        if self.server is not None:
+            if self.lock.locked():
+                self.lock.release()
+            if failed:
+                self.server.finish(0.0)
+            else:
+                # serve until every active worker of the stage has left and every request is answered
+                done = lambda: self.store.add(self.prefix + "left", 0) >= len(self.actives) and self.server.served >= self.server.mailbox.issued()
+                self.server.finish(self.worker.timeout, done)
+                self.server.check()
+            self.server = None
+        self.pg = None
+        super().close(failed)
+
+
+class ParameterServer(SyncPolicy):
+    """``ps``: one parameter server per stage with a staleness bound (HetPipe-like).
+
+    The server (a thread in the stage's pipeline-0 worker) keeps the global
+    weights ``w``.  Worker ``c`` sends ``x_c - x_c^pulled`` after each step;
+    the server adds it to ``w`` and answers with ``w`` once ``c`` is at most
+    ``staleness`` steps ahead of the slowest live worker of the stage that
+    still trains this epoch.  At the epoch end every worker pushes and they
+    all pull the same ``w`` (the global sync); step counts restart.
+    """
+
+    name = "ps"
+
+    def setup(self, worker) -> None:
+        D, stage = worker.pipelines, worker.stage
+        self.worker = worker
+        self.tensors = _state_tensors(worker)
+        self.device = worker.link_device
+        self.pulled = _flat(self.tensors, self.device).clone()
+        self.staleness = int(worker.cfg["scheduler"]["staleness"])
+        self.pg = worker.group(f"ps-stage{stage}", worker.pipeline, D) if D > 1 else None
+        self.mailbox = _Mailbox(worker.store, f"ps/{stage}/")
+        self.host = worker.pipeline == 0
+        self.left = False
+        self.server = None
+        if self.pg is not None and self.host:
+            self.w = self.pulled.clone()
+            self.clock = {c: 0 for c in range(D)}
+            self.live = set(range(D))
+            self.at_global: set = set()
+            self.waiting: dict = {}  # client -> kind of its pending pull
+            self.local_reply = None
+            self.local_event = threading.Event()
+            self.local_delta = None
+            self.server = _Server(f"ps-server-{stage}", self.mailbox, self._serve)
+            self.server.start()
+
+    # ------------------------------------------------ server side (host only)
+    def _serve(self, text: str) -> None:
+        import torch
+
+        kind, client = text.split(",")[:2]
+        client = int(client)
+        if kind == "leave":
+            self.live.discard(client)
+            self.waiting.pop(client, None)
+            self.at_global.discard(client)
+        else:
+            if client == 0:
+                delta = self.local_delta
+            else:
+                delta = torch.empty_like(self.w)
+                self.pg.recv([delta], client, TAG_SERVE).wait()
+            self.w.add_(delta)
+            if kind == "global":
+                self.at_global.add(client)
+            else:
+                self.clock[client] += 1
+            self.waiting[client] = kind
+        self._release()
+
+    def _reply(self, client: int) -> None:
+        if client == 0:
+            self.local_reply = self.w.clone()
+            self.local_event.set()
+        else:
+            self.pg.send([self.w], client, TAG_SERVE).wait()
+
+    def _release(self) -> None:
+        if self.at_global and self.at_global >= self.live:
+            # the global sync: everyone still training pulls the same weights, clocks restart
+            for c in sorted(self.at_global):
+                self.waiting.pop(c, None)
+                self._reply(c)
+            self.at_global.clear()
+            self.clock = {c: 0 for c in self.clock}
+            return
+        running = [self.clock[c] for c in self.live if c not in self.at_global]
+        slowest = min(running) if running else 0
+        for c, kind in list(self.waiting.items()):
+            if kind == "step" and self.clock[c] - slowest <= self.staleness:
+                del self.waiting[c]
+                self._reply(c)
+
+    # ------------------------------------------------ client side
+    def _exchange(self, worker, step: int, kind: str) -> None:
+        import torch
+
+        if self.pg is None:
+            return
+        start = time.time()
+        worker.delay_link()
+        delta = _flat(self.tensors, self.device).sub_(self.pulled)
+        if self.host:
+            self.server.check()
+            self.local_event.clear()
+            self.local_delta = delta
+            self.mailbox.put(f"{kind},0,{step}")
+            if not self.local_event.wait(worker.timeout):
+                self.server.check()
+                raise TimeoutError(f"ps: stage {worker.stage} got no reply from its server within {worker.timeout} s")
+            w = self.local_reply
+        else:
+            self.mailbox.put(f"{kind},{worker.pipeline},{step}")
+            self.pg.send([delta], 0, TAG_SERVE).wait()
+            w = torch.empty_like(delta)
+            self.pg.recv([w], 0, TAG_SERVE).wait()
+        _unflat_(self.tensors, w.to(self.tensors[0].device))
+        self.pulled = w
+        members = list(range(worker.pipelines)) if kind == "global" else [worker.pipeline]
+        worker.span("sync", step, None, start, time.time(), group=members, reason=kind if kind == "global" else "ps", server=0)
+
+    def after_step(self, worker, step: int) -> None:
+        self._exchange(worker, step, "step")
+
+    def epoch_end(self, worker, step: int) -> None:
+        self._exchange(worker, step, "global")
+
+    def leave(self, worker) -> None:
+        if self.pg is not None and not self.left:
+            self.left = True
+            self.mailbox.put(f"leave,{worker.pipeline}")
+
+    def close(self, failed: bool = False) -> None:
+        try:
+            self.leave(self.worker)
+        except Exception:
+            pass
+        if self.server is not None:
+            if failed:
+                self.server.finish(0.0)
+            else:
+                self.server.finish(self.worker.timeout, lambda: not self.live)
+                self.server.check()
+            self.server = None
+        self.pg = None
+
+
 #: worker-side behaviour by policy name
-WORKER_MODES = {"allreduce": AllReduce, "none": NoSync, "sdpipe": Scheduled, "scheduled": Scheduled}
+WORKER_MODES = {"allreduce": AllReduce, "none": NoSync, "sdpipe": Scheduled, "scheduled": Scheduled,
+                "adpsgd": GossipPairs, "ps": ParameterServer}
 
 
 def make_policy(name: str) -> SyncPolicy:

@@ -81,7 +81,7 @@ class SchedulerPolicy:
     shrink: float = 0.9
     """Factor of the window after a large enough group."""
     staleness: int = 10
-    """P: every run of at most P rounds of a stage connects all its live workers."""
+    """P: every run of at most P rounds of a stage connects all its live workers (for "ps": steps a worker may run ahead)."""
     pair_threshold: int = 8
     """Above this many live workers, ordinary rounds pair their members."""
 

@@ -22,3 +22,14 @@ def live_process_groups(client) -> int:
         return sum(1 for o in gc.get_objects() if isinstance(o, kinds))
 
     return sum(client.run(count).values())
+
+
+def server_threads(client) -> list:
+    """Names of policy server threads (ps, adpsgd) still running in the cluster's worker processes."""
+
+    def names():
+        import threading
+
+        return [t.name for t in threading.enumerate() if t.name.startswith(("ps-server", "adpsgd-server"))]
+
+    return [n for ns in client.run(names).values() for n in ns]

@@ -23,7 +23,7 @@ def test_cli_train_prints_progress_and_summary(policy, no_leaks):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--policy", "gossip"], "sdpipe: error: policy: 'gossip' is not one of sdpipe, allreduce, none"),
+        (["--policy", "gossip"], "sdpipe: error: policy: 'gossip' is not one of sdpipe, allreduce, ps, adpsgd, none"),
         (["--pipelines", "0"], "sdpipe: error: pipelines: must be an integer >= 1, got 0"),
         (["--batch-size", "30"], "sdpipe: error: batch_size: 30 is not divisible into 4 micro-batches"),
         (["--cluster", "tcp://127.0.0.1:9"], "sdpipe: error: cluster: cannot reach a Dask scheduler"),

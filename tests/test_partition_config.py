@@ -65,7 +65,7 @@ def test_partition_sequential_and_list():
     [
         (dict(pipelines=0), "pipelines: must be an integer >= 1, got 0"),
         (dict(stages=0), "stages: must be an integer >= 1"),
-        (dict(policy="gossip"), "policy: 'gossip' is not one of sdpipe, allreduce, none"),
+        (dict(policy="gossip"), "policy: 'gossip' is not one of sdpipe, allreduce, ps, adpsgd, none"),
         (dict(schedule="zigzag"), "schedule: 'zigzag' is not one of 1f1b, gpipe"),
         (dict(batch_size=30, microbatches=4), "batch_size: 30 is not divisible into 4 micro-batches"),
         (dict(optimizer="lbfgs"), "optimizer: 'lbfgs' is not one of sgd, adam, adamw"),
