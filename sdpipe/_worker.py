@@ -388,7 +388,8 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
                     worker.policy.leave(worker)
                     break
                 if cmd == CMD_EPOCH_END:
-                    worker.policy.epoch_end(worker, step)
+                    if (epoch + 1) % cfg["sync_every"] == 0 or epoch == cfg["epochs"] - 1:
+                        worker.policy.epoch_end(worker, step)
                     break
                 t = time.time()
                 h = worker.hetero

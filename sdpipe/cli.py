@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--microbatches", type=int, default=4)
     t.add_argument("--batch-size", type=int, default=32, help="samples per step per pipeline")
     t.add_argument("--epochs", type=int, default=10)
+    t.add_argument("--sync-every", type=int, default=1, help="epochs between global syncs (sdpipe, ps, adpsgd)")
+    t.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="the digits MLP or a small CNN (more compute per weight)")
     t.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
     t.add_argument("--lr", type=float, default=0.002)
     t.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
@@ -84,24 +86,26 @@ def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int) -> 
 
 def _train(args) -> int:
     from . import Heterogeneity, train
-    from .data import digits, digits_mlp
+    from .data import digits, digits_cnn, digits_mlp
 
     hetero = None
     if args.slowdown or args.straggle_prob:
         hetero = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay)
     train_data, eval_data = digits(seed=args.seed)
-    model = digits_mlp(hidden=args.hidden, seed=args.seed)
+    model = digits_cnn(seed=args.seed) if args.model == "cnn" else digits_mlp(hidden=args.hidden, seed=args.seed)
     run = train(
         model,
         train_data,
         eval_data=eval_data,
         stages=args.stages,
+        cuts=(6,) if args.model == "cnn" and args.stages == 2 else None,  # balanced by compute, not by weights
         pipelines=args.pipelines,
         policy=args.policy,
         schedule=args.schedule,
         microbatches=args.microbatches,
         batch_size=args.batch_size,
         epochs=args.epochs,
+        sync_every=args.sync_every,
         optimizer=args.optimizer,
         lr=args.lr,
         seed=args.seed,

@@ -139,6 +139,9 @@ class TrainConfig:
     """Samples per step per pipeline."""
     epochs: int = 10
     """Passes over the training data."""
+    sync_every: int = 1
+    """Epochs between global syncs (every pipeline stops at one step and the replicas are averaged) under
+    "sdpipe", "ps" and "adpsgd"; the last epoch always ends with one.  "allreduce" is always in sync."""
     optimizer: str = "adam"
     """Local optimizer of every worker: one of OPTIMIZERS."""
     lr: float = 0.002
@@ -179,6 +182,7 @@ class TrainConfig:
                 f"use a multiple of microbatches"
             )
         _positive_int("epochs", self.epochs)
+        _positive_int("sync_every", self.sync_every)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         _number("lr", self.lr, 0.0, lo_open=True)

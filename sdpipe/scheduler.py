@@ -13,16 +13,21 @@ its prototype's constants::
     Each member's window then adapts: doubled (<= window_max) when the group
     had fewer than min_group members, else times 0.9 (>= window_min).
 
-Connectivity bound: rounds are counted per stage; the groups since the last
-reset are kept in a disjoint set.  When the union connects every live worker
-of the stage the count resets.  Otherwise the ``staleness``-th round becomes a
-*graph-sync* round: it ignores window and size and closes only once its
-members join the union into one component.  So every run of at most
-``staleness`` rounds mixes every worker's model with every other's, directly
-or transitively.  One stage holds a graph sync at a time: a stage whose
-graph sync would start while another stage holds one keeps forming ordinary
-rounds (so its bound stretches by those rounds) and starts its graph sync with
-its first round after the token is free.  Holding workers of two stages at
+Connectivity bound: as in the SDPipe prototype, updates are counted per
+stage (one per member of each group: a worker's step) and the groups since
+the last reset are kept in a disjoint set.  When the union connects every
+live worker of the stage the count resets.  Otherwise, once the count reaches
+``(staleness - 1) * D`` (D live workers: P - 1 steps of every worker), the
+next round is a *graph-sync* round: it ignores window and size and closes
+only once its members join the union into one component.  So every worker's
+model mixes with every other's, directly or transitively, within P steps'
+worth of updates, ``P * D`` (the last ordinary round may overshoot the
+threshold by less than one round).  Counting updates rather than rounds keeps
+the bound about steps: a fast worker's many small groups do not bring the
+next graph sync forward.  One stage holds a graph sync at a time: a stage
+whose graph sync would start while another stage holds one keeps forming
+ordinary rounds (so its bound stretches by those rounds) and starts its
+graph sync with its first round after the token is free.  Holding workers of two stages at
 once can deadlock: a held worker of stage 1 may be the one its pipeline's
 stage-0 worker needs to finish the step that stage 0's graph sync waits for.
 
@@ -81,7 +86,7 @@ class SchedulerPolicy:
     shrink: float = 0.9
     """Factor of the window after a large enough group."""
     staleness: int = 10
-    """P: every run of at most P rounds of a stage connects all its live workers (for "ps": steps a worker may run ahead)."""
+    """P: the groups of every P x D updates of a stage connect all its D live workers (for "ps": steps a worker may run ahead)."""
     pair_threshold: int = 8
     """Above this many live workers, ordinary rounds pair their members."""
 
@@ -233,7 +238,7 @@ class StageScheduler:
         self.round = 0
         self.open: Optional[_Round] = None
         self.dsu = DisjointSet(self.live)
-        self.since_reset = 0
+        self.since_reset = 0  # updates (group members) since the union last connected
         self.global_waiting: set = set()
         self.waiting: set = set()  # workers inside the open round
         #: set by GroupScheduler: whether this stage holds (or may take) the graph-sync token
@@ -248,7 +253,8 @@ class StageScheduler:
         return max(1, min(self.policy.max_group or avail, avail))
 
     def needs_graph_sync(self) -> bool:
-        return self.since_reset >= self.policy.staleness - 1 and not self.dsu.connects(self._available())
+        avail = self._available()
+        return self.since_reset >= (self.policy.staleness - 1) * len(avail) and not self.dsu.connects(avail)
 
     def next_deadline(self) -> Optional[float]:
         """When a Tick could close the open round (None: nothing to time)."""
@@ -372,7 +378,7 @@ class StageScheduler:
             self.dsu = DisjointSet(self.live)
             self.since_reset = 0
         else:
-            self.since_reset += 1
+            self.since_reset += len(members)
         return out
 
     # -------------------------------------------------------------- state
