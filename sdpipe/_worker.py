@@ -118,6 +118,8 @@ class Worker:
         self.hetero_version = 0
         self.policy_version = 0
         self.dispense_base: dict = {}
+        self._last_dispense = None  # (epoch, time) of this pipeline's last batch
+        self._step_time = None  # recent seconds per step of this pipeline, all waits included
         self.policy = make_policy(cfg["policy"])
         self.policy.setup(self)
 
@@ -221,9 +223,47 @@ class Worker:
             self.span("control", step, None, now, now, what="policy", policy=spec["name"], version=pv, applied_by="worker")
 
     def dispense(self, epoch: int):
-        """Stage 0: the next batch of ``epoch`` from the counter shared by all pipelines, or None when it is used up."""
-        b = self.dispense_base.get(epoch, 0) + self.store.add(f"epoch{epoch}/taken", 1) - 1
-        return b if b < self.batches_per_epoch else None
+        """Stage 0: the next batch of ``epoch`` from the counter shared by all pipelines, or None when it is used up.
+
+        Each pipeline publishes its step time (an average over recent steps).
+        In the epoch's tail a pipeline leaves the last batches to the others
+        when they would finish all of them before it finished one: so the
+        epoch, and the global sync that ends it, does not wait for a slow
+        pipeline's last step.
+        """
+        now = time.monotonic()
+        last = self._last_dispense
+        if last is not None and last[0] == epoch:
+            dt = now - last[1]
+            self._step_time = dt if self._step_time is None else 0.7 * self._step_time + 0.3 * dt
+        if self._step_time is not None:
+            self.store.set(f"epoch{epoch}/steptime/{self.pipeline}", repr(self._step_time))
+        base = self.dispense_base.get(epoch, 0)
+        taken = self.store.add(f"epoch{epoch}/taken", 0)
+        remaining = self.batches_per_epoch - base - taken
+        b = None
+        if remaining > 0 and not (remaining <= 8 * self.pipelines and self._leave_tail(epoch, remaining)):
+            b = base + self.store.add(f"epoch{epoch}/taken", 1) - 1
+        if b is None or b >= self.batches_per_epoch:
+            self.store.set(f"epoch{epoch}/steptime/{self.pipeline}", "inf")  # out of this epoch
+            self._last_dispense = None
+            return None
+        self._last_dispense = (epoch, now)
+        return b
+
+    def _leave_tail(self, epoch: int, remaining: int) -> bool:
+        """Whether the faster pipelines still in ``epoch`` would take the ``remaining`` batches before this one finished one.
+
+        Only faster pipelines count, so the fastest one never leaves batches behind.
+        """
+        mine = self._step_time
+        if mine is None:
+            return False
+        keys = [f"epoch{epoch}/steptime/{p}" for p in range(self.pipelines) if p != self.pipeline]
+        keys = [k for k in keys if self.store.check([k])]
+        times = [float(v) for v in self.store.multi_get(keys)] if keys else []
+        rate = sum(1.0 / t for t in times if 0 < t < mine)
+        return rate > 0 and remaining / rate < mine
 
     def ask_group(self, step: int, global_sync: bool) -> dict:
         """Tell the group service this worker is ready; wait (bounded) for its group."""
