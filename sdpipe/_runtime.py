@@ -236,7 +236,7 @@ class Run:
         cfg = self.config
         self._token = uuid.uuid4().hex
         self._ctl_lock = threading.Lock()
-        self._ctl = {"stop": 0, "hetero": 0, "policy": 0}
+        self._ctl = {"stop": 0, "hetero": 0, "policy": 0, "pause": 0}
         self._mode = "scheduled" if cfg.policy == "sdpipe" else cfg.policy
         self.policy = cfg.policy
         self.scheduler_policy = cfg.scheduler_policy()
@@ -256,7 +256,7 @@ class Run:
 
     def _write_ctl(self) -> None:
         c = self._ctl
-        self._run_store.set("ctl", f"{c['stop']},{c['hetero']},{c['policy']}")
+        self._run_store.set("ctl", f"{c['stop']},{c['hetero']},{c['policy']},{c['pause']}")
 
     def _record(self, what: str, **extra) -> None:
         now = time.time() - self._t0
@@ -371,13 +371,38 @@ class Run:
             except Exception:  # the store is gone: the run already ended
                 pass
 
+    def pause(self) -> None:
+        """Hold every pipeline at its next step boundary until :meth:`resume` (or :meth:`stop`).
+
+        Replicas that synchronize every step pause at the same step.  Waits do
+        not time out while the run is paused.
+        """
+        self._set_pause(True)
+
+    def resume(self) -> None:
+        """Let a paused run go on."""
+        self._set_pause(False)
+
+    def _set_pause(self, paused: bool) -> None:
+        what = "pause" if paused else "resume"
+        self._require_running(what)
+        with self._ctl_lock:
+            self._service("sdpipe_pause", token=self._token, paused=paused)
+            self._ctl["pause"] = int(paused)
+            self._write_ctl()
+        self._record(what)
+
+    @property
+    def paused(self) -> bool:
+        return bool(getattr(self, "_ctl", {}).get("pause"))
+
     def done(self) -> bool:
         return self._done.is_set()
 
     @property
     def status(self) -> str:
         if not self._done.is_set():
-            return "stopping" if self._stop_requested else "running"
+            return "stopping" if self._stop_requested else ("paused" if getattr(self, "_ctl", {}).get("pause") else "running")
         return "error" if self._error else ("stopped" if self._result and self._result.stopped else "finished")
 
     def result(self, timeout: Optional[float] = None) -> RunResult:

@@ -13,6 +13,8 @@ hosts one :class:`~sdpipe.scheduler.GroupScheduler` per run.  Its routes
     a worker leaves its stage for good: stop or failure (worker or driver).
 ``sdpipe_set_policy(run_id, token, policy, policy_name)``
     change the policy live (driver).
+``sdpipe_pause(run_id, token, paused)``
+    the run is paused or resumed (driver): while paused, waits for a group do not time out.
 ``sdpipe_state(run_id)``
     a plain-data snapshot of the scheduler (anyone).
 ``sdpipe_close(run_id, token)``
@@ -49,6 +51,8 @@ class _RunState:
         self.waiters: dict = {}
         self.timer = None
         self.seq = 0
+        self.paused = False
+        self.resumed_at = -1e9  # service clock of the last resume
 
 
 class GroupService(SchedulerPlugin):
@@ -68,6 +72,7 @@ class GroupService(SchedulerPlugin):
                 "sdpipe_ready": self.ready,
                 "sdpipe_leave": self.leave,
                 "sdpipe_set_policy": self.set_policy,
+                "sdpipe_pause": self.pause,
                 "sdpipe_state": self.state,
                 "sdpipe_close": self.close_run,
             }
@@ -179,7 +184,13 @@ class GroupService(SchedulerPlugin):
             return {"error": str(e)}
         self._dispatch(run_id, st, decisions)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), timeout)
+                except asyncio.TimeoutError:
+                    # a paused run holds pipelines at their step boundaries: their groups wait with them
+                    if not (st.paused or st.resumed_at > self._now(st) - timeout):
+                        raise
         except asyncio.TimeoutError:
             # Nobody came: take the pipeline out so the others do not wait on it, and fail this worker.
             st.waiters.pop(key, None)
@@ -207,6 +218,13 @@ class GroupService(SchedulerPlugin):
         self._dispatch(run_id, st, decisions)
         return {"ok": True, "version": st.version}
 
+    def pause(self, run_id, token, paused):
+        st = self._run(run_id, token)
+        st.paused = bool(paused)
+        if not st.paused:
+            st.resumed_at = self._now(st)
+        return {"ok": True}
+
     def state(self, run_id):
         st = self._run(run_id)
         return {
@@ -215,6 +233,7 @@ class GroupService(SchedulerPlugin):
             "stages": [s.snapshot() for s in st.core.stages],
             "waiting": sorted([list(k) for k in st.waiters]),
             "graph_holder": st.core.graph_holder,
+            "paused": st.paused,
         }
 
     def close_run(self, run_id, token):

@@ -22,7 +22,7 @@ from .config import Heterogeneity
 from .data import batch_indices
 from .policy import AllReduce, make_policy
 
-CMD_STOP, CMD_RUN, CMD_EPOCH_END = 0, 1, 2
+CMD_STOP, CMD_RUN, CMD_EPOCH_END, CMD_PAUSE = 0, 1, 2, 3
 
 
 class EventSink:
@@ -190,14 +190,30 @@ class Worker:
             t = self.link.recv((len(msg),), torch.int64, self.stage - 1, TAG_CTRL)
         if not self.last:
             self.link.send(t, self.stage + 1, TAG_CTRL)
-        if not self.first:
+        if not self.first and int(t[0]) != CMD_PAUSE:
             self.span("wait", int(t[2]), None, start, time.time())
         return [int(x) for x in t.tolist()]
 
     def read_ctl(self) -> tuple:
-        """(stop requested, heterogeneity version, policy version) as the driver last set them."""
-        stop, hv, pv = self.store.get("ctl").decode().split(",")
-        return stop == "1", int(hv), int(pv)
+        """(stop requested, heterogeneity version, policy version, paused) as the driver last set them."""
+        stop, hv, pv, pause = self.store.get("ctl").decode().split(",")
+        return stop == "1", int(hv), int(pv), pause == "1"
+
+    def hold(self, step: int, hv: int, pv: int) -> tuple:
+        """Stage 0: hold the pipeline at this step boundary while the run is paused.
+
+        A heartbeat control message goes down the pipeline a few times a
+        second, so the other stages' waits never run into their timeout.
+        Returns (stop, heterogeneity version, policy version) once resumed.
+        """
+        start = time.time()
+        while True:
+            self.control([CMD_PAUSE, 0, step, -1, hv, pv])
+            time.sleep(0.2)
+            stop, hv, pv, pause = self.read_ctl()
+            if stop or not pause:
+                self.span("pause", step, None, start, time.time())
+                return stop, hv, pv
 
     def apply_ctl(self, step: int, hv: int, pv: int, epoch: int, j) -> None:
         """Take up new heterogeneity or a new policy at this step boundary (same step on every stage)."""
@@ -406,22 +422,29 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
         worker = Worker(spec, rank, sink)
         cfg = spec["config"]
         bs = cfg["batch_size"]
-        pending_stop, pending_version = False, 0
+        pending_stop, pending_version, pending_pause = False, 0, False
         for epoch in range(cfg["epochs"]):
             epoch_start = time.time()
             losses, samples, j = [], 0, 0
             while True:
                 if worker.first:
-                    stop, hv, pv = worker.read_ctl()
+                    stop, hv, pv, pause = worker.read_ctl()
                     if isinstance(worker.policy, AllReduce):
                         # coupled replicas act on what they agreed in the last collective
-                        stop, pv = pending_stop, pending_version or worker.policy_version
+                        stop, pv, pause = pending_stop, pending_version or worker.policy_version, pending_pause
+                    if pause and not stop:
+                        stop, hv, pv = worker.hold(step, hv, pv)
+                        pending_pause = False
+                        if isinstance(worker.policy, AllReduce):
+                            stop, pv = stop or pending_stop, pending_version or worker.policy_version
                     batch = None if stop else worker.policy.next_batch(worker, epoch, j)
                     cmd = CMD_STOP if stop else (CMD_EPOCH_END if batch is None else CMD_RUN)
                     msg = [cmd, epoch, step, -1 if batch is None else batch, hv, pv]
                 else:
                     msg = [0] * 6
                 cmd, _, _, batch, hv, pv = worker.control(msg)
+                if cmd == CMD_PAUSE:  # stage 0 holds the pipeline; this is its heartbeat
+                    continue
                 worker.apply_ctl(step, hv, pv, epoch, j if cmd == CMD_RUN else None)
                 if cmd == CMD_STOP:
                     stopped = True
@@ -440,10 +463,11 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
                 xb = X[idx].to(worker.device) if worker.first else None
                 yb = Y[idx].to(worker.device) if worker.last else None
                 loss = worker.train_step(step, xb, yb)
-                local_stop, local_version = False, 0
+                local_stop, local_version, local_pause = False, 0, False
                 if worker.first and isinstance(worker.policy, AllReduce):
-                    local_stop, _, local_version = worker.read_ctl()
-                pending_stop, pending_version = worker.policy.after_backward(worker, step, local_stop, local_version)
+                    local_stop, _, local_version, local_pause = worker.read_ctl()
+                pending_stop, pending_version, pending_pause = worker.policy.after_backward(
+                    worker, step, local_stop, local_version, local_pause)
                 t = time.time()
                 if worker.optimizer is not None:
                     worker.optimizer.step()

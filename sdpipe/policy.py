@@ -70,9 +70,9 @@ class SyncPolicy:
         """Stage 0: the batch id of the ``j``-th step of ``epoch`` for this pipeline, or None at the epoch's end."""
         return worker.dispense(epoch)
 
-    def after_backward(self, worker, step: int, stop: bool, version: int) -> tuple:
-        """After the backward of all micro-batches; returns the agreed (stop, policy version)."""
-        return stop, version
+    def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
+        """After the backward of all micro-batches; returns the agreed (stop, policy version, pause)."""
+        return stop, version, pause
 
     def after_step(self, worker, step: int) -> None:
         """After the local optimizer step."""
@@ -113,9 +113,9 @@ class AllReduce(SyncPolicy):
     def next_batch(self, worker, epoch: int, j: int):
         return j * worker.pipelines + worker.pipeline if j < worker.steps_per_epoch else None
 
-    def after_backward(self, worker, step: int, stop: bool, version: int) -> tuple:
+    def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
         if self.group is None:
-            return stop, version
+            return stop, version, pause
         from ._comm import allreduce_mean_
 
         grads = []
@@ -126,10 +126,10 @@ class AllReduce(SyncPolicy):
         start = time.time()
         worker.delay_link()
         # Only pipeline 0 proposes a policy version, so the sum is that version exactly.
-        extras = [float(stop), float(version if worker.pipeline == 0 else 0)]
+        extras = [float(stop), float(version if worker.pipeline == 0 else 0), float(pause)]
         votes = allreduce_mean_(grads, self.group, worker.pipelines, extras=extras, comm_device=worker.link_device)
         worker.span("sync", step, None, start, time.time(), group=self.members)
-        return votes[0] > 0.5, int(round(votes[1]))
+        return votes[0] > 0.5, int(round(votes[1])), votes[2] > 0.5
 
     def close(self, failed: bool = False) -> None:
         self.group = None
@@ -227,9 +227,9 @@ class _Mailbox:
 class _Server(threading.Thread):
     """Serves a mailbox in order until stopped; an error is kept for the main thread to raise."""
 
-    def __init__(self, name: str, mailbox: _Mailbox, handle):
+    def __init__(self, name: str, mailbox: _Mailbox, handle, idle=None):
         super().__init__(name=name, daemon=True)
-        self.mailbox, self.handle = mailbox, handle
+        self.mailbox, self.handle, self.idle = mailbox, handle, idle
         self.stopping = threading.Event()
         self.error = None
         self.served = 0
@@ -239,6 +239,8 @@ class _Server(threading.Thread):
             while not self.stopping.is_set():
                 text = self.mailbox.get(self.served, 0.2)
                 if text is None:
+                    if self.idle is not None:
+                        self.idle()
                     continue
                 self.handle(text)
                 self.served += 1
@@ -317,10 +319,10 @@ class GossipPairs(Scheduled):
                 flat = _flat(self.tensors, self.device).add_(pending)
                 _unflat_(self.tensors, flat.to(self.tensors[0].device))
 
-    def after_backward(self, worker, step: int, stop: bool, version: int) -> tuple:
+    def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
         if self.server is not None:
             self.lock.acquire()  # the optimizer step must not interleave with a snapshot being served
-        return stop, version
+        return stop, version, pause
 
     def after_step(self, worker, step: int) -> None:
         import torch
@@ -420,7 +422,7 @@ class ParameterServer(SyncPolicy):
             self.local_reply = None
             self.local_event = threading.Event()
             self.local_delta = None
-            self.server = _Server(f"ps-server-{stage}", self.mailbox, self._serve)
+            self.server = _Server(f"ps-server-{stage}", self.mailbox, self._serve, idle=self._idle)
             self.server.start()
 
     # ------------------------------------------------ server side (host only)
@@ -446,6 +448,14 @@ class ParameterServer(SyncPolicy):
                 self.clock[client] += 1
             self.waiting[client] = kind
         self._release()
+
+    def _idle(self) -> None:
+        """While the run is paused, pulls held by the staleness bound are answered: paused workers do not catch up."""
+        if any(k == "step" for k in self.waiting.values()) and self.worker.read_ctl()[3]:
+            for c, kind in list(self.waiting.items()):
+                if kind == "step":
+                    del self.waiting[c]
+                    self._reply(c)
 
     def _reply(self, client: int) -> None:
         if client == 0:

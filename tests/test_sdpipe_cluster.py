@@ -134,3 +134,29 @@ def test_bad_control_calls_are_rejected(data, shared_cluster):
             run.set_heterogeneity(slowdown={7: 2.0})
     finally:
         run.result(timeout=120)
+
+
+@pytest.mark.parametrize("policy", ["allreduce", "sdpipe", "ps", "adpsgd"])
+def test_pause_holds_every_pipeline_longer_than_the_timeout_and_resumes(data, shared_cluster, policy):
+    train_data, _ = data
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy=policy, epochs=200, timeout=3.0,
+                       cluster=shared_cluster)
+    opt = lambda evs: [e for e in evs if e["kind"] == "optimizer"]
+    wait_for(run, lambda evs: len(opt(evs)) >= 8)
+    run.pause()
+    assert run.status == "paused"
+    time.sleep(1.0)  # steps in flight finish
+    before = len(opt(run.events))
+    time.sleep(4.0)  # longer than the run's timeout: heartbeats and the service keep the waits alive
+    assert len(opt(run.events)) == before and not run.done()
+    run.resume()
+    wait_for(run, lambda evs: len(opt(evs)) >= before + 8)
+    run.stop()
+    result = run.result(timeout=60)
+    assert result.stopped
+    pauses = [e for e in result.events if e["kind"] == "pause"]
+    assert {e["pipeline"] for e in pauses} == {0, 1} and all(e["end"] - e["start"] > 3.5 for e in pauses)
+    if policy == "allreduce":  # coupled replicas paused at the same step
+        assert len({e["step"] for e in pauses}) == 1
+    assert [e["what"] for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"] == ["pause", "resume"]
+    assert live_process_groups(shared_cluster) == 0
