@@ -472,7 +472,7 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
                 if worker.optimizer is not None:
                     worker.optimizer.step()
                     worker.optimizer.zero_grad(set_to_none=False)
-                worker.span("optimizer", step, None, t, time.time(), epoch=epoch)
+                worker.span("optimizer", step, None, t, time.time(), epoch=epoch, **({"loss": loss} if loss is not None else {}))
                 worker.policy.after_step(worker, step)
                 if loss is not None:
                     losses.append(loss)

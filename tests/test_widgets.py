@@ -1,0 +1,106 @@
+"""The notebook layer: the dashboard over real runs (live and replayed), and the core without it."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+import sdpipe
+from sdpipe.data import digits, digits_mlp
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits()
+
+
+def test_core_imports_without_notebook_packages():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('ipywidgets', 'plotly', 'anywidget', 'IPython'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import sdpipe, sdpipe.scheduler, sdpipe.policy\n"
+        "assert callable(sdpipe.train)\n"
+        "try:\n"
+        "    import sdpipe.widgets\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sdpipe.widgets needs ipywidgets and plotly: pip install 'sdpipe[notebook]'" in out.stdout
+
+
+def test_view_keeps_recent_spans_and_totals_of_all():
+    from sdpipe.widgets import RunView
+
+    v = RunView(1, 2, 32, window=1.0)
+    spans = [{"kind": "forward", "pipeline": p, "stage": 0, "step": i, "start": i * 0.5, "end": i * 0.5 + 0.2}
+             for i in range(10) for p in range(2)]
+    v.add(spans)
+    tl = v.timeline()
+    assert len(tl["compute"]["x"]) == 2 * 3  # spans ending in the last second: steps 7, 8, 9
+    assert min(tl["compute"]["base"]) >= v.now - 1.0
+    assert v.shares()["compute"] == pytest.approx([2.0, 2.0])  # every span counts in the totals
+
+
+@pytest.mark.cluster
+def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster):
+    from sdpipe.widgets import Dashboard
+
+    train_data, eval_data = data
+    result = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="sdpipe", epochs=3,
+                          heterogeneity=sdpipe.Heterogeneity(slowdown={1: 4.0}), cluster=shared_cluster).result(timeout=300)
+    dash = Dashboard(result)
+    assert dash.controls is None  # nothing to steer in a finished run
+    compute = dash.timeline.data[0]
+    assert compute.name == "compute" and len(compute.x) > 10 and set(compute.y) == {f"pipeline {p} stage {s}" for p in (0, 1) for s in (0, 1)}
+    z = dash.groups.data[0].z  # stage 0 membership strip
+    assert any(4 in row for row in z) and len(z) == 2  # global syncs shown, one row per pipeline
+    flagged = [bar for bar, color in zip(dash.stragglers.data[0].x, dash.stragglers.data[0].marker.color) if color == "#E45756"]
+    assert flagged and all(label.startswith("pipeline 1") for label in flagged)
+    assert len(dash.curves.data[0].y) > 5 and list(dash.curves.data[1].x) == [0, 1, 2]  # loss per step, accuracy per epoch
+    assert "finished" in dash.header.value and "ideal" in dash.numbers.value
+
+
+@pytest.mark.cluster
+def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared_cluster):
+    from sdpipe.widgets import Dashboard
+
+    train_data, _ = data
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=100, cluster=shared_cluster)
+    dash = Dashboard(run, interval=0.25)
+    try:
+        deadline = time.monotonic() + 60
+        while dash.view.count < 200:
+            assert time.monotonic() < deadline and not run.done()
+            time.sleep(0.1)
+        t = time.monotonic()
+        sum(range(1000))  # the caller's thread is free while the dashboard redraws
+        assert time.monotonic() - t < 1.0
+        time.sleep(3.0)
+        assert dash.redraw_rate(3.0) >= 2.0
+        dash.w_slow[1].value = 3.0
+        [apply_het] = [b for b in dash.controls.children[1].children if getattr(b, "description", "") == "apply slowdowns"]
+        apply_het.click()
+        assert "done" in dash.message.value
+        [pause] = [b for b in dash.controls.children[2].children if getattr(b, "description", "") == "pause"]
+        pause.click()
+        assert run.status == "paused"
+        [stop] = [b for b in dash.controls.children[2].children if getattr(b, "description", "") == "stop"]
+        stop.click()
+        assert dash.wait(60)
+        result = run.result(timeout=60)
+    finally:
+        run.stop()
+        dash.stop()
+    assert result.stopped
+    ctl = [e for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"]
+    assert [e["what"] for e in ctl] == ["heterogeneity", "pause"]
+    assert ctl[0]["heterogeneity"]["slowdown"] == {"1": 3.0}
+    assert "pause" in dash.timeline.data[-1].text or any("pause" in label for _, label in dash.view.controls)
+    assert "stopped" in dash.header.value

@@ -1,0 +1,226 @@
+"""What the dashboard shows, computed from a run's event records (no widgets, no plotting).
+
+:class:`RunView` takes event records as they arrive (``run.events_since``) or
+all at once (a finished run's ``result.events``) and keeps, in bounded memory:
+
+* the recent spans of every worker for the timeline (older spans only add to
+  per-worker totals by category, so long runs stay fast);
+* the recent group formations per stage, the distribution of group sizes and
+  when graph syncs happened;
+* per-worker step and compute times for straggler detection, each pipeline's
+  own speed (its step time without synchronization and group waits) and the
+  run's samples/s against the ideal (the sum of the pipelines' own speeds);
+* loss per step and metrics per epoch per pipeline;
+* the control changes (policy, heterogeneity, pause) with their times.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict, deque
+
+__all__ = ["RunView", "CATEGORIES", "category"]
+
+#: timeline categories, in drawing order
+CATEGORIES = ("compute", "communication", "synchronization", "waiting", "eval")
+
+_KIND_CATEGORY = {
+    "forward": "compute",
+    "backward": "compute",
+    "optimizer": "compute",
+    "send": "communication",
+    "recv": "communication",
+    "sync": "synchronization",
+    "wait": "waiting",
+    "straggle": "waiting",
+    "pause": "waiting",
+    "eval": "eval",
+}
+
+
+def category(kind: str):
+    """The timeline category of an event kind (None for records that are not spans of work)."""
+    return _KIND_CATEGORY.get(kind)
+
+
+class RunView:
+    """Aggregates event records of one run for display."""
+
+    def __init__(self, stages: int, pipelines: int, batch_size: int, *, window: float = 4.0,
+                 rounds: int = 60, steps: int = 12, flag_factor: float = 1.5):
+        self.stages, self.pipelines, self.batch_size = stages, pipelines, batch_size
+        self.window, self.rounds, self.steps, self.flag_factor = window, rounds, steps, flag_factor
+        self.workers = [(p, s) for p in range(pipelines) for s in range(stages)]
+        self.now = 0.0
+        self.count = 0
+        self._recent = {w: deque() for w in self.workers}  # (category, start, end), merged
+        self.totals = {w: Counter() for w in self.workers}  # seconds by category over the whole run
+        self._rounds = {s: {} for s in range(stages)}  # stage -> key -> {"members": set, "reason": str, "end": t}
+        self._order = {s: deque() for s in range(stages)}  # keys in arrival order, bounded
+        self.sizes = {s: Counter() for s in range(stages)}
+        self.reasons = {s: Counter() for s in range(stages)}
+        self.graph_syncs: list = []  # (time, stage)
+        self._opt_end = {w: deque(maxlen=steps + 1) for w in self.workers}
+        self._busy = defaultdict(float)  # (worker, step) -> compute seconds
+        self._held = defaultdict(float)  # (worker, step) -> sync and group-wait seconds
+        self._compute = {w: deque(maxlen=steps) for w in self.workers}
+        self._own = {w: deque(maxlen=steps) for w in self.workers}
+        self._stage0_steps: deque = deque()  # end times of stage-0 optimizer spans (one per pipeline step)
+        self.losses = {p: [] for p in range(pipelines)}  # (step, loss)
+        self.epochs = {p: [] for p in range(pipelines)}  # metric dicts
+        self.controls: list = []  # (time, label)
+        self.status = None
+
+    # ------------------------------------------------------------ input
+    def add(self, events) -> None:
+        for e in events:
+            self._add(e)
+
+    def _add(self, e: dict) -> None:
+        self.count += 1
+        kind = e.get("kind")
+        end = e.get("end") or 0.0
+        if end > self.now:
+            self.now = end
+        if kind == "group":
+            self._formation(e["stage"], ("round", e["round"]), e["group"], e["reason"], end)
+            return
+        if kind == "control":
+            if e.get("applied_by") == "driver":
+                label = e["what"] + (f": {e['policy']}" if e.get("policy") else "")
+                self.controls.append((e["start"], label))
+            return
+        if kind == "epoch":
+            m = e["metrics"]
+            self.epochs.setdefault(m["pipeline"], []).append(m)
+            return
+        cat = category(kind)
+        p, s = e.get("pipeline"), e.get("stage")
+        if cat is None or (p, s) not in self.totals:
+            return
+        w = (p, s)
+        start = e["start"]
+        self.totals[w][cat] += end - start
+        q = self._recent[w]
+        if q and q[-1][0] == cat and start - q[-1][2] < 0.002:
+            q[-1] = (cat, q[-1][1], max(end, q[-1][2]))
+        else:
+            q.append((cat, start, end))
+        step = e.get("step")
+        if kind in ("forward", "backward", "straggle"):
+            self._busy[(w, step)] += end - start
+        elif kind == "sync" or (kind == "wait" and e.get("what") == "group"):
+            self._held[(w, step)] += end - start
+        if kind == "sync" and "round" not in e and not e.get("served") and e.get("group") and len(e["group"]) > 1:
+            # groups of policies without the group service (allreduce, adpsgd pairs): one formation per step and group
+            self._formation(s, ("step", step, tuple(e["group"])), e["group"], e.get("reason") or "step", end)
+        elif kind == "optimizer":
+            self._step_done(w, step, end, e.get("loss"))
+
+    def _formation(self, stage: int, key, members, reason: str, end: float) -> None:
+        rounds = self._rounds.setdefault(stage, {})
+        r = rounds.get(key)
+        if r is None:
+            r = rounds[key] = {"members": set(), "reason": reason, "end": end, "groups": []}
+            self._order.setdefault(stage, deque()).append(key)
+            if len(self._order[stage]) > self.rounds:
+                rounds.pop(self._order[stage].popleft(), None)
+            if reason == "graph":
+                self.graph_syncs.append((end, stage))
+        elif key[0] == "step":
+            return  # the same group, reported by another member
+        r["members"].update(members)
+        r["groups"].append(tuple(members))
+        if reason in ("graph", "global"):
+            r["reason"] = reason
+        self.sizes.setdefault(stage, Counter())[len(members)] += 1
+        self.reasons.setdefault(stage, Counter())[reason] += 1
+
+    def _step_done(self, w, step, end: float, loss) -> None:
+        ends = self._opt_end[w]
+        if ends:
+            duration = end - ends[-1]
+            self._compute[w].append(self._busy.pop((w, step), 0.0))
+            self._own[w].append(max(duration - self._held.pop((w, step), 0.0), 1e-9))
+        else:
+            self._busy.pop((w, step), None)
+            self._held.pop((w, step), None)
+        ends.append(end)
+        if w[1] == 0:
+            self._stage0_steps.append(end)
+        if loss is not None:
+            self.losses.setdefault(w[0], []).append((step, float(loss)))
+
+    # ------------------------------------------------------------ output
+    def timeline(self) -> dict:
+        """Spans of the last ``window`` seconds: category -> {"y": worker labels, "base": starts, "x": durations}."""
+        lo = self.now - self.window
+        out = {c: {"y": [], "base": [], "x": []} for c in CATEGORIES}
+        for w, q in self._recent.items():
+            while q and q[0][2] < lo:
+                q.popleft()
+            label = self.label(w)
+            for cat, start, end in q:
+                d = out[cat]
+                d["y"].append(label)
+                d["base"].append(max(start, lo))
+                d["x"].append(end - max(start, lo))
+        return out
+
+    def label(self, w) -> str:
+        return f"pipeline {w[0]} stage {w[1]}"
+
+    def shares(self) -> dict:
+        """Whole-run seconds per worker by category: category -> list in worker order."""
+        return {c: [self.totals[w][c] for w in self.workers] for c in CATEGORIES}
+
+    def formations(self, stage: int) -> dict:
+        """The recent formations of ``stage``: keys, a pipelines x formations membership matrix and reasons.
+
+        Matrix values: 0 not in a group, 1 alone, 2 in a group, 3 graph sync, 4 global sync.
+        """
+        keys = list(self._order.get(stage, ()))
+        rounds = self._rounds.get(stage, {})
+        z = [[0] * len(keys) for _ in range(self.pipelines)]
+        reasons = []
+        for j, k in enumerate(keys):
+            r = rounds[k]
+            reasons.append(r["reason"])
+            code = {"graph": 3, "global": 4}.get(r["reason"], 2)
+            for g in r["groups"]:
+                for m in g:
+                    if 0 <= m < self.pipelines:
+                        z[m][j] = code if len(g) > 1 or code > 2 else 1
+        return {"keys": keys, "z": z, "reasons": reasons}
+
+    def step_times(self) -> dict:
+        """Per worker: median step time, compute per step, and whether it is flagged as a straggler."""
+        step = {w: _median([b - a for a, b in zip(list(q)[:-1], list(q)[1:])]) for w, q in self._opt_end.items()}
+        compute = {w: _median(list(q)) for w, q in self._compute.items()}
+        known = [v for v in compute.values() if v]
+        med = statistics.median(known) if known else None
+        flagged = {w: bool(med and compute[w] and compute[w] > self.flag_factor * med) for w in self.workers}
+        return {"step": step, "compute": compute, "median_compute": med, "flagged": flagged}
+
+    def throughput(self) -> dict:
+        """The run's samples/s over the recent window, each pipeline's own speed and their sum (the ideal)."""
+        q = self._stage0_steps
+        lo = self.now - self.window
+        while q and q[0] < lo:
+            q.popleft()
+        span = min(self.window, self.now) or None
+        run = len(q) * self.batch_size / span if span else None
+        speeds = {}
+        for p in range(self.pipelines):
+            own = [_median(list(self._own[(p, s)])) for s in range(self.stages)]
+            own = [t for t in own if t]
+            speeds[p] = self.batch_size / max(own) if own else None
+        known = [v for v in speeds.values() if v]
+        ideal = sum(known) if len(known) == self.pipelines else None
+        return {"samples_per_s": run, "speeds": speeds, "ideal": ideal,
+                "ratio": (run / ideal) if run and ideal else None}
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
