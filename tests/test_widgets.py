@@ -42,9 +42,10 @@ def test_view_keeps_recent_spans_and_totals_of_all():
     spans = [{"kind": "forward", "pipeline": p, "stage": 0, "step": i, "start": i * 0.5, "end": i * 0.5 + 0.2}
              for i in range(10) for p in range(2)]
     v.add(spans)
-    tl = v.timeline()
-    assert len(tl["compute"]["x"]) == 2 * 3  # spans ending in the last second: steps 7, 8, 9
+    tl = v.timeline(bins=100)
+    assert len(tl["compute"]["x"]) == 2 * 2  # the last second holds the spans of steps 8 and 9 (and 7's end)
     assert min(tl["compute"]["base"]) >= v.now - 1.0
+    assert sum(tl["compute"]["x"]) == pytest.approx(2 * 0.4, abs=0.05)
     assert v.shares()["compute"] == pytest.approx([2.0, 2.0])  # every span counts in the totals
 
 

@@ -77,14 +77,14 @@ class Dashboard:
             data=[go.Bar(name=c, orientation="h", y=[], x=[], base=[], marker_color=COLORS[c], hoverinfo="name+x") for c in CATEGORIES]
             + [go.Scatter(name="control", mode="markers+text", x=[], y=[], text=[], textposition="top center",
                           marker=dict(symbol="triangle-down", size=11, color="black"))],
-            layout=go.Layout(title="Stage timeline (recent seconds)", barmode="overlay", height=90 + 26 * len(labels),
+            layout=go.Layout(title="Stage timeline (recent seconds)", barmode="overlay", height=90 + 26 * len(labels), width=1150,
                              margin=dict(l=130, r=10, t=40, b=30), xaxis_title="seconds since launch",
                              yaxis=dict(categoryorder="array", categoryarray=labels[::-1]), legend_orientation="h",
                              legend_y=-0.25),
         )
         self.shares = go.FigureWidget(
             data=[go.Bar(name=c, orientation="h", y=labels, x=[0] * len(labels), marker_color=COLORS[c], showlegend=False) for c in CATEGORIES],
-            layout=go.Layout(title="Whole run: seconds by kind", barmode="stack", height=90 + 26 * len(labels),
+            layout=go.Layout(title="Whole run: seconds by kind", barmode="stack", height=90 + 26 * len(labels), width=450,
                              margin=dict(l=130, r=10, t=40, b=30), yaxis=dict(categoryorder="array", categoryarray=labels[::-1])),
         )
         S = cfg.stages
@@ -94,17 +94,17 @@ class Dashboard:
             groups.add_trace(go.Heatmap(z=[[0]], x=[0], y=list(range(cfg.pipelines)), zmin=0, zmax=4, colorscale=STRIP,
                                         showscale=False, xgap=1, ygap=1, hovertemplate="round %{x}<br>pipeline %{y}<extra></extra>"),
                              row=s + 1, col=1)
-            groups.add_trace(go.Bar(x=list(range(1, cfg.pipelines + 1)), y=[0] * cfg.pipelines, marker_color="#4C78A8",
+            groups.add_trace(go.Bar(x=[str(k) for k in range(1, cfg.pipelines + 1)], y=[0] * cfg.pipelines, marker_color="#4C78A8",
                                     showlegend=False), row=s + 1, col=2)
             groups.update_yaxes(title_text="pipeline", dtick=1, row=s + 1, col=1)
-            groups.update_xaxes(title_text="members", dtick=1, row=s + 1, col=2)
-        groups.update_layout(height=60 + 170 * S, margin=dict(l=60, r=10, t=50, b=30),
+            groups.update_xaxes(title_text="members", type="category", row=s + 1, col=2)
+        groups.update_layout(height=60 + 170 * S, width=700, margin=dict(l=60, r=10, t=50, b=30),
                              title="Group formations (blue: group, red: graph sync, green: global sync, grey: alone)")
         self.groups = go.FigureWidget(groups)
         self.stragglers = go.FigureWidget(
             data=[go.Bar(name="compute per step", x=labels, y=[0] * len(labels), marker_color=["#4C78A8"] * len(labels)),
                   go.Scatter(name="median", x=labels, y=[0] * len(labels), mode="lines", line=dict(dash="dash", color="black"))],
-            layout=go.Layout(title="Stragglers: compute per step (red: above 1.5x the median)", height=300,
+            layout=go.Layout(title="Stragglers: compute per step (red: above 2x the median)", height=300, width=450,
                              margin=dict(l=50, r=10, t=40, b=90), yaxis_title="seconds", showlegend=False),
         )
         curves = make_subplots(rows=1, cols=2, subplot_titles=["training loss per step", "held-out accuracy per epoch"])
@@ -113,7 +113,7 @@ class Dashboard:
             curves.add_trace(go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)), row=1, col=1)
             curves.add_trace(go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines+markers", line_color=color,
                                         legendgroup=str(p), showlegend=False), row=1, col=2)
-        curves.update_layout(height=300, margin=dict(l=50, r=10, t=40, b=30))
+        curves.update_layout(height=300, width=700, margin=dict(l=50, r=10, t=40, b=30))
         curves.update_xaxes(title_text="step", row=1, col=1)
         curves.update_xaxes(title_text="epoch", row=1, col=2)
         self.curves = go.FigureWidget(curves)

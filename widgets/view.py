@@ -47,7 +47,7 @@ class RunView:
     """Aggregates event records of one run for display."""
 
     def __init__(self, stages: int, pipelines: int, batch_size: int, *, window: float = 4.0,
-                 rounds: int = 60, steps: int = 12, flag_factor: float = 1.5):
+                 rounds: int = 60, steps: int = 12, flag_factor: float = 2.0):
         self.stages, self.pipelines, self.batch_size = stages, pipelines, batch_size
         self.window, self.rounds, self.steps, self.flag_factor = window, rounds, steps, flag_factor
         self.workers = [(p, s) for p in range(pipelines) for s in range(stages)]
@@ -152,19 +152,44 @@ class RunView:
             self.losses.setdefault(w[0], []).append((step, float(loss)))
 
     # ------------------------------------------------------------ output
-    def timeline(self) -> dict:
-        """Spans of the last ``window`` seconds: category -> {"y": worker labels, "base": starts, "x": durations}."""
+    def timeline(self, bins: int = 200) -> dict:
+        """Bars of the last ``window`` seconds: category -> {"y": worker labels, "base": starts, "x": durations}.
+
+        The window is cut into ``bins`` slots; each slot of a worker shows the
+        category it spent most of its time in, and equal neighbouring slots
+        join into one bar.  So a redraw costs at most ``bins`` bars per worker
+        however many spans there are (micro-batch spans last milliseconds).
+        """
         lo = self.now - self.window
+        width = self.window / bins
         out = {c: {"y": [], "base": [], "x": []} for c in CATEGORIES}
         for w, q in self._recent.items():
             while q and q[0][2] < lo:
                 q.popleft()
-            label = self.label(w)
+            slots = [None] * bins
             for cat, start, end in q:
-                d = out[cat]
-                d["y"].append(label)
-                d["base"].append(max(start, lo))
-                d["x"].append(end - max(start, lo))
+                a, b = max(start, lo), min(end, lo + self.window)
+                i = int((a - lo) / width)
+                while i < bins and lo + i * width < b:
+                    cover = min(b, lo + (i + 1) * width) - max(a, lo + i * width)
+                    if cover > 0:
+                        if slots[i] is None:
+                            slots[i] = Counter()
+                        slots[i][cat] += cover
+                    i += 1
+            label = self.label(w)
+            run = None  # (category, first slot, last slot)
+            for i, c in enumerate(slots + [None]):
+                cat = c.most_common(1)[0][0] if c else None
+                if run is not None and cat == run[0]:
+                    run = (cat, run[1], i)
+                    continue
+                if run is not None:
+                    d = out[run[0]]
+                    d["y"].append(label)
+                    d["base"].append(lo + run[1] * width)
+                    d["x"].append((run[2] - run[1] + 1) * width)
+                run = (cat, i, i) if cat is not None else None
         return out
 
     def label(self, w) -> str:
