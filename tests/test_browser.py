@@ -21,14 +21,13 @@ ARTIFACTS = Path(os.environ.get("SDPIPE_ARTIFACTS", ROOT / "artifacts")) / "brow
 
 DASHBOARD_READY = f"""() => {{
     const plots = ({PLOTS_JS})();
-    const timeline = plots.find(p => String(p.title).startsWith('Stage timeline'));
-    const groups = plots.find(p => String(p.title).startsWith('Group formations'));
-    if (!timeline || !groups) return null;
-    const bars = timeline.traces.filter(t => t.type === 'bar').reduce((a, t) => a + t.n, 0);
-    const members = groups.traces.filter(t => t.type === 'heatmap').reduce((a, t) => a + t.n, 0);
-    // data in the figures, and drawn on the page
-    return bars > 20 && members > 4 && timeline.drawn_bars > 20 && groups.drawn_heatmaps > 0
-        ? {{bars, members, drawn: timeline.drawn_bars, plots: plots.length}} : null;
+    const dash = plots.find(p => p.traces.some(t => t.name === 'compute') && p.traces.some(t => t.type === 'heatmap'));
+    if (!dash) return null;
+    const bars = dash.traces.filter(t => t.type === 'bar' && t.name === 'compute' || t.name === 'communication').reduce((a, t) => a + t.n, 0);
+    const members = dash.traces.filter(t => t.type === 'heatmap').reduce((a, t) => a + t.n, 0);
+    // data in the timeline and group views, and drawn on the page
+    return bars > 20 && members > 4 && dash.drawn_bars > 20 && dash.drawn_heatmaps > 0
+        ? {{bars, members, drawn: dash.drawn_bars}} : null;
 }}"""
 
 

@@ -58,13 +58,18 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
                           heterogeneity=sdpipe.Heterogeneity(slowdown={1: 4.0}), cluster=shared_cluster).result(timeout=300)
     dash = Dashboard(result)
     assert dash.controls is None  # nothing to steer in a finished run
-    compute = dash.timeline.data[0]
-    assert compute.name == "compute" and len(compute.x) > 10 and set(compute.y) == {f"pipeline {p} stage {s}" for p in (0, 1) for s in (0, 1)}
-    z = dash.groups.data[0].z  # stage 0 membership strip
+    layout = dash.figure.layout[dash._timeline_xaxis.replace("xaxis", "yaxis")]
+    rows = dict(zip(layout.tickvals, layout.ticktext))
+    compute = dash.trace("timeline/compute")
+    assert compute.name == "compute" and len(compute.x) > 10
+    shown = {rows[y] for c in ("compute", "communication", "synchronization", "waiting", "eval") for y in dash.trace(f"timeline/{c}").y}
+    assert shown == {f"pipeline {p} stage {s}" for p in (0, 1) for s in (0, 1)}
+    z = dash.trace("groups/0").z  # stage 0 membership strip
     assert any(4 in row for row in z) and len(z) == 2  # global syncs shown, one row per pipeline
-    flagged = [bar for bar, color in zip(dash.stragglers.data[0].x, dash.stragglers.data[0].marker.color) if color == "#E45756"]
+    bars = dash.trace("stragglers")
+    flagged = [label for label, color in zip(bars.x, bars.marker.color) if color == "#E45756"]
     assert flagged and all(label.startswith("pipeline 1") for label in flagged)
-    assert len(dash.curves.data[0].y) > 5 and list(dash.curves.data[1].x) == [0, 1, 2]  # loss per step, accuracy per epoch
+    assert len(dash.trace("loss/0").y) > 5 and list(dash.trace("accuracy/0").x) == [0, 1, 2]  # per step, per epoch
     assert "finished" in dash.header.value and "ideal" in dash.numbers.value
 
 
@@ -103,5 +108,5 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
     ctl = [e for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"]
     assert [e["what"] for e in ctl] == ["heterogeneity", "pause"]
     assert ctl[0]["heterogeneity"]["slowdown"] == {"1": 3.0}
-    assert "pause" in dash.timeline.data[-1].text or any("pause" in label for _, label in dash.view.controls)
+    assert any("pause" in label for _, label in dash.view.controls)
     assert "stopped" in dash.header.value

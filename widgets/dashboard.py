@@ -21,6 +21,11 @@ from .view import CATEGORIES, RunView
 
 __all__ = ["Dashboard"]
 
+
+def r_list(xs):
+    """Numbers rounded for the wire (figure updates travel as JSON)."""
+    return [round(x, 5) for x in xs]
+
 COLORS = {
     "compute": "#4C78A8",
     "communication": "#F58518",
@@ -71,61 +76,75 @@ class Dashboard:
 
     # ------------------------------------------------------------ figures
     def _build(self, controls: bool) -> None:
+        """One FigureWidget with every view as a subplot (the browser loads and draws one plot), plus widgets."""
         cfg, v = self.config, self.view
         labels = [v.label(w) for w in v.workers]
-        self.timeline = go.FigureWidget(
-            data=[go.Bar(name=c, orientation="h", y=[], x=[], base=[], marker_color=COLORS[c], hoverinfo="name+x") for c in CATEGORIES]
-            + [go.Scatter(name="control", mode="markers+text", x=[], y=[], text=[], textposition="top center",
-                          marker=dict(symbol="triangle-down", size=11, color="black"))],
-            layout=go.Layout(title="Stage timeline (recent seconds)", barmode="overlay", height=90 + 26 * len(labels), width=1150,
-                             margin=dict(l=130, r=10, t=40, b=30), xaxis_title="seconds since launch",
-                             yaxis=dict(categoryorder="array", categoryarray=labels[::-1]), legend_orientation="h",
-                             legend_y=-0.25),
-        )
-        self.shares = go.FigureWidget(
-            data=[go.Bar(name=c, orientation="h", y=labels, x=[0] * len(labels), marker_color=COLORS[c], showlegend=False) for c in CATEGORIES],
-            layout=go.Layout(title="Whole run: seconds by kind", barmode="stack", height=90 + 26 * len(labels), width=450,
-                             margin=dict(l=130, r=10, t=40, b=30), yaxis=dict(categoryorder="array", categoryarray=labels[::-1])),
-        )
-        S = cfg.stages
-        groups = make_subplots(rows=S, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.08, vertical_spacing=0.12,
-                               subplot_titles=sum(([f"stage {s}: who averaged together", f"stage {s}: group sizes"] for s in range(S)), []))
+        S, n = cfg.stages, len(labels)
+        specs = ([[{"colspan": 3}, None, None]] + [[{"colspan": 2}, None, {}] for _ in range(S)]
+                 + [[{}, {}, {}]] + [[{"colspan": 3}, None, None]])
+        titles = (["Stage timeline (recent seconds)"]
+                  + sum(([f"stage {s}: who averaged together (blue: group, red: graph sync, green: global sync, grey: alone)",
+                          f"stage {s}: group sizes"] for s in range(S)), [])
+                  + ["Stragglers: compute per step (red: above 2x the median)", "training loss per step", "held-out accuracy per epoch",
+                     "Whole run: seconds by kind"])
+        heights = [30 * n + 40] + [150] * S + [260] + [22 * n + 30]
+        fig = make_subplots(rows=S + 3, cols=3, specs=specs, subplot_titles=titles, row_heights=heights,
+                            vertical_spacing=0.25 / (S + 3), horizontal_spacing=0.07)
+        self._idx = {}
+
+        def add(key, trace, row, col):
+            self._idx[key] = len(fig.data)
+            fig.add_trace(trace, row=row, col=col)
+
+        for c in CATEGORIES:  # rows are worker indices (small messages); the axis shows their labels
+            add(f"timeline/{c}", go.Bar(name=c, orientation="h", y=[], x=[], base=[], marker_color=COLORS[c], hoverinfo="name+x",
+                                        legendgroup="kinds"), 1, 1)
+        add("timeline/control", go.Scatter(name="control", mode="markers+text", x=[], y=[], text=[], textposition="top center",
+                                           marker=dict(symbol="triangle-down", size=11, color="black")), 1, 1)
+        fig.update_yaxes(tickvals=list(range(n)), ticktext=labels, autorange="reversed", row=1, col=1)
+        fig.update_xaxes(title_text="seconds since launch", row=1, col=1)
         for s in range(S):
-            groups.add_trace(go.Heatmap(z=[[0]], x=[0], y=list(range(cfg.pipelines)), zmin=0, zmax=4, colorscale=STRIP,
-                                        showscale=False, xgap=1, ygap=1, hovertemplate="round %{x}<br>pipeline %{y}<extra></extra>"),
-                             row=s + 1, col=1)
-            groups.add_trace(go.Bar(x=[str(k) for k in range(1, cfg.pipelines + 1)], y=[0] * cfg.pipelines, marker_color="#4C78A8",
-                                    showlegend=False), row=s + 1, col=2)
-            groups.update_yaxes(title_text="pipeline", dtick=1, row=s + 1, col=1)
-            groups.update_xaxes(title_text="members", type="category", row=s + 1, col=2)
-        groups.update_layout(height=60 + 170 * S, width=700, margin=dict(l=60, r=10, t=50, b=30),
-                             title="Group formations (blue: group, red: graph sync, green: global sync, grey: alone)")
-        self.groups = go.FigureWidget(groups)
-        self.stragglers = go.FigureWidget(
-            data=[go.Bar(name="compute per step", x=labels, y=[0] * len(labels), marker_color=["#4C78A8"] * len(labels)),
-                  go.Scatter(name="median", x=labels, y=[0] * len(labels), mode="lines", line=dict(dash="dash", color="black"))],
-            layout=go.Layout(title="Stragglers: compute per step (red: above 2x the median)", height=300, width=450,
-                             margin=dict(l=50, r=10, t=40, b=90), yaxis_title="seconds", showlegend=False),
-        )
-        curves = make_subplots(rows=1, cols=2, subplot_titles=["training loss per step", "held-out accuracy per epoch"])
+            add(f"groups/{s}", go.Heatmap(z=[[0]], x=[0], y=list(range(cfg.pipelines)), zmin=0, zmax=4, colorscale=STRIP,
+                                          showscale=False, xgap=1, ygap=1, hovertemplate="formation %{x}<br>pipeline %{y}<extra></extra>"),
+                2 + s, 1)
+            add(f"sizes/{s}", go.Bar(x=[], y=[], marker_color="#4C78A8", showlegend=False), 2 + s, 3)
+            fig.update_yaxes(title_text="pipeline", dtick=1, row=2 + s, col=1)
+            fig.update_xaxes(title_text="members", type="category", row=2 + s, col=3)
+        r = S + 2
+        add("stragglers", go.Bar(x=[], y=[], marker_color=[], showlegend=False, name="compute per step"), r, 1)
+        add("stragglers/median", go.Scatter(x=[], y=[], mode="lines", line=dict(dash="dash", color="black"), showlegend=False,
+                                            name="median"), r, 1)
+        fig.update_yaxes(title_text="seconds", row=r, col=1)
         for p in range(cfg.pipelines):
             color = PIPELINE_COLORS[p % len(PIPELINE_COLORS)]
-            curves.add_trace(go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)), row=1, col=1)
-            curves.add_trace(go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines+markers", line_color=color,
-                                        legendgroup=str(p), showlegend=False), row=1, col=2)
-        curves.update_layout(height=300, width=700, margin=dict(l=50, r=10, t=40, b=30))
-        curves.update_xaxes(title_text="step", row=1, col=1)
-        curves.update_xaxes(title_text="epoch", row=1, col=2)
-        self.curves = go.FigureWidget(curves)
+            add(f"loss/{p}", go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)), r, 2)
+            add(f"accuracy/{p}", go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines+markers", line_color=color,
+                                            legendgroup=str(p), showlegend=False), r, 3)
+        fig.update_xaxes(title_text="step", row=r, col=2)
+        fig.update_xaxes(title_text="epoch", row=r, col=3)
+        for c in CATEGORIES:
+            add(f"shares/{c}", go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False), r + 1, 1)
+        fig.update_yaxes(tickvals=list(range(n)), ticktext=labels, autorange="reversed", row=r + 1, col=1)
+        fig.update_xaxes(title_text="seconds", row=r + 1, col=1)
+        fig.update_layout(height=sum(heights) + 60 * (S + 3) + 80, width=1150, barmode="overlay",
+                          margin=dict(l=130, r=20, t=40, b=40), legend=dict(orientation="h", y=1.0, yanchor="bottom"))
+        fig.update_annotations(font_size=13)
+        self._timeline_xaxis = fig.get_subplot(1, 1).xaxis.plotly_name
+        self._shares_xaxis = fig.get_subplot(r + 1, 1).xaxis.plotly_name
+        self.figure = go.FigureWidget(fig)
         self.header = W.HTML()
         self.numbers = W.HTML()
         self.message = W.HTML()
-        parts = [self.header, self.timeline, W.HBox([self.groups, W.VBox([self.numbers, self.stragglers])]),
-                 W.HBox([self.curves, self.shares])]
+        parts = [self.header, self.numbers, self.figure]
         self.controls = self._controls() if controls else None
         if self.controls is not None:
             parts.insert(1, self.controls)
         self.widget = W.VBox(parts)
+
+    def trace(self, key: str):
+        """A trace of the dashboard's figure: "timeline/compute", "groups/0", "sizes/0", "stragglers",
+        "stragglers/median", "loss/0", "accuracy/0", "shares/compute", ..."""
+        return self.figure.data[self._idx[key]]
 
     def _controls(self):
         run, cfg = self.run, self.config
@@ -171,7 +190,7 @@ class Dashboard:
             self.message.value = f"<span style='color:#b00'>{type(e).__name__}: {e}</span>"
 
     # ------------------------------------------------------------ updates
-    def refresh(self, fetch: bool = True) -> int:
+    def refresh(self, fetch: bool = True, full: bool = True) -> int:
         """Take in new events and redraw; returns how many events were new."""
         with self._lock:
             new = 0
@@ -180,54 +199,68 @@ class Dashboard:
                 self.view.add(events)
                 self.view.status = self.run.status
                 new = len(events)
-            self._draw()
+            self._draw(full)
             self.redraws.append(time.monotonic())
             if len(self.redraws) > 1000:
                 del self.redraws[:500]
             return new
 
-    def _draw(self) -> None:
-        v = self.view
-        tl = v.timeline()
-        with self.timeline.batch_update():
-            for i, c in enumerate(CATEGORIES):
-                self.timeline.data[i].update(y=tl[c]["y"], x=tl[c]["x"], base=tl[c]["base"])
+    def _draw(self, full: bool = True) -> None:
+        """Redraw the timeline and header; with ``full`` also the slower-moving views."""
+        v, T = self.view, self.trace
+        tl = v.timeline(bins=120)
+        row = {v.label(w): i for i, w in enumerate(v.workers)}
+        r4 = lambda xs: [round(x, 4) for x in xs]
+        with self.figure.batch_update():
+            for c in CATEGORIES:
+                T(f"timeline/{c}").update(y=[row[y] for y in tl[c]["y"]], x=r4(tl[c]["x"]), base=r4(tl[c]["base"]))
             lo = v.now - v.window
             ctl = [(t, text) for t, text in v.controls if t >= lo]
-            top = v.label(v.workers[0])
-            self.timeline.data[-1].update(x=[t for t, _ in ctl], y=[top] * len(ctl), text=[x for _, x in ctl])
-            self.timeline.layout.xaxis.range = [max(0.0, lo), max(v.now, v.window)]
+            T("timeline/control").update(x=[t for t, _ in ctl], y=[0] * len(ctl), text=[x for _, x in ctl])
+            self.figure.layout[self._timeline_xaxis].range = [max(0.0, lo), max(v.now, v.window)]
+            if full:
+                self._draw_views()
+        self._draw_header()
+        if full:
+            self._draw_numbers()
+
+    def _draw_views(self) -> None:
+        v, T = self.view, self.trace
         sh = v.shares()
-        with self.shares.batch_update():
-            for i, c in enumerate(CATEGORIES):
-                self.shares.data[i].x = sh[c]
-        with self.groups.batch_update():
-            for s in range(v.stages):
-                f = v.formations(s)
-                xs = list(range(len(f["keys"])))
-                self.groups.data[2 * s].update(z=f["z"] if xs else [[0]], x=xs or [0])
-                sizes = v.sizes.get(s, {})
-                self.groups.data[2 * s + 1].y = [sizes.get(k, 0) for k in range(1, v.pipelines + 1)]
-        st = v.step_times()
-        with self.stragglers.batch_update():
-            self.stragglers.data[0].update(y=[st["compute"][w] or 0 for w in v.workers],
-                                           marker_color=["#E45756" if st["flagged"][w] else "#4C78A8" for w in v.workers])
-            self.stragglers.data[1].y = [st["median_compute"] or 0] * len(v.workers)
-        with self.curves.batch_update():
-            for p in range(v.pipelines):
-                losses = v.losses.get(p, [])
-                self.curves.data[2 * p].update(x=[s for s, _ in losses], y=[x for _, x in losses])
-                ep = [m for m in v.epochs.get(p, []) if "accuracy" in m]
-                self.curves.data[2 * p + 1].update(x=[m["epoch"] for m in ep], y=[m["accuracy"] for m in ep])
+        base = [0.0] * len(v.workers)  # stacked by hand: the figure's bar mode overlays (for the timeline)
+        for c in CATEGORIES:
+            T(f"shares/{c}").update(y=list(range(len(v.workers))), x=r_list(sh[c]), base=r_list(base))
+            base = [b + x for b, x in zip(base, sh[c])]
+        for s in range(v.stages):
+            f = v.formations(s)
+            xs = list(range(len(f["keys"])))
+            T(f"groups/{s}").update(z=f["z"] if xs else [[0]], x=xs or [0])
+            sizes = v.sizes.get(s, {})
+            T(f"sizes/{s}").update(x=[str(k) for k in range(1, v.pipelines + 1)], y=[sizes.get(k, 0) for k in range(1, v.pipelines + 1)])
+        st = self._steps = v.step_times()
+        labels = [v.label(w) for w in v.workers]
+        T("stragglers").update(x=labels, y=r_list([st["compute"][w] or 0 for w in v.workers]),
+                               marker_color=["#E45756" if st["flagged"][w] else "#4C78A8" for w in v.workers])
+        T("stragglers/median").update(x=labels, y=[round(st["median_compute"] or 0, 5)] * len(v.workers))
+        for p in range(v.pipelines):
+            losses = v.losses.get(p, [])
+            T(f"loss/{p}").update(x=[s for s, _ in losses], y=r_list([x for _, x in losses]))
+            ep = [m for m in v.epochs.get(p, []) if "accuracy" in m]
+            T(f"accuracy/{p}").update(x=[m["epoch"] for m in ep], y=[m["accuracy"] for m in ep])
+
+    def _draw_numbers(self) -> None:
+        v = self.view
+        st = getattr(self, "_steps", None) or v.step_times()
         tp = v.throughput()
         fmt = lambda x, f="{:.0f}": "-" if x is None else f.format(x)
         flagged = [v.label(w) for w in v.workers if st["flagged"][w]]
-        graph = len(v.graph_syncs)
         self.numbers.value = (
             f"<b>samples/s</b> {fmt(tp['samples_per_s'])} &nbsp; <b>ideal</b> (sum of the pipelines' own speeds) "
-            f"{fmt(tp['ideal'])} &nbsp; <b>ratio</b> {fmt(tp['ratio'], '{:.2f}')}<br>"
-            f"<b>graph syncs</b> {graph} &nbsp; <b>stragglers</b> {', '.join(flagged) or 'none'}")
-        cfg = self.config
+            f"{fmt(tp['ideal'])} &nbsp; <b>ratio</b> {fmt(tp['ratio'], '{:.2f}')} &nbsp; "
+            f"<b>graph syncs</b> {len(v.graph_syncs)} &nbsp; <b>stragglers</b> {', '.join(flagged) or 'none'}")
+
+    def _draw_header(self) -> None:
+        v, cfg = self.view, self.config
         source = "live" if self.run is not None else "replay"
         policy = self.run.policy if self.run is not None else cfg.policy
         self.header.value = (f"<b>sdpipe</b> {cfg.stages} stages x {cfg.pipelines} pipelines, policy <b>{policy}</b>, "
@@ -250,10 +283,13 @@ class Dashboard:
 
     def _follow(self) -> None:
         try:
+            n = 0
             while not self._stopping.is_set():
                 t = time.monotonic()
                 done = self.run.done()
-                self.refresh()
+                # the timeline every time; the other views about once a second (they move slowly)
+                self.refresh(full=n % max(1, round(1.0 / self.interval)) == 0)
+                n += 1
                 if done:
                     self.refresh()  # the last records
                     break
