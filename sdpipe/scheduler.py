@@ -185,13 +185,16 @@ class Group:
 
 
 class DisjointSet:
-    """Union-find over worker ids."""
+    """Union-find over worker ids; ``count`` is the number of components among its items."""
 
     def __init__(self, items: Iterable[int] = ()):
         self.parent = {i: i for i in items}
+        self.count = len(self.parent)
 
     def find(self, x: int) -> int:
-        self.parent.setdefault(x, x)
+        if x not in self.parent:
+            self.parent[x] = x
+            self.count += 1
         root = x
         while self.parent[root] != root:
             root = self.parent[root]
@@ -205,6 +208,12 @@ class DisjointSet:
             a, b = self.find(members[0]), self.find(m)
             if a != b:
                 self.parent[b] = a
+                self.count -= 1
+
+    def merges(self, members: Iterable[int]) -> int:
+        """How many components ``union(members)`` would join away (without changing anything)."""
+        roots = {self.find(m) for m in members}
+        return max(0, len(roots) - 1)
 
     def connects(self, items: Iterable[int]) -> bool:
         roots = {self.find(i) for i in items}
@@ -213,6 +222,7 @@ class DisjointSet:
     def copy(self) -> "DisjointSet":
         d = DisjointSet()
         d.parent = dict(self.parent)
+        d.count = self.count
         return d
 
 
@@ -249,12 +259,34 @@ class StageScheduler:
         return self.live - self.global_waiting
 
     def _max_group(self) -> int:
-        avail = len(self._available())
+        avail = len(self.live) - len(self.global_waiting)  # global waiters are live: no set difference per event
         return max(1, min(self.policy.max_group or avail, avail))
 
+    def _surely_split(self, components: int) -> bool:
+        """True when a union with ``components`` components cannot connect the available workers.
+
+        Each item that is not available (gone, or waiting for the global
+        group) can account for at most one component, so more components than
+        that plus one means split.  This spares an O(D) check per event.
+        """
+        unavailable = len(self.dsu.parent) - (len(self.live) - len(self.global_waiting))
+        return components - unavailable > 1
+
+    def _connected(self, extra=()) -> bool:
+        """Whether the groups since the last reset (plus a group of ``extra``) connect the available workers."""
+        trial = self.dsu
+        if extra:
+            if self._surely_split(self.dsu.count - self.dsu.merges(extra)):
+                return False
+            trial = self.dsu.copy()
+            trial.union(extra)
+        elif self._surely_split(self.dsu.count):
+            return False
+        return trial.connects(self._available() | set(extra))
+
     def needs_graph_sync(self) -> bool:
-        avail = self._available()
-        return self.since_reset >= (self.policy.staleness - 1) * len(avail) and not self.dsu.connects(avail)
+        avail = len(self.live) - len(self.global_waiting)
+        return self.since_reset >= (self.policy.staleness - 1) * avail and not self._connected()
 
     def next_deadline(self) -> Optional[float]:
         """When a Tick could close the open round (None: nothing to time)."""
@@ -338,9 +370,7 @@ class StageScheduler:
         if r is None:
             return []
         if r.graph:
-            trial = self.dsu.copy()
-            trial.union(r.members)
-            if trial.connects(self._available()):
+            if self._connected(r.members):
                 return self._close(now, "graph")
             return []
         if len(r.members) >= self._max_group():
@@ -361,7 +391,7 @@ class StageScheduler:
             groups = [members]
         for g in groups:
             self.dsu.union(g)
-        connected = self.dsu.connects(self._available() | set(members))
+        connected = self._connected()  # members are available workers, already in the union
         out = []
         for g in groups:
             for m in g:
@@ -401,6 +431,7 @@ class StageScheduler:
         s.round = snap["round"]
         s.since_reset = snap["since_reset"]
         s.dsu.parent = {int(k): v for k, v in snap["dsu"].items()}
+        s.dsu.count = sum(1 for k, v in s.dsu.parent.items() if k == v)
         return s
 
 
