@@ -283,3 +283,17 @@ def test_snapshot_restores_the_state():
     r = StageScheduler.restore(s.snapshot())
     assert (r.round, r.since_reset, r.windows, r.live) == (s.round, s.since_reset, s.windows, s.live)
     assert r.dsu.connects([0, 1]) and not r.dsu.connects([0, 2])
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 30), unions=st.lists(st.lists(st.integers(0, 29), min_size=1, max_size=5), max_size=40))
+def test_disjoint_set_counts_its_components(n, unions):
+    d = DisjointSet(range(n))
+    for u in unions:
+        u = [x % n for x in u]
+        before = d.count
+        merges = d.merges(u)
+        d.union(u)
+        assert d.count == before - merges
+        assert d.count == len({d.find(i) for i in range(n)})
+    assert d.copy().count == d.count
