@@ -1,0 +1,71 @@
+"""The simulator: simulated time on the real scheduler core, the same records as a real run."""
+
+import pytest
+
+import sdpipe
+from sdpipe.schedule import build_plan, dry_run
+from sdpipe.simulation import Costs, Network, ring_allreduce_seconds, simulate
+
+COSTS = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], weight_bytes=[4e5, 8e5], activation_bytes=[4e4])
+STRAGGLER = sdpipe.Heterogeneity(slowdown={3: 4.0})
+
+
+def test_allreduce_step_is_the_plan_plus_the_collective():
+    net = Network(bandwidth=1e8, latency=1e-4, scheduler_rtt=1e-3)
+    result = simulate(2, 2, costs=COSTS, policy="allreduce", steps=20, network=net)
+
+    def cost(a):
+        return {"F": COSTS.forward[a.stage], "B": COSTS.backward[a.stage]}.get(a.op, 4e4 / 1e8 + 1e-4 if a.op in ("SF", "SB") else 0.0)
+
+    run = dry_run(build_plan("1f1b", 2, 4), cost)
+    ends = [max(e for a, _, e in run.spans if a.stage == s) for s in (0, 1)]
+    step = max(ends[s] + 1e-3 + ring_allreduce_seconds(COSTS.weight_bytes[s], 2, net) for s in (0, 1))
+    assert result.wall_time == pytest.approx(20 * step, rel=1e-9)
+    assert result.steps == {0: 20, 1: 20}
+
+
+def test_sdpipe_leaves_the_straggler_out_and_beats_allreduce():
+    sd = simulate(2, 4, costs=COSTS, policy="sdpipe", steps=60, heterogeneity=STRAGGLER)
+    ar = simulate(2, 4, costs=COSTS, policy="allreduce", steps=60, heterogeneity=STRAGGLER)
+    rate = lambda r: sum(h["samples"] for h in r.history) / r.wall_time
+    assert rate(sd) > 1.8 * rate(ar)
+    share = {h["pipeline"]: h["share"] for h in sd.history}
+    assert share[3] < 0.5 * min(share[p] for p in (0, 1, 2)) and sum(share.values()) == pytest.approx(1.0)
+    groups = [e for e in sd.events if e["kind"] == "group"]
+    multi = [g for g in groups if len(g["group"]) > 1 and g["reason"] != "global"]
+    assert multi and sum(3 not in g["group"] for g in multi) > len(multi) / 2
+    assert {g["reason"] for g in groups} <= {"full", "window", "alone", "graph", "global", "preempted"}
+    assert any(g["reason"] == "global" and g["group"] == [0, 1, 2, 3] for g in groups)
+
+
+def test_mixing_keeps_the_replicas_closer_than_no_sync():
+    sd = simulate(2, 4, costs=COSTS, policy="sdpipe", steps=60, heterogeneity=STRAGGLER, noise=2.0)
+    none = simulate(2, 4, costs=COSTS, policy="none", steps=60, heterogeneity=STRAGGLER, noise=2.0)
+    assert max(h["loss"] for h in sd.history) < max(h["loss"] for h in none.history)
+
+
+def test_a_simulated_run_replays_in_the_dashboard():
+    from sdpipe.widgets import Dashboard
+
+    dash = Dashboard(simulate(2, 4, costs=COSTS, policy="sdpipe", steps=30, heterogeneity=STRAGGLER))
+    assert len(dash.trace("timeline/compute").x) > 0 and any(any(row) for row in dash.trace("groups/0").z)
+    assert len(dash.trace("loss/0").y) > 10
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(policy="ps"), "policy: 'ps' is not one of sdpipe, allreduce, none (the simulator's policies)"),
+    (dict(steps=0), "steps: must be an integer >= 1, got 0"),
+    (dict(costs=Costs(forward=[0.1], backward=[0.1])), "costs: has 1 stages, the simulation 2"),
+])
+def test_bad_input_is_named(kwargs, message):
+    args = {**dict(costs=COSTS, policy="sdpipe", steps=5), **kwargs}
+    with pytest.raises(ValueError) as e:
+        simulate(2, 2, **args)
+    assert str(e.value) == message
+
+
+def test_bad_costs_and_network_are_named():
+    with pytest.raises(ValueError, match=r"costs.backward: needs 2 finite numbers >= 0 \(one per stage\)"):
+        Costs(forward=[0.1, 0.1], backward=[0.1])
+    with pytest.raises(ValueError, match="network.bandwidth: must be a number > 0, got 0"):
+        Network(bandwidth=0)
