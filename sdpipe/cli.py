@@ -3,6 +3,8 @@
 ``sdpipe train`` trains the built-in example (an MLP on scikit-learn's digits)
 on an embedded Dask LocalCluster, or on an existing cluster with
 ``--cluster ADDRESS``, shows a progress bar per epoch and a final summary.
+``sdpipe simulate`` runs the simulator (``sdpipe.simulate``) with uniform
+per-stage costs and prints the throughput.
 """
 
 from __future__ import annotations
@@ -46,7 +48,43 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K", help="slow pipeline P (or P,S) by factor K")
     t.add_argument("--straggle-prob", type=float, default=0.0, help="per-step probability of a transient straggle")
     t.add_argument("--straggle-delay", type=float, default=0.0, help="seconds a transient straggle lasts")
+    m = sub.add_parser("simulate", help="simulate a run in simulated time on the scheduler core")
+    m.add_argument("--stages", type=int, default=4)
+    m.add_argument("--pipelines", type=int, default=64)
+    m.add_argument("--policy", default="sdpipe", help="sdpipe, allreduce or none")
+    m.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}")
+    m.add_argument("--microbatches", type=int, default=4)
+    m.add_argument("--batch-size", type=int, default=32)
+    m.add_argument("--steps", type=int, default=200, help="steps' worth of batches per pipeline")
+    m.add_argument("--forward", type=float, default=0.002, help="seconds of forward per micro-batch and stage")
+    m.add_argument("--backward", type=float, default=0.004, help="seconds of backward per micro-batch and stage")
+    m.add_argument("--weight-bytes", type=float, default=4e5, help="bytes of a stage's weights")
+    m.add_argument("--activation-bytes", type=float, default=4e4, help="bytes of a micro-batch's activation")
+    m.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s of a link")
+    m.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K", help="slow pipeline P (or P,S) by factor K")
+    m.add_argument("--straggle-prob", type=float, default=0.0)
+    m.add_argument("--straggle-delay", type=float, default=0.0)
+    m.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _simulate(args) -> int:
+    from . import Costs, Heterogeneity, Network, simulate
+
+    S = args.stages
+    costs = Costs(forward=[args.forward] * S, backward=[args.backward] * S, weight_bytes=[args.weight_bytes] * S,
+                  activation_bytes=[args.activation_bytes] * (S - 1))
+    hetero = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay)
+    t = time.time()
+    result = simulate(S, args.pipelines, costs=costs, policy=args.policy, schedule=args.schedule, microbatches=args.microbatches,
+                      batch_size=args.batch_size, steps=args.steps, heterogeneity=hetero, network=Network(bandwidth=args.bandwidth),
+                      seed=args.seed, record=False)
+    samples = sum(h["samples"] for h in result.history)
+    shares = sorted(h["share"] for h in result.history)
+    print(f"simulated {S} stages x {args.pipelines} pipelines, policy={args.policy}: {result.wall_time:.3f} simulated s, "
+          f"{samples / result.wall_time:.0f} samples/s, pipeline shares {shares[0]:.3f}..{shares[-1]:.3f}, "
+          f"worst proxy loss {max(h['loss'] for h in result.history):.4f} ({time.time() - t:.1f} s to simulate)")
+    return 0
 
 
 def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int) -> None:
@@ -140,6 +178,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "simulate":
+            return _simulate(args)
     except (ValueError, ConnectionError) as e:
         print(f"sdpipe: error: {e}", file=sys.stderr)
         return 2

@@ -35,3 +35,11 @@ def test_cli_bad_input_is_one_clear_line(args, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cli_simulate_prints_throughput():
+    out = sdpipe("simulate", "--stages", "2", "--pipelines", "8", "--steps", "20", "--slowdown", "7=4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "simulated 2 stages x 8 pipelines, policy=sdpipe:" in out.stdout and "samples/s" in out.stdout
+    bad = sdpipe("simulate", "--policy", "ps")
+    assert bad.returncode == 2 and "sdpipe: error: policy: 'ps' is not one of sdpipe, allreduce, none" in bad.stderr
