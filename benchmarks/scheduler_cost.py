@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     L += [f"| {r['workers']} | {r['calls']} | {r['groups']} | {r['mean_us']:.1f} | {r['median_us']:.1f} | {r['p99_us']:.1f} |" for r in rows]
     L += ["", "Target: under 50 us per ready signal at 4,096 workers per stage. The disjoint set keeps a count of its",
           "components, so most events skip the O(D) connectivity check; the check runs only when a union could connect.",
-          f"Plot: [`scheduler_cost.html`](scheduler_cost.html)."]
+          "Plot: [`scheduler_cost.html`](scheduler_cost.html)."]
     out.write_text("\n".join(L) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     try:

@@ -55,6 +55,22 @@ class Link:
         return buf.to(self.device)
 
 
+def flatten(tensors: list, device) -> torch.Tensor:
+    """The tensors as one flat buffer on ``device`` (a copy)."""
+    if not tensors:
+        return torch.zeros(0, device=device)
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).to(device)
+
+
+def unflatten_(tensors: list, flat: torch.Tensor) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors``, in place."""
+    offset = 0
+    for t in tensors:
+        k = t.numel()
+        t.copy_(flat[offset : offset + k].view_as(t))
+        offset += k
+
+
 def allreduce_mean_(tensors: list, group, size: int, extras=(), comm_device=None) -> list:
     """Average ``tensors`` in place over ``group``; returns ``extras`` summed over it.
 
@@ -69,10 +85,5 @@ def allreduce_mean_(tensors: list, group, size: int, extras=(), comm_device=None
     group.allreduce([flat]).wait()
     n = flat.numel() - len(extras)
     sums = [float(x) for x in flat[n:]]
-    flat = flat[:n].div_(size).to(device)
-    offset = 0
-    for t in tensors:
-        k = t.numel()
-        t.copy_(flat[offset : offset + k].view_as(t))
-        offset += k
+    unflatten_(tensors, flat[:n].div_(size).to(device))
     return sums

@@ -402,7 +402,7 @@ class Run:
     @property
     def status(self) -> str:
         if not self._done.is_set():
-            return "stopping" if self._stop_requested else ("paused" if getattr(self, "_ctl", {}).get("pause") else "running")
+            return "stopping" if self._stop_requested else ("paused" if self.paused else "running")
         return "error" if self._error else ("stopped" if self._result and self._result.stopped else "finished")
 
     def result(self, timeout: Optional[float] = None) -> RunResult:

@@ -135,6 +135,11 @@ class AllReduce(SyncPolicy):
         self.group = None
 
 
+def _state_tensors(worker) -> list:
+    """What replicas of a stage keep in step: parameters and floating buffers."""
+    return [p.data for p in worker.module.parameters()] + [b for b in worker.module.buffers() if b.is_floating_point()]
+
+
 class Scheduled(SyncPolicy):
     """Partial-reduce with groups decided by the central group service (SDPipe).
 
@@ -159,9 +164,7 @@ class Scheduled(SyncPolicy):
             pg = worker.group(f"avg/{answer['name']}", members.index(worker.pipeline), len(members))
             self.groups[answer["name"]] = pg
         worker.delay_link()
-        tensors = [p.data for p in worker.module.parameters()]
-        tensors += [b for b in worker.module.buffers() if b.is_floating_point()]
-        allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device)
+        allreduce_mean_(_state_tensors(worker), pg, len(members), comm_device=worker.link_device)
         worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"], reason=answer["reason"])
 
     def after_step(self, worker, step: int) -> None:
@@ -178,27 +181,6 @@ class Scheduled(SyncPolicy):
 
 
 # ---------------------------------------------------------------- servers
-def _state_tensors(worker) -> list:
-    """What replicas of a stage keep in step: parameters and floating buffers."""
-    return [p.data for p in worker.module.parameters()] + [b for b in worker.module.buffers() if b.is_floating_point()]
-
-
-def _flat(tensors: list, device):
-    import torch
-
-    if not tensors:
-        return torch.zeros(0, device=device)
-    return torch.cat([t.detach().reshape(-1) for t in tensors]).to(device)
-
-
-def _unflat_(tensors: list, flat) -> None:
-    offset = 0
-    for t in tensors:
-        k = t.numel()
-        t.copy_(flat[offset : offset + k].view_as(t))
-        offset += k
-
-
 class _Mailbox:
     """Requests to one server, through the run's store: a counter hands out slots in order."""
 
@@ -251,11 +233,20 @@ class _Server(threading.Thread):
         if self.error is not None:
             raise RuntimeError(f"{self.name}: {type(self.error).__name__}: {self.error}") from self.error
 
+    def wait_until(self, until, timeout: float, poll: float = 0.02) -> bool:
+        """Wait (at most ``timeout`` seconds) until ``until()`` holds or the server failed; whether it holds."""
+        deadline = time.monotonic() + timeout
+        while not until():
+            if self.error is not None or time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
+
     def finish(self, timeout: float, until=None) -> None:
         """Stop once ``until()`` holds (or at once), waiting at most ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while until is not None and not until() and self.error is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        if until is not None:
+            self.wait_until(until, timeout)
         self.stopping.set()
         self.join(max(0.0, deadline - time.monotonic()) + 1.0)
 
@@ -296,10 +287,12 @@ class GossipPairs(Scheduled):
     def _serve(self, text: str) -> None:
         import torch
 
+        from ._comm import flatten
+
         active, step = (int(x) for x in text.split(","))
         start = time.time()
         with self.lock:
-            mine = _flat(self.tensors, self.device)
+            mine = flatten(self.tensors, self.device)
         theirs = torch.empty_like(mine)
         self.pg.recv([theirs], active, TAG_SERVE).wait()
         self.pg.send([mine], active, TAG_SERVE).wait()
@@ -310,14 +303,16 @@ class GossipPairs(Scheduled):
         w.span("sync", None, None, start, time.time(), group=sorted((active, w.pipeline)), reason="pair", served=True)
 
     def _apply_pending(self) -> None:
+        from ._comm import flatten, unflatten_
+
         if self.server is None:
             return
         self.server.check()
         with self.lock:
             pending, self.pending = self.pending, None
             if pending is not None:
-                flat = _flat(self.tensors, self.device).add_(pending)
-                _unflat_(self.tensors, flat.to(self.tensors[0].device))
+                flat = flatten(self.tensors, self.device).add_(pending)
+                unflatten_(self.tensors, flat.to(self.tensors[0].device))
 
     def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
         if self.server is not None:
@@ -326,6 +321,8 @@ class GossipPairs(Scheduled):
 
     def after_step(self, worker, step: int) -> None:
         import torch
+
+        from ._comm import flatten, unflatten_
 
         if self.server is not None:
             self.lock.release()
@@ -337,12 +334,12 @@ class GossipPairs(Scheduled):
         start = time.time()
         worker.delay_link()
         _Mailbox(self.store, f"{self.prefix}{peer}/").put(f"{worker.pipeline},{step}")
-        mine = _flat(self.tensors, self.device)
+        mine = flatten(self.tensors, self.device)
         theirs = torch.empty_like(mine)
         work = self.pg.send([mine], peer, TAG_SERVE)
         self.pg.recv([theirs], peer, TAG_SERVE).wait()
         work.wait()
-        _unflat_(self.tensors, mine.add_(theirs).div_(2).to(self.tensors[0].device))
+        unflatten_(self.tensors, mine.add_(theirs).div_(2).to(self.tensors[0].device))
         worker.span("sync", step, None, start, time.time(), group=sorted((worker.pipeline, peer)), reason="pair")
 
     def epoch_end(self, worker, step: int) -> None:
@@ -351,11 +348,9 @@ class GossipPairs(Scheduled):
             # every active worker is at the global sync or gone, so no request is still coming:
             # serve all issued ones and fold them in before averaging
             issued = self.server.mailbox.issued()
-            deadline = time.monotonic() + worker.timeout
-            while self.server.served < issued and self.server.error is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served {self.server.served} of {issued} exchanges")
-                time.sleep(0.001)
+            if not self.server.wait_until(lambda: self.server.served >= issued, worker.timeout, poll=0.001):
+                self.server.check()
+                raise TimeoutError(f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served {self.server.served} of {issued} exchanges")
             self._apply_pending()
         self._average(worker, answer, step)
 
@@ -402,11 +397,13 @@ class ParameterServer(SyncPolicy):
     name = "ps"
 
     def setup(self, worker) -> None:
+        from ._comm import flatten
+
         D, stage = worker.pipelines, worker.stage
         self.worker = worker
         self.tensors = _state_tensors(worker)
         self.device = worker.link_device
-        self.pulled = _flat(self.tensors, self.device).clone()
+        self.pulled = flatten(self.tensors, self.device).clone()
         self.staleness = int(worker.cfg["scheduler"]["staleness"])
         self.pg = worker.group(f"ps-stage{stage}", worker.pipeline, D) if D > 1 else None
         self.mailbox = _Mailbox(worker.store, f"ps/{stage}/")
@@ -484,11 +481,13 @@ class ParameterServer(SyncPolicy):
     def _exchange(self, worker, step: int, kind: str) -> None:
         import torch
 
+        from ._comm import flatten, unflatten_
+
         if self.pg is None:
             return
         start = time.time()
         worker.delay_link()
-        delta = _flat(self.tensors, self.device).sub_(self.pulled)
+        delta = flatten(self.tensors, self.device).sub_(self.pulled)
         if self.host:
             self.server.check()
             self.local_event.clear()
@@ -503,7 +502,7 @@ class ParameterServer(SyncPolicy):
             self.pg.send([delta], 0, TAG_SERVE).wait()
             w = torch.empty_like(delta)
             self.pg.recv([w], 0, TAG_SERVE).wait()
-        _unflat_(self.tensors, w.to(self.tensors[0].device))
+        unflatten_(self.tensors, w.to(self.tensors[0].device))
         self.pulled = w
         members = list(range(worker.pipelines)) if kind == "global" else [worker.pipeline]
         worker.span("sync", step, None, start, time.time(), group=members, reason=kind if kind == "global" else "ps", server=0)

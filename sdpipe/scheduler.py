@@ -258,8 +258,12 @@ class StageScheduler:
     def _available(self) -> set:
         return self.live - self.global_waiting
 
+    def _available_count(self) -> int:
+        """``len(self._available())`` without building the set (global waiters are always live)."""
+        return len(self.live) - len(self.global_waiting)
+
     def _max_group(self) -> int:
-        avail = len(self.live) - len(self.global_waiting)  # global waiters are live: no set difference per event
+        avail = self._available_count()
         return max(1, min(self.policy.max_group or avail, avail))
 
     def _surely_split(self, components: int) -> bool:
@@ -269,7 +273,7 @@ class StageScheduler:
         group) can account for at most one component, so more components than
         that plus one means split.  This spares an O(D) check per event.
         """
-        unavailable = len(self.dsu.parent) - (len(self.live) - len(self.global_waiting))
+        unavailable = len(self.dsu.parent) - self._available_count()
         return components - unavailable > 1
 
     def _connected(self, extra=()) -> bool:
@@ -285,8 +289,7 @@ class StageScheduler:
         return trial.connects(self._available() | set(extra))
 
     def needs_graph_sync(self) -> bool:
-        avail = len(self.live) - len(self.global_waiting)
-        return self.since_reset >= (self.policy.staleness - 1) * avail and not self._connected()
+        return self.since_reset >= (self.policy.staleness - 1) * self._available_count() and not self._connected()
 
     def next_deadline(self) -> Optional[float]:
         """When a Tick could close the open round (None: nothing to time)."""

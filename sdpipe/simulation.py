@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import Heterogeneity, TrainConfig
-from .scheduler import POLICY_PRESETS, GroupScheduler, Ready, SchedulerPolicy
+from .scheduler import POLICY_PRESETS, GroupScheduler, Ready
 
 __all__ = ["Costs", "Network", "simulate", "ring_allreduce_seconds", "SIM_POLICIES"]
 
@@ -94,10 +94,7 @@ def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
 @dataclass
 class _Pipe:
     step: int = 0
-    start: float = 0.0
     synced: dict = field(default_factory=dict)  # stage -> time its sync of this step ended
-    done: bool = False
-    busy: float = 0.0
 
 
 def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe", schedule: str = "1f1b",
@@ -185,12 +182,11 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
     def start_step(p: int, t: float) -> None:
         pipe = pipes[p]
         if not next_batch(p):
-            pipe.done = True
             if core is not None:  # the epoch ends with a global sync
                 for s in range(S):
                     ready(p, s, t, pipe.step, global_sync=True)
             return
-        pipe.start, pipe.synced = t, {}
+        pipe.synced = {}
         ends, busy = stage_finish(p)
         extra = 0.0
         if hetero.straggle_prob > 0:
@@ -201,7 +197,6 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
             f = M * costs.forward[s] * hetero.slowdown_of(p, s)
             span("forward", p, s, pipe.step, t + extra, t + extra + f)
             span("backward", p, s, pipe.step, t + extra + f, t + extra + busy[s])
-        pipe.busy += max(busy)
 
     def learn(p: int, s: int) -> None:
         v = x[(p, s)]

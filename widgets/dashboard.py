@@ -218,13 +218,12 @@ class Dashboard:
             ctl = [(t, text) for t, text in v.controls if t >= lo]
             T("timeline/control").update(x=[t for t, _ in ctl], y=[0] * len(ctl), text=[x for _, x in ctl])
             self.figure.layout[self._timeline_xaxis].range = [max(0.0, lo), max(v.now, v.window)]
-            if full:
-                self._draw_views()
+            steps = self._draw_views() if full else None
         self._draw_header()
         if full:
-            self._draw_numbers()
+            self._draw_numbers(steps)
 
-    def _draw_views(self) -> None:
+    def _draw_views(self) -> dict:
         v, T = self.view, self.trace
         sh = v.shares()
         base = [0.0] * len(v.workers)  # stacked by hand: the figure's bar mode overlays (for the timeline)
@@ -237,7 +236,7 @@ class Dashboard:
             T(f"groups/{s}").update(z=f["z"] if xs else [[0]], x=xs or [0])
             sizes = v.sizes.get(s, {})
             T(f"sizes/{s}").update(x=[str(k) for k in range(1, v.pipelines + 1)], y=[sizes.get(k, 0) for k in range(1, v.pipelines + 1)])
-        st = self._steps = v.step_times()
+        st = v.step_times()
         labels = [v.label(w) for w in v.workers]
         T("stragglers").update(x=labels, y=r_list([st["compute"][w] or 0 for w in v.workers]),
                                marker_color=["#E45756" if st["flagged"][w] else "#4C78A8" for w in v.workers])
@@ -247,10 +246,11 @@ class Dashboard:
             T(f"loss/{p}").update(x=[s for s, _ in losses], y=r_list([x for _, x in losses]))
             ep = [m for m in v.epochs.get(p, []) if "accuracy" in m]
             T(f"accuracy/{p}").update(x=[m["epoch"] for m in ep], y=[m["accuracy"] for m in ep])
+        return st
 
-    def _draw_numbers(self) -> None:
+    def _draw_numbers(self, st: dict) -> None:
+        """The numbers line; ``st`` is the view's step_times() the views were drawn with."""
         v = self.view
-        st = getattr(self, "_steps", None) or v.step_times()
         tp = v.throughput()
         fmt = lambda x, f="{:.0f}": "-" if x is None else f.format(x)
         flagged = [v.label(w) for w in v.workers if st["flagged"][w]]
