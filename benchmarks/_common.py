@@ -39,3 +39,38 @@ def run_meta(script: str, argv, config: str) -> dict:
 def meta_lines(meta: dict) -> list:
     """The metadata as markdown list items (the command in backticks)."""
     return [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+
+
+def save_figure(fig, path, width: int = 900, height: int = 520) -> list:
+    """Write a plotly figure as ``path.html`` (plotly.js from its CDN) and ``path.png``.
+
+    The PNG is drawn by headless Chromium (``tools/lab_browser.py``'s browser
+    and flags) from a page that inlines the plotly.js the Python package
+    ships, so nothing is fetched.  Without Chromium or Playwright only the
+    HTML is written and the reason is printed.  Returns the paths written.
+    """
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path)
+    html = path.with_suffix(".html")
+    fig.write_html(html, include_plotlyjs="cdn")
+    written = [html]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    try:
+        import lab_browser
+
+        if not os.path.exists(lab_browser.CHROMIUM):
+            raise FileNotFoundError(f"no Chromium at {lab_browser.CHROMIUM}")
+        with tempfile.TemporaryDirectory() as tmp:
+            page_file = Path(tmp) / "figure.html"
+            fig.write_html(page_file, include_plotlyjs=True, full_html=True,
+                           default_width=f"{width}px", default_height=f"{height}px")
+            with lab_browser.chromium_page(width + 40, height + 40) as page:
+                page.goto(page_file.as_uri())
+                page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30000)
+                page.locator(".js-plotly-plot").first.screenshot(path=str(path.with_suffix(".png")))
+        written.append(path.with_suffix(".png"))
+    except Exception as exc:  # the HTML is the result; the PNG is a convenience
+        print(f"{path.with_suffix('.png')}: not drawn ({type(exc).__name__}: {exc})", file=sys.stderr)
+    return written

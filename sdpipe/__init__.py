@@ -7,7 +7,7 @@ in ``sdpipe.widgets``.
 from .config import Heterogeneity, TrainConfig
 from .partition import partition
 from ._runtime import Run, RunError, RunResult, train
-from .simulation import Costs, Network, simulate
+from .simulation import Costs, Network, calibrate, simulate
 
-__all__ = ["train", "simulate", "Run", "RunResult", "RunError", "Heterogeneity", "TrainConfig", "Costs", "Network", "partition"]
+__all__ = ["train", "simulate", "Run", "RunResult", "RunError", "Heterogeneity", "TrainConfig", "Costs", "Network", "calibrate", "partition"]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ what the next step is without a central coordinator.
 from __future__ import annotations
 
 import datetime
+import math
 import random
 import threading
 import time
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from ._comm import TAG_ACT, TAG_CTRL, TAG_GRAD, Link, make_group
 from .config import Heterogeneity
 from .data import batch_indices
-from .policy import AllReduce, make_policy
+from .policy import AllReduce, _state_tensors, make_policy
 
 CMD_STOP, CMD_RUN, CMD_EPOCH_END, CMD_PAUSE = 0, 1, 2, 3
 
@@ -164,6 +165,16 @@ class Worker:
         }
         rec.update(extra)
         self.sink.add(rec)
+
+    def describe(self) -> None:
+        """A ``stage`` record: bytes of this stage's synchronized state and of one micro-batch's output."""
+        weight_bytes = sum(t.numel() * t.element_size() for t in _state_tensors(self))
+        mb = self.cfg["batch_size"] // self.cfg["microbatches"]
+        activation_bytes = 0
+        if not self.last:
+            activation_bytes = mb * math.prod(self.shapes.out) * torch.empty((), dtype=self.shapes.out_dtype).element_size()
+        now = time.time()
+        self.span("stage", None, None, now, now, weight_bytes=int(weight_bytes), activation_bytes=int(activation_bytes))
 
     def delay_link(self) -> None:
         d = self.hetero.link_delay_of(self.pipeline, self.stage)
@@ -420,6 +431,7 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
     step = 0
     try:
         worker = Worker(spec, rank, sink)
+        worker.describe()
         cfg = spec["config"]
         bs = cfg["batch_size"]
         pending_stop, pending_version, pending_pause = False, 0, False

@@ -20,16 +20,17 @@ and ``none``; one epoch ending with a global sync.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .config import Heterogeneity, TrainConfig
 from .scheduler import POLICY_PRESETS, GroupScheduler, Ready
 
-__all__ = ["Costs", "Network", "simulate", "ring_allreduce_seconds", "SIM_POLICIES"]
+__all__ = ["Calibration", "Costs", "Network", "calibrate", "simulate", "ring_allreduce_seconds", "SIM_POLICIES"]
 
 SIM_POLICIES = ("sdpipe", "allreduce", "none")
 
@@ -53,6 +54,12 @@ class Costs:
     """Bytes of one micro-batch's activation leaving stages 0..S-2 (default 0)."""
     weight_bytes: tuple = ()
     """Bytes of a stage's weights, averaged by its groups (default 0)."""
+    step_overhead: float = 0.0
+    """Seconds per step outside the plan's actions: the batch, control messages, bookkeeping."""
+    jitter: tuple = ()
+    """Relative spread (coefficient of variation) of a stage's compute per step, per stage (or one
+    number for all): each simulated step's compute on a stage is scaled by its own log-normal
+    factor with mean 1 and this spread (default 0: none)."""
 
     def __post_init__(self):
         S = len(self.forward)
@@ -63,6 +70,19 @@ class Costs:
         object.__setattr__(self, "optimizer", _seconds("optimizer", self.optimizer or [0.0] * S, S))
         object.__setattr__(self, "activation_bytes", _seconds("activation_bytes", self.activation_bytes or [0.0] * max(S - 1, 0), max(S - 1, 0)))
         object.__setattr__(self, "weight_bytes", _seconds("weight_bytes", self.weight_bytes or [0.0] * S, S))
+        v = self.step_overhead
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+            raise ValueError(f"costs.step_overhead: must be a finite number >= 0, got {v!r}")
+        object.__setattr__(self, "step_overhead", float(v))
+        j = self.jitter
+        if isinstance(j, (int, float)) and not isinstance(j, bool):
+            j = [j] * S
+        object.__setattr__(self, "jitter", _seconds("jitter", j or [0.0] * S, S))
+
+    @classmethod
+    def from_run(cls, result) -> "Costs":
+        """Per-stage costs measured in a real run's events (see :func:`calibrate`)."""
+        return calibrate(result).costs
 
     @property
     def stages(self) -> int:
@@ -84,6 +104,167 @@ class Network:
                 raise ValueError(f"network.{name}: must be a number {'> 0' if name == 'bandwidth' else '>= 0'}, got {v!r}")
 
 
+def _median(values, default=0.0) -> float:
+    values = sorted(values)
+    if not values:
+        return default
+    n = len(values)
+    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+
+
+def _mean(values, default=0.0) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else default
+
+
+class Calibration(NamedTuple):
+    """What :func:`calibrate` measured: ``costs, network, heterogeneity = sdpipe.calibrate(result)``."""
+
+    costs: Costs
+    network: Network
+    heterogeneity: Heterogeneity
+    """The run's heterogeneity with each slowed worker's slowdown as its spans showed it."""
+
+
+def calibrate(result) -> Calibration:
+    """Costs, network and heterogeneity measured in the events of a real run (a :class:`sdpipe.RunResult`).
+
+    Means, not medians: a throughput is a sum of times, and on a shared
+    machine their distributions have long tails.
+
+    - forward / backward: the mean span per micro-batch and stage over the
+      workers the run did not slow (over all, each divided by its slowdown,
+      when every worker of a stage was slowed);
+    - heterogeneity: the run's, with the slowdown each slowed worker showed
+      (its compute against the unslowed mean of its stage; the runtime's
+      emulated slowdown k sleeps k - 1 times the compute, and a sleeping
+      process wakes late on a busy machine);
+    - optimizer: the mean optimizer span per stage;
+    - jitter: per stage, the spread of a worker's compute per step (forward
+      and backward) around its mean;
+    - weight and activation bytes: from each worker's ``stage`` record;
+    - step overhead: the mean time of a step on stage 0 that no span covers
+      (the batch from the shared counter, the control message, bookkeeping);
+    - latency: the mean point-to-point send span (one message);
+    - bandwidth: a least-squares fit of the ring all-reduce model (with that
+      latency) to the lower quartile of the sync spans of each stage and
+      group size (a collective's span also holds the wait for late members);
+    - scheduler round trip: twice the mean time from a group's decision to
+      the end of a member's wait for it.
+
+    Spans of the first epoch (warm-up) are left out when the run has more.
+    Heterogeneity is taken from the run's configuration (changes made live
+    are not undone).  Costs no event measured keep their defaults.
+    """
+    config = result.config
+    S = config.stages
+    hetero = config.heterogeneity or Heterogeneity()
+    # the first epoch warms up (process groups, caches): measure the later ones when there are
+    epoch_of = {(e["pipeline"], e["stage"], e["step"]): e.get("epoch", 0)
+                for e in result.events if e.get("kind") == "optimizer"}
+    warm = max(epoch_of.values(), default=0) > 0
+    by_kind: dict = {}
+    for e in result.events:
+        if warm and e.get("step") is not None and e.get("pipeline") is not None and \
+                epoch_of.get((e["pipeline"], e.get("stage"), e["step"]), 1) == 0:
+            continue
+        by_kind.setdefault(e.get("kind"), []).append(e)
+
+    def dur(e):
+        return e["end"] - e["start"]
+
+    def slowed(e):
+        return hetero.slowdown_of(e["pipeline"], e["stage"]) != 1.0
+
+    def stage_mean(kind, s):
+        spans = [e for e in by_kind.get(kind, ()) if e.get("stage") == s]
+        if kind == "optimizer":
+            return _mean(dur(e) for e in spans)
+        plain = [dur(e) for e in spans if not slowed(e)]
+        return _mean(plain) if plain else _mean(dur(e) / hetero.slowdown_of(e["pipeline"], s) for e in spans)
+
+    forward = [stage_mean("forward", s) for s in range(S)]
+    backward = [stage_mean("backward", s) for s in range(S)]
+    optimizer = [stage_mean("optimizer", s) for s in range(S)]
+    # the slowdown each slowed worker showed: its compute against its stage's unslowed mean
+    shown: dict = {}
+    for kind, base in (("forward", forward), ("backward", backward)):
+        for e in by_kind.get(kind, ()):
+            if slowed(e):
+                acc = shown.setdefault((e["pipeline"], e["stage"]), [0.0, 0.0])
+                acc[0] += dur(e)
+                acc[1] += base[e["stage"]]
+    measured = {key: max(1.0, spent / base) for key, (spent, base) in shown.items() if base > 0}
+    shown_hetero = dataclasses.replace(hetero, slowdown=measured) if measured else hetero
+    weight_bytes, activation_bytes = [0.0] * S, [0.0] * max(S - 1, 0)
+    for e in by_kind.get("stage", ()):
+        weight_bytes[e["stage"]] = float(e["weight_bytes"])
+        if e["stage"] < S - 1:
+            activation_bytes[e["stage"]] = float(e["activation_bytes"])
+
+    # jitter: a worker's compute per step relative to its mean, pooled per stage
+    compute: dict = {}
+    for kind in ("forward", "backward"):
+        for e in by_kind.get(kind, ()):
+            key = (e["pipeline"], e["stage"], e["step"])
+            compute[key] = compute.get(key, 0.0) + dur(e)
+    per_worker: dict = {}
+    for (p, st, _), v in compute.items():
+        per_worker.setdefault((p, st), []).append(v)
+    jitter = []
+    for st in range(S):
+        rel = []
+        for (p, q), vals in per_worker.items():
+            m = _mean(vals)
+            if q == st and m > 0:
+                rel += [v / m for v in vals]
+        jitter.append(math.sqrt(_mean((r - 1.0) ** 2 for r in rel)) if len(rel) > 1 else 0.0)
+
+    # untraced time per step on stage 0: between consecutive optimizer ends, minus every span inside
+    covered = ("forward", "backward", "send", "recv", "wait", "sync", "straggle", "pause", "eval", "optimizer")
+    untraced = []
+    for p in range(config.pipelines):
+        opt = sorted((e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == 0),
+                     key=lambda e: e["start"])
+        spans = sorted(((e["start"], e["end"]) for k in covered for e in by_kind.get(k, ())
+                        if e.get("pipeline") == p and e.get("stage") == 0), key=lambda x: x[0])
+        j = 0
+        for a, b in zip(opt, opt[1:]):
+            if b["step"] != a["step"] + 1 or b.get("epoch") != a.get("epoch"):
+                continue
+            lo, hi = a["end"], b["end"]
+            while j < len(spans) and spans[j][1] <= lo:
+                j += 1
+            inside = sum(min(e, hi) - max(st, lo) for st, e in spans[j:] if st < hi and e > lo)
+            untraced.append(max(0.0, (hi - lo) - inside))
+    costs = Costs(forward=forward, backward=backward, optimizer=optimizer, weight_bytes=weight_bytes,
+                  activation_bytes=activation_bytes, step_overhead=_mean(untraced), jitter=jitter)
+
+    default = Network()
+    sends = [dur(e) for e in by_kind.get("send", ())]
+    latency = _mean(sends, default.latency)
+    # a collective's span also holds the wait for members that arrive late: the lower quartile
+    # of each (stage, size) is the transfer
+    spans: dict = {}
+    for e in by_kind.get("sync", ()):
+        n = len(e.get("group") or ())
+        if n >= 2 and e.get("stage") is not None and e.get("reason") not in ("ps", "pair"):
+            spans.setdefault((e["stage"], n), []).append(dur(e))
+    xs = []
+    for (stage, n), vals in spans.items():
+        vals.sort()
+        xs.append((2 * (n - 1) / n * weight_bytes[stage], vals[len(vals) // 4] - 2 * (n - 1) * latency))
+    bandwidth = default.bandwidth
+    if xs:
+        num, den = sum(x * x for x, _ in xs), sum(x * y for x, y in xs)
+        bandwidth = num / den if den > 0 and num > 0 else 1e15  # all latency: as good as unlimited
+    decided = {(e["stage"], e["round"]): e["end"] for e in by_kind.get("group", ())}
+    trips = [max(0.0, e["end"] - decided[(e["stage"], e["round"])]) for e in by_kind.get("wait", ())
+             if e.get("what") == "group" and (e.get("stage"), e.get("round")) in decided]
+    rtt = 2 * _mean(trips) if trips else default.scheduler_rtt
+    return Calibration(costs, Network(bandwidth=bandwidth, latency=latency, scheduler_rtt=rtt), shown_hetero)
+
+
 def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
     """Ring all-reduce: 2(n-1)/n x bytes / bandwidth plus 2(n-1) message latencies."""
     if members < 2:
@@ -95,6 +276,9 @@ def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
 class _Pipe:
     step: int = 0
     synced: dict = field(default_factory=dict)  # stage -> time its sync of this step ended
+    last_start: Optional[float] = None
+    step_time: Optional[float] = None  # recent seconds per step, as the runtime's dispenser keeps it
+    done: bool = False
 
 
 def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe", schedule: str = "1f1b",
@@ -128,6 +312,7 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
     net = network
 
     finish_cache: dict = {}
+    jitter_sigma = [math.sqrt(math.log1p(j ** 2)) for j in costs.jitter]  # log-normal, mean 1, spread costs.jitter
 
     def stage_finish(p: int) -> tuple:
         """(per-stage finish times of one step of pipeline p, per-stage compute seconds)."""
@@ -143,7 +328,10 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
                     return costs.activation_bytes[boundary] / net.bandwidth + net.latency
                 return 0.0
             run = dry_run(plan, cost)
-            ends = [max((e for a, _, e in run.spans if a.stage == s), default=0.0) + costs.optimizer[s] for s in range(S)]
+            # a stage's step ends when its own actions are done and the receives of what it sent
+            # completed (the runtime waits for its sends at the end of the step)
+            ends = [max((e for a, _, e in run.spans if a.stage == s or (a.op == "RF" and a.stage == s + 1)
+                         or (a.op == "RB" and a.stage == s - 1)), default=0.0) + costs.optimizer[s] for s in range(S)]
             busy = [M * (costs.forward[s] + costs.backward[s]) * k[s] for s in range(S)]
             finish_cache[k] = (ends, busy)
         return finish_cache[k]
@@ -170,33 +358,50 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
             rec.update(extra)
             events.append(rec)
 
-    def next_batch(p: int) -> bool:
+    def leave_tail(p: int) -> bool:
+        """The runtime's epoch-tail rule: leave the last batches to faster pipelines that would take them all first."""
+        mine = pipes[p].step_time
+        if mine is None:
+            return False
+        rate = sum(1.0 / q.step_time for i, q in enumerate(pipes)
+                   if i != p and not q.done and q.step_time is not None and 0 < q.step_time < mine)
+        return rate > 0 and (total - taken) / rate < mine
+
+    def next_batch(p: int, t: float) -> bool:
         nonlocal taken
+        pipe = pipes[p]
+        if pipe.last_start is not None:
+            dt = t - pipe.last_start
+            pipe.step_time = dt if pipe.step_time is None else 0.7 * pipe.step_time + 0.3 * dt
+        pipe.last_start = t
         if policy == "allreduce":
-            return pipes[p].step < steps
-        if taken < total:
+            return pipe.step < steps
+        remaining = total - taken
+        if remaining > 0 and not (remaining <= 8 * D and leave_tail(p)):
             taken += 1
             return True
+        pipe.done = True
         return False
 
     def start_step(p: int, t: float) -> None:
         pipe = pipes[p]
-        if not next_batch(p):
+        if not next_batch(p, t):
             if core is not None:  # the epoch ends with a global sync
                 for s in range(S):
                     ready(p, s, t, pipe.step, global_sync=True)
             return
         pipe.synced = {}
         ends, busy = stage_finish(p)
-        extra = 0.0
+        scale = [rng.lognormvariate(-sg ** 2 / 2, sg) if sg > 0 else 1.0 for sg in jitter_sigma]
+        extra = costs.step_overhead
         if hetero.straggle_prob > 0:
             hits = [rng.random() < hetero.straggle_prob for _ in range(S)]
-            extra = hetero.straggle_delay if any(hits) else 0.0
+            extra += hetero.straggle_delay if any(hits) else 0.0
         for s in range(S):
-            push(t + extra + ends[s], "ready", (p, s, pipe.step))
-            f = M * costs.forward[s] * hetero.slowdown_of(p, s)
+            push(t + extra + ends[s] + busy[s] * (scale[s] - 1.0), "ready", (p, s, pipe.step))
+            f = M * costs.forward[s] * hetero.slowdown_of(p, s) * scale[s]
             span("forward", p, s, pipe.step, t + extra, t + extra + f)
-            span("backward", p, s, pipe.step, t + extra + f, t + extra + busy[s])
+            span("backward", p, s, pipe.step, t + extra + f, t + extra + busy[s] * scale[s])
 
     def learn(p: int, s: int) -> None:
         v = x[(p, s)]
@@ -216,7 +421,8 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
         for g in decisions:
             members = list(g.members)
             delay = max(hetero.link_delay_of(m, g.stage) for m in members)
-            end = g.closed + net.scheduler_rtt + delay + ring_allreduce_seconds(costs.weight_bytes[g.stage], len(members), net)
+            rtt = 0.0 if policy == "allreduce" else net.scheduler_rtt  # allreduce needs no scheduler
+            end = g.closed + rtt + delay + ring_allreduce_seconds(costs.weight_bytes[g.stage], len(members), net)
             if len(members) > 1:
                 mean = [sum(x[(m, g.stage)][i] for m in members) / len(members) for i in range(len(x[(members[0], g.stage)]))]
                 for m in members:

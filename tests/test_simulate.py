@@ -10,16 +10,20 @@ COSTS = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], weight_bytes=[4e5
 STRAGGLER = sdpipe.Heterogeneity(slowdown={3: 4.0})
 
 
-def test_allreduce_step_is_the_plan_plus_the_collective():
+def test_allreduce_step_is_the_overhead_the_plan_and_the_collective():
+    """No scheduler round trip under allreduce: its collective needs no central decision."""
+    import dataclasses
+
     net = Network(bandwidth=1e8, latency=1e-4, scheduler_rtt=1e-3)
-    result = simulate(2, 2, costs=COSTS, policy="allreduce", steps=20, network=net)
+    costs = dataclasses.replace(COSTS, step_overhead=2e-3)
+    result = simulate(2, 2, costs=costs, policy="allreduce", steps=20, network=net)
 
     def cost(a):
         return {"F": COSTS.forward[a.stage], "B": COSTS.backward[a.stage]}.get(a.op, 4e4 / 1e8 + 1e-4 if a.op in ("SF", "SB") else 0.0)
 
     run = dry_run(build_plan("1f1b", 2, 4), cost)
     ends = [max(e for a, _, e in run.spans if a.stage == s) for s in (0, 1)]
-    step = max(ends[s] + 1e-3 + ring_allreduce_seconds(COSTS.weight_bytes[s], 2, net) for s in (0, 1))
+    step = max(2e-3 + ends[s] + ring_allreduce_seconds(COSTS.weight_bytes[s], 2, net) for s in (0, 1))
     assert result.wall_time == pytest.approx(20 * step, rel=1e-9)
     assert result.steps == {0: 20, 1: 20}
 
@@ -69,3 +73,42 @@ def test_bad_costs_and_network_are_named():
         Costs(forward=[0.1, 0.1], backward=[0.1])
     with pytest.raises(ValueError, match="network.bandwidth: must be a number > 0, got 0"):
         Network(bandwidth=0)
+
+
+def test_jitter_makes_lock_step_wait_for_the_slowest():
+    """With varying step times allreduce waits for the slowest each step; the mean step stays the same."""
+    import dataclasses
+
+    jittery = dataclasses.replace(COSTS, jitter=0.3)
+    calm = simulate(2, 8, costs=COSTS, policy="allreduce", steps=40, record=False)
+    ar = simulate(2, 8, costs=jittery, policy="allreduce", steps=40, record=False)
+    alone = simulate(2, 8, costs=jittery, policy="none", steps=40, record=False, seed=3)
+    assert ar.wall_time > 1.2 * calm.wall_time
+    assert alone.wall_time < 1.15 * calm.wall_time
+    with pytest.raises(ValueError, match=r"costs.jitter: needs 1 finite numbers >= 0 \(one per stage\), got \(-1.0,\)"):
+        Costs(forward=[0.1], backward=[0.1], jitter=-1)
+
+
+@pytest.mark.cluster
+def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster):
+    """Costs from a real 2 x 2 sdpipe run with pipeline 1 slowed 3x; simulating with them lands near the real rate."""
+    import torch
+
+    from sdpipe.data import digits, digits_cnn
+
+    (train_data, eval_data) = digits()
+    result = sdpipe.train(digits_cnn(8), train_data, stages=2, pipelines=2, cuts=(6,), policy="sdpipe", epochs=3,
+                          batch_size=64, heterogeneity=sdpipe.Heterogeneity(slowdown={1: 3.0}),
+                          cluster=shared_cluster).result(timeout=300)
+    costs, net, shown = sdpipe.calibrate(result)
+    stages = sdpipe.partition(digits_cnn(8), 2, (6,))
+    assert costs.weight_bytes == tuple(float(sum(p.numel() * 4 for p in m.parameters())) for m in stages)
+    assert costs.activation_bytes == (float(stages[0](torch.zeros(16, 64)).numel() * 4),)
+    assert all(v > 0 for v in costs.forward + costs.backward + costs.optimizer)
+    assert costs.step_overhead > 0 and net.latency > 0 and net.scheduler_rtt > 0
+    assert set(shown.slowdown) == {(1, 0), (1, 1)} and all(2.0 < k < 6.0 for k in shown.slowdown.values())
+    epochs = sorted({h["epoch"] for h in result.history})[1:]
+    real = sorted(sum(h["samples_per_s"] for h in result.history if h["epoch"] == e) for e in epochs)[0]
+    sim = simulate(2, 2, costs=costs, network=net, heterogeneity=shown, policy="sdpipe", batch_size=64,
+                   steps=len(train_data[0]) // 64 // 2, record=False)
+    assert 0.5 < sum(h["samples_per_s"] for h in sim.history) / real < 2.0
