@@ -6,7 +6,7 @@ Drives the pure group scheduler of one stage (``sdpipe.scheduler.StageScheduler`
 the prototype's default policy: 1-10 ms adaptive windows, P = 10, pairs above
 8 workers) with workers of random speeds, and times every call that handles a
 ready signal or a window's end.  Results: ``benchmarks/results/scheduler_cost.md``,
-``.json`` and a plot, ``scheduler_cost.html``.
+``.json`` and a plot, ``scheduler_cost.html`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import meta_lines, run_meta
+from _common import meta_lines, run_meta, save_figure
 
 
 def measure(workers: int, events: int, seed: int = 0) -> dict:
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                          for k in ("mean_us", "median_us", "p99_us")])
         fig.update_layout(title="scheduler cost per call vs workers per stage", xaxis_type="log", xaxis_title="workers per stage",
                           yaxis_title="microseconds")
-        fig.write_html(out.with_suffix(".html"), include_plotlyjs="cdn")
+        save_figure(fig, out.with_suffix(""))
     except ImportError:
         print("plotly is not installed: no plot")
     print(f"wrote {out}")

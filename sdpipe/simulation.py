@@ -14,8 +14,9 @@ The result is a :class:`sdpipe.RunResult` with the same event records and
 history fields as a real run (times are simulated seconds), so
 ``Dashboard(result)`` replays a simulated run.
 
-This is the first part of the simulator: policies ``sdpipe``, ``allreduce``
-and ``none``; one epoch ending with a global sync.
+Policies ``sdpipe``, ``allreduce`` and ``none``; one epoch ending with a
+global sync.  :func:`calibrate` measures the costs in a real run's events;
+``docs/simulator.md`` has the model and its agreement with real runs.
 """
 
 from __future__ import annotations
