@@ -8,6 +8,7 @@ from .config import Heterogeneity, TrainConfig
 from .partition import partition
 from ._runtime import Run, RunError, RunResult, train
 from .simulation import Costs, Network, calibrate, simulate
+from .checkpoint import Checkpoint, load_checkpoint
 
-__all__ = ["train", "simulate", "Run", "RunResult", "RunError", "Heterogeneity", "TrainConfig", "Costs", "Network", "calibrate", "partition"]
+__all__ = ["train", "simulate", "Run", "RunResult", "RunError", "Heterogeneity", "TrainConfig", "Costs", "Network", "calibrate", "partition", "Checkpoint", "load_checkpoint"]
 __version__ = "0.1.0"

@@ -48,6 +48,19 @@ def _is_comm_failure(exc) -> bool:
     return exc is not None and any(m in str(exc) for m in _COMM_FAILURES)
 
 
+def _is_worker_death(exc) -> bool:
+    """The task failed because its worker process died (Dask gives up on it: ``KilledWorker``)."""
+    from distributed.scheduler import KilledWorker
+
+    return isinstance(exc, KilledWorker)
+
+
+#: Modes (the workers' policy implementations) whose remaining pipelines go on when one is lost.
+_LOSS_TOLERANT = ("scheduled", "adpsgd", "none")
+#: Seconds a communication failure waits for the loss of a worker of its own pipeline to show.
+_LOSS_GRACE = 10.0
+
+
 @dataclass
 class RunResult:
     """What a finished run returns."""
@@ -65,12 +78,21 @@ class RunResult:
     """True when the run ended early through ``Run.stop``."""
     steps: dict = field(default_factory=dict)
     """Steps each pipeline completed."""
+    lost: dict = field(default_factory=dict)
+    """Pipelines lost during the run (a worker process or its Dask worker died): pipeline -> what was lost.
+    Their entry in ``models`` is None."""
+
+    @property
+    def finished_pipelines(self) -> list:
+        """The pipelines that ran to the end."""
+        return [p for p in range(self.config.pipelines) if p not in self.lost]
 
     def max_param_diff(self) -> float:
-        """Largest absolute difference of any parameter between pipeline 0 and the others."""
-        ref = self.models[0].state_dict()
+        """Largest absolute difference of any parameter between the first finished pipeline and the others."""
+        models = [m for m in self.models if m is not None]
+        ref = models[0].state_dict()
         worst = 0.0
-        for m in self.models[1:]:
+        for m in models[1:]:
             for k, v in m.state_dict().items():
                 worst = max(worst, float((v.float() - ref[k].float()).abs().max()))
         return worst
@@ -153,8 +175,13 @@ class Run:
     blocks for the outcome.
     """
 
-    def __init__(self, config: TrainConfig, stage_modules, spec: dict, data: tuple, cluster, from_sequential: bool = True):
+    def __init__(self, config: TrainConfig, stage_modules, spec: dict, data: tuple, cluster, from_sequential: bool = True,
+                 resume=None):
         self.config = config
+        self._resume = resume  # a sdpipe.checkpoint.Checkpoint or None
+        self._ckpt_next = self._first_checkpoint(spec.get("start_epoch", 0))
+        #: Folders of the checkpoints this run wrote, oldest first.
+        self.checkpoints: list = []
         self._from_sequential = from_sequential
         self.run_id = spec["run_id"]
         self._stage_modules = stage_modules
@@ -214,6 +241,7 @@ class Run:
                         fY if s == S - 1 else None,
                         fEX if s == 0 else None,
                         fEY if s == S - 1 else None,
+                        self._resume.stage_state(*divmod(rank, S)) if self._resume is not None else None,
                         key=f"sdpipe-{self.run_id}-rank{rank}",
                         workers=[addr],
                         allow_other_workers=False,
@@ -246,8 +274,12 @@ class Run:
         self._run_store.set("policy/0", json.dumps({"mode": self._mode, "name": cfg.policy}))
         self._write_ctl()
         ensure_service(self._client)
-        self._service("sdpipe_open", token=self._token, stages=cfg.stages, pipelines=cfg.pipelines,
-                      policy=self.scheduler_policy.to_dict(), policy_name=cfg.policy, topic=self._topic, t0=self._t0)
+        state = self._resume.scheduler if self._resume is not None else None
+        answer = self._service("sdpipe_open", token=self._token, stages=cfg.stages, pipelines=cfg.pipelines,
+                               policy=self.scheduler_policy.to_dict(), policy_name=cfg.policy, topic=self._topic,
+                               t0=self._t0, state=state)
+        if "error" in answer:
+            raise ValueError(f"resume_from: the group service rejected the checkpoint's scheduler {answer['error']}")
         self._service_open = True
 
     def _service(self, route: str, **kwargs):
@@ -345,6 +377,11 @@ class Run:
             self._received[msg["rank"]] = self._received.get(msg["rank"], 0) + len(msg["events"])
 
     # ------------------------------------------------------------ public
+    @property
+    def workers(self) -> list:
+        """The Dask worker address of each rank (rank = pipeline x stages + stage)."""
+        return list(self._workers)
+
     def events_since(self, cursor: int = 0) -> tuple[list, int]:
         """``(new events, new cursor)``: the records that arrived after ``cursor``."""
         with self._lock:
@@ -429,31 +466,58 @@ class Run:
     # ------------------------------------------------------------ monitor
     def _monitor(self) -> None:
         cfg = self.config
+        S = cfg.stages
         error: Optional[BaseException] = None
         grace_until = None
         results = {}
+        self._lost: dict = {}
+        lost_at = None
+        comm_seen: dict = {}  # rank -> when its communication failure was first seen
         try:
             last_check = time.monotonic()
             while True:
                 statuses = [f.status for f in self._futures]
-                if all(s == "finished" for s in statuses):
-                    break
+                live = [r for r in range(len(statuses)) if r // S not in self._lost]
+                if all(statuses[r] == "finished" for r in live):
+                    # the lost pipelines' other workers fail on their own (their peers are gone); bounded
+                    gone = [r for r in range(len(statuses)) if r // S in self._lost]
+                    if all(statuses[r] != "pending" for r in gone) or time.monotonic() > lost_at + cfg.timeout + 10:
+                        break
+                if error is None and self._ckpt_next is not None:
+                    error = self._poll_checkpoint()
                 if error is None:
-                    for rank, (f, s) in enumerate(zip(self._futures, statuses)):
-                        if s in ("error", "cancelled"):
-                            error = self._describe_failure(rank, f)
+                    for rank in live:
+                        if statuses[rank] not in ("error", "cancelled"):
+                            continue
+                        failure = self._describe_failure(rank, self._futures[rank])
+                        if _is_worker_death(failure.__cause__):
+                            error = self._on_lost(rank, "its worker process died")
+                        elif _is_comm_failure(failure.__cause__):
+                            # a peer of its pipeline may have died: give that loss time to show
+                            if time.monotonic() - comm_seen.setdefault(rank, time.monotonic()) > _LOSS_GRACE:
+                                error = failure
+                        else:
+                            error = failure
+                        if error is not None:
                             break
                     if error is None and time.monotonic() - last_check > 1.0:
                         last_check = time.monotonic()
-                        error = self._check_workers()
+                        error, missing = self._check_workers()
+                        for rank in missing:
+                            if error is None and rank // S not in self._lost:
+                                error = self._on_lost(rank, "its Dask worker left the cluster")
+                    if self._lost and lost_at is None:
+                        lost_at = time.monotonic()
                     if error is not None:
                         self.stop()
                         grace_until = time.monotonic() + min(10.0, cfg.timeout)
                 elif all(s != "pending" for s in statuses) or time.monotonic() > grace_until:
                     break
                 time.sleep(0.05)
+            if error is None and self._ckpt_next is not None:  # the last epoch's, written as the workers ended
+                error = self._poll_checkpoint()
             for rank, f in enumerate(self._futures):
-                if f.status == "finished":
+                if f.status == "finished" and rank // S not in self._lost:
                     results[rank] = f.result(timeout=cfg.timeout)
             if error is not None and not isinstance(error, _LostWorker):
                 error = self._root_cause() or error
@@ -466,6 +530,63 @@ class Run:
             self._error = error
             self._cleanup()
             self._done.set()
+
+    def _first_checkpoint(self, after: int) -> Optional[int]:
+        every = self.config.checkpoint_every
+        if not every:
+            return None
+        e = (after // every + 1) * every
+        return e if e <= self.config.epochs else None
+
+    def _poll_checkpoint(self) -> Optional[BaseException]:
+        """Once every live worker wrote its part of the next checkpoint: the manifest, then the folder into place."""
+        from .checkpoint import finish
+
+        cfg = self.config
+        epoch = self._ckpt_next
+        ranks = [r for r in range(cfg.world_size) if r // cfg.stages not in self._lost]
+        try:
+            if self._run_store.add(f"ckpt/{epoch}/n", 0) < len(ranks):
+                return None
+            steps = {str(p): int(self._run_store.get(f"ckpt/{epoch}/rank{p * cfg.stages}"))
+                     for p in range(cfg.pipelines) if p not in self._lost}
+            scheduler = None
+            if self._mode in ("scheduled", "adpsgd"):
+                scheduler = self._service("sdpipe_state")["core"]
+            folder = finish(cfg.checkpoint_dir, epoch, self.run_id, {
+                "run_id": self.run_id, "ranks": ranks, "steps": steps, "config": _plain_config(cfg),
+                "policy": self.policy, "scheduler": scheduler, "lost": {str(p): w for p, w in self._lost.items()}})
+        except Exception as e:
+            return RunError(f"checkpoint_dir: could not write the checkpoint of epoch {epoch} ({type(e).__name__}: {e})")
+        self.checkpoints.append(str(folder))
+        now = time.time() - self._t0
+        with self._lock:
+            self._events.append({"kind": "checkpoint", "pipeline": None, "stage": None, "step": None, "microbatch": None,
+                                 "start": now, "end": now, "epoch": epoch, "path": str(folder)})
+        self._ckpt_next = self._first_checkpoint(epoch)
+        return None
+
+    def _on_lost(self, rank: int, why: str) -> Optional[BaseException]:
+        """A worker is gone.  Returns the run's error, or None when the other pipelines go on without its pipeline."""
+        cfg = self.config
+        p, s = divmod(rank, cfg.stages)
+        what = f"worker pipeline {p} stage {s} (rank {rank}, {self._workers[rank]})"
+        if self._mode not in _LOSS_TOLERANT:
+            return _LostWorker(f"{what} was lost ({why}); policy {self.policy!r} cannot go on without it")
+        self._lost[p] = f"{what} was lost ({why})"
+        now = time.time() - self._t0
+        with self._lock:
+            self._events.append({"kind": "worker-lost", "pipeline": p, "stage": s, "step": None, "microbatch": None,
+                                 "start": now, "end": now, "worker": self._workers[rank], "reason": why})
+        log.warning("sdpipe: %s; the run goes on with %d pipeline(s)", self._lost[p], cfg.pipelines - len(self._lost))
+        if len(self._lost) == cfg.pipelines:
+            return RunError(f"every pipeline was lost; last: {self._lost[p]}")
+        try:  # the others stop pairing with it, the scheduler takes it out of every stage
+            self._run_store.set(f"lost/{p}", why)
+            self._service("sdpipe_leave", stage=None, pipeline=p)
+        except Exception as e:
+            log.warning("sdpipe: could not tell the group service that pipeline %d was lost: %s", p, e)
+        return None
 
     def _root_cause(self) -> Optional[BaseException]:
         """The failure that started it: peers of a failed worker fail after it with communication errors."""
@@ -488,19 +609,16 @@ class Run:
         err.__cause__ = exc if isinstance(exc, BaseException) else None
         return err
 
-    def _check_workers(self) -> Optional[BaseException]:
-        """A worker whose Dask worker left the cluster in two checks in a row (a second apart) is lost."""
+    def _check_workers(self) -> tuple:
+        """(error, lost ranks): a worker whose Dask worker left the cluster in two checks in a row (a second apart) is lost."""
         try:
             alive = set(self._client.scheduler_info(n_workers=-1)["workers"])
         except Exception as e:
-            return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
+            return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}"), []
         missing = {r for r, addr in enumerate(self._workers) if addr not in alive and self._futures[r].status == "pending"}
         confirmed = missing & getattr(self, "_missing", set())
         self._missing = missing
-        for rank in sorted(confirmed):
-            p, s = divmod(rank, self.config.stages)
-            return _LostWorker(f"worker pipeline {p} stage {s} (rank {rank}, {self._workers[rank]}) was lost")
-        return None
+        return None, sorted(confirmed)
 
     def _await_events(self, results: dict, timeout: float = 10.0) -> None:
         """Wait (bounded) until every finished worker's events have arrived."""
@@ -518,6 +636,9 @@ class Run:
         cfg = self.config
         models = []
         for p in range(cfg.pipelines):
+            if p in self._lost:
+                models.append(None)
+                continue
             parts = []
             for s in range(cfg.stages):
                 mod = copy.deepcopy(self._stage_modules[s])
@@ -534,7 +655,8 @@ class Run:
             config=cfg,
             wall_time=max([e["end"] for e in events] + [0.0]),
             stopped=any(r["stopped"] for r in results.values()),
-            steps={p: results[p * cfg.stages]["steps"] for p in range(cfg.pipelines)},
+            steps={p: results[p * cfg.stages]["steps"] for p in range(cfg.pipelines) if p not in self._lost},
+            lost=dict(self._lost),
         )
 
     def _cleanup(self) -> None:
@@ -572,6 +694,11 @@ class Run:
         self._store = None  # dropping the last reference shuts the store's listener
 
 
+def _plain_config(config: TrainConfig) -> dict:
+    """The configuration as JSON data (a checkpoint's manifest)."""
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: None if v == float("inf") else str(v)))
+
+
 def _history(events: list) -> list:
     rows = [e["metrics"] for e in events if e.get("kind") == "epoch"]
     return sorted(rows, key=lambda r: (r["epoch"], r["pipeline"]))
@@ -604,6 +731,9 @@ def train(
     scheduler=None,
     timeout: float = 120.0,
     host: str = "127.0.0.1",
+    checkpoint_every: int = 0,
+    checkpoint_dir=None,
+    resume_from=None,
 ) -> Run:
     """Train ``model`` with ``stages`` x ``pipelines`` workers; returns a :class:`Run` at once.
 
@@ -613,6 +743,11 @@ def train(
     ``(inputs, targets)`` pair.  ``cluster=None`` starts an embedded
     ``LocalCluster`` (one single-threaded process per worker, closed at the
     end); a scheduler address or a ``distributed.Client`` uses an existing one.
+
+    ``checkpoint_every=N`` writes a checkpoint to ``checkpoint_dir`` after
+    every N-th epoch (see :mod:`sdpipe.checkpoint`); ``resume_from`` (a
+    checkpoint folder, or a checkpoint_dir for its latest) starts at that
+    checkpoint's epoch with its weights, optimizer and random states.
 
     Everything is checked before any worker starts; bad input raises a
     one-line ``ValueError`` naming the field.
@@ -641,6 +776,8 @@ def train(
         scheduler=scheduler,
         timeout=timeout,
         host=host,
+        checkpoint_every=checkpoint_every,
+        checkpoint_dir=checkpoint_dir,
     )
     if config.device == "cuda" and cluster is None and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but this machine has no GPU; use device='cpu'")
@@ -680,4 +817,36 @@ def train(
         "classify": classify,
         "t0": time.time(),
     }
-    return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster, from_sequential=isinstance(model, nn.Sequential))
+    resume = None
+    if resume_from is not None:
+        resume = _check_resume(resume_from, config, stage_modules)
+        spec["start_epoch"] = resume.epoch
+        most = max(resume.steps.values())
+        spec["start_steps"] = {str(p): resume.steps.get(p, most) for p in range(pipelines)}
+    return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster, from_sequential=isinstance(model, nn.Sequential),
+               resume=resume)
+
+
+def _check_resume(path, config: TrainConfig, stage_modules):
+    """The checkpoint at ``path``, after checking it fits this run (one-line ValueErrors naming the field)."""
+    from .checkpoint import load_checkpoint
+
+    ck = load_checkpoint(path)
+    saved = ck.config
+    for name in ("stages", "pipelines"):
+        if saved[name] != getattr(config, name):
+            raise ValueError(f"{name}: the checkpoint at {ck.path} has {name}={saved[name]}, this run {getattr(config, name)}")
+    if ck.epoch >= config.epochs:
+        raise ValueError(f"epochs: the checkpoint at {ck.path} is at epoch {ck.epoch}; ask for more than {ck.epoch} epochs to resume")
+    for s, module in enumerate(stage_modules):
+        state = ck.stage_state(0, s)
+        if state.get("optimizer_name") != config.optimizer:
+            raise ValueError(f"optimizer: the checkpoint at {ck.path} used {state.get('optimizer_name')!r}, this run {config.optimizer!r}")
+        mine = module.state_dict()
+        theirs = state["model"]
+        for key in sorted(set(mine) | set(theirs)):
+            if key not in mine or key not in theirs or tuple(mine[key].shape) != tuple(theirs[key].shape):
+                have = tuple(theirs[key].shape) if key in theirs else "missing"
+                want = tuple(mine[key].shape) if key in mine else "missing"
+                raise ValueError(f"model: stage {s} parameter {key!r} is {have} in the checkpoint at {ck.path}, {want} in this model")
+    return ck

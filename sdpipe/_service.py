@@ -5,12 +5,13 @@ scheduler process, which every worker and the driver already reach, and it
 hosts one :class:`~sdpipe.scheduler.GroupScheduler` per run.  Its routes
 (Dask scheduler handlers):
 
-``sdpipe_open(run_id, token, stages, pipelines, policy, policy_name, topic, t0)``
-    start scheduling a run (driver).
+``sdpipe_open(run_id, token, stages, pipelines, policy, policy_name, topic, t0, state=None)``
+    start scheduling a run (driver), from a scheduler snapshot when resuming.
 ``sdpipe_ready(run_id, stage, pipeline, step, global_sync, timeout)``
     a worker is ready; answers with its group once decided (worker).
 ``sdpipe_leave(run_id, stage, pipeline)``
-    a worker leaves its stage for good: stop or failure (worker or driver).
+    a worker leaves its stage for good: stop or failure (worker); with
+    ``stage=None`` a whole pipeline was lost (driver).
 ``sdpipe_set_policy(run_id, token, policy, policy_name)``
     change the policy live (driver).
 ``sdpipe_pause(run_id, token, paused)``
@@ -163,9 +164,15 @@ class GroupService(SchedulerPlugin):
                 fut.set_result({"error": "run closed"})
 
     # ------------------------------------------------------------- routes
-    def open(self, run_id, token, stages, pipelines, policy, policy_name, topic, t0):
+    def open(self, run_id, token, stages, pipelines, policy, policy_name, topic, t0, state=None):
         self._drop(run_id)
-        self.runs[run_id] = _RunState(token, stages, pipelines, SchedulerPolicy(**policy), policy_name, topic, t0)
+        st = _RunState(token, stages, pipelines, SchedulerPolicy(**policy), policy_name, topic, t0)
+        if state is not None:  # resumed from a checkpoint: its windows, rounds and connectivity
+            try:
+                st.core = GroupScheduler.restore(state)
+            except (KeyError, TypeError, ValueError) as e:
+                return {"error": f"state: not a scheduler snapshot ({type(e).__name__}: {e})"}
+        self.runs[run_id] = st
         return {"ok": True}
 
     async def ready(self, run_id, stage, pipeline, step, global_sync=False, timeout=60.0):
@@ -204,6 +211,11 @@ class GroupService(SchedulerPlugin):
             return {"ok": False}
         now = self._now(st)
         decisions = st.core.lost(pipeline, now) if stage is None else st.core.leave(stage, pipeline, now)
+        if stage is None:  # the whole pipeline is gone: its workers still waiting get no group
+            for (s, p), fut in list(st.waiters.items()):
+                if p == pipeline and not fut.done():
+                    st.waiters.pop((s, p), None)
+                    fut.set_result({"error": f"pipeline {pipeline} was lost"})
         self._dispatch(run_id, st, decisions)
         return {"ok": True}
 
@@ -234,6 +246,7 @@ class GroupService(SchedulerPlugin):
             "waiting": sorted([list(k) for k in st.waiters]),
             "graph_holder": st.core.graph_holder,
             "paused": st.paused,
+            "core": st.core.snapshot(),
         }
 
     def close_run(self, run_id, token):

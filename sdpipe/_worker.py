@@ -166,6 +166,33 @@ class Worker:
         rec.update(extra)
         self.sink.add(rec)
 
+    def restore(self, state: dict) -> None:
+        """Weights, optimizer state and random states from a checkpoint."""
+        self.module.load_state_dict(state["model"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def checkpoint(self, epoch: int, step: int) -> None:
+        """Write this worker's part of the checkpoint after ``epoch`` epochs, then count it in the store."""
+        from .checkpoint import write_rank
+
+        t = time.time()
+        state = {
+            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer_name": self.cfg["optimizer"],
+            "rng": self.rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "step": step,
+            "epoch": epoch,
+        }
+        write_rank(self.cfg["checkpoint_dir"], epoch, self.run_id, self.rank, state)
+        self.store.set(f"ckpt/{epoch}/rank{self.rank}", str(step))
+        self.store.add(f"ckpt/{epoch}/n", 1)
+        self.span("save", step, None, t, time.time(), epoch=epoch)
+
     def describe(self) -> None:
         """A ``stage`` record: bytes of this stage's synchronized state and of one micro-batch's output."""
         weight_bytes = sum(t.numel() * t.element_size() for t in _state_tensors(self))
@@ -286,7 +313,8 @@ class Worker:
         mine = self._step_time
         if mine is None:
             return False
-        keys = [f"epoch{epoch}/steptime/{p}" for p in range(self.pipelines) if p != self.pipeline]
+        keys = [f"epoch{epoch}/steptime/{p}" for p in range(self.pipelines)
+                if p != self.pipeline and not self.store.check([f"lost/{p}"])]  # a lost pipeline takes nothing
         keys = [k for k in keys if self.store.check([k])]
         times = [float(v) for v in self.store.multi_get(keys)] if keys else []
         rate = sum(1.0 / t for t in times if 0 < t < mine)
@@ -420,8 +448,11 @@ class Worker:
             self._groups.clear()
 
 
-def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict:
-    """Entry point of a worker task; returns its final stage weights."""
+def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=None) -> dict:
+    """Entry point of a worker task; returns its final stage weights.
+
+    ``resume``: this rank's state from a checkpoint (weights, optimizer, random states).
+    """
     torch.set_num_threads(1)
     torch.manual_seed(spec["config"]["seed"] + 1 + rank)
     sink = EventSink(spec["topic"], rank)
@@ -431,11 +462,14 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
     step = 0
     try:
         worker = Worker(spec, rank, sink)
-        worker.describe()
         cfg = spec["config"]
+        if resume is not None:
+            worker.restore(resume)
+            step = spec["start_steps"][str(worker.pipeline)]
+        worker.describe()
         bs = cfg["batch_size"]
         pending_stop, pending_version, pending_pause = False, 0, False
-        for epoch in range(cfg["epochs"]):
+        for epoch in range(spec.get("start_epoch", 0), cfg["epochs"]):
             epoch_start = time.time()
             losses, samples, j = [], 0, 0
             while True:
@@ -509,6 +543,9 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None) -> dict
                         rec.update(metrics)
                     now = time.time()
                     worker.span("epoch", step, None, now, now, metrics=rec)
+            every = cfg["checkpoint_every"]
+            if every and (epoch + 1) % every == 0 and not stopped:
+                worker.checkpoint(epoch + 1, step)
             if stopped:
                 break
         state = {k: v.detach().cpu().clone() for k, v in worker.module.state_dict().items()}

@@ -15,6 +15,8 @@ one-line ``ValueError`` that names the field and what is allowed.
 
 from __future__ import annotations
 
+import os
+
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
@@ -166,6 +168,10 @@ class TrainConfig:
     """Seconds any single wait (rendezvous, receive, collective) may take."""
     host: str = "127.0.0.1"
     """Address the run's rendezvous store listens on and workers reach it by."""
+    checkpoint_every: int = 0
+    """Epochs between checkpoints (0: none); a multiple of sync_every, so every checkpoint follows a global sync."""
+    checkpoint_dir: Optional[str] = None
+    """Folder the checkpoints go to (``epoch-NNNN`` folders and a ``latest`` file); workers must reach it."""
 
     def __post_init__(self):
         _positive_int("stages", self.stages)
@@ -212,6 +218,17 @@ class TrainConfig:
         _number("timeout", self.timeout, 0.0, lo_open=True)
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a non-empty address string, got {self.host!r}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every: must be an integer >= 0 (epochs; 0 = none), got {self.checkpoint_every!r}")
+        if self.checkpoint_every and self.checkpoint_every % self.sync_every:
+            raise ValueError(f"checkpoint_every: {self.checkpoint_every} is not a multiple of sync_every={self.sync_every}; "
+                             "checkpoints follow global syncs")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_dir: needed when checkpoint_every > 0 (a folder every worker can write)")
+        if self.checkpoint_dir is not None:
+            if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir):
+                raise ValueError(f"checkpoint_dir: must be a folder path, got {self.checkpoint_dir!r}")
+            object.__setattr__(self, "checkpoint_dir", os.path.abspath(os.fspath(self.checkpoint_dir)))
 
     @property
     def world_size(self) -> int:

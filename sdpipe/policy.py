@@ -158,13 +158,26 @@ class Scheduled(SyncPolicy):
             return
         from ._comm import allreduce_mean_
 
+        from ._comm import flatten, unflatten_
+
         start = time.time()
-        pg = self.groups.get(answer["name"])
-        if pg is None:
-            pg = worker.group(f"avg/{answer['name']}", members.index(worker.pipeline), len(members))
-            self.groups[answer["name"]] = pg
-        worker.delay_link()
-        allreduce_mean_(_state_tensors(worker), pg, len(members), comm_device=worker.link_device)
+        tensors = _state_tensors(worker)
+        before = flatten(tensors, tensors[0].device).clone()
+        try:
+            pg = self.groups.get(answer["name"])
+            if pg is None:
+                pg = worker.group(f"avg/{answer['name']}", members.index(worker.pipeline), len(members))
+                self.groups[answer["name"]] = pg
+            worker.delay_link()
+            allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device)
+        except RuntimeError as e:
+            # a member died during the collective (its pipeline is being lost): keep this worker's own
+            # weights, forget the group, and go on; the scheduler takes the lost pipeline out
+            unflatten_(tensors, before)
+            self.groups.pop(answer["name"], None)
+            worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
+                        reason=answer["reason"], failed=f"{type(e).__name__}: {str(e)[:200]}")
+            return
         worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"], reason=answer["reason"])
 
     def after_step(self, worker, step: int) -> None:
@@ -294,8 +307,13 @@ class GossipPairs(Scheduled):
         with self.lock:
             mine = flatten(self.tensors, self.device)
         theirs = torch.empty_like(mine)
-        self.pg.recv([theirs], active, TAG_SERVE).wait()
-        self.pg.send([mine], active, TAG_SERVE).wait()
+        try:
+            self.pg.recv([theirs], active, TAG_SERVE).wait()
+            self.pg.send([mine], active, TAG_SERVE).wait()
+        except RuntimeError as e:  # the active worker died: nothing to fold in
+            self.worker.span("sync", None, None, start, time.time(), group=sorted((active, self.worker.pipeline)),
+                             reason="pair", served=True, failed=f"{type(e).__name__}: {str(e)[:200]}")
+            return
         delta = (theirs - mine).div_(2)
         with self.lock:
             self.pending = delta if self.pending is None else self.pending.add_(delta)
@@ -331,14 +349,23 @@ class GossipPairs(Scheduled):
         if self.pg is None or not self.passives:
             return
         peer = worker.rng.choice(self.passives)
+        if self.store.check([f"lost/{peer}"]):  # its pipeline was lost: pair with the others from now on
+            self.passives.remove(peer)
+            return self.after_step(worker, step)
         start = time.time()
         worker.delay_link()
         _Mailbox(self.store, f"{self.prefix}{peer}/").put(f"{worker.pipeline},{step}")
         mine = flatten(self.tensors, self.device)
         theirs = torch.empty_like(mine)
-        work = self.pg.send([mine], peer, TAG_SERVE)
-        self.pg.recv([theirs], peer, TAG_SERVE).wait()
-        work.wait()
+        try:
+            work = self.pg.send([mine], peer, TAG_SERVE)
+            self.pg.recv([theirs], peer, TAG_SERVE).wait()
+            work.wait()
+        except RuntimeError as e:  # the passive worker died mid-exchange: keep our weights, drop the peer
+            self.passives.remove(peer)
+            worker.span("sync", step, None, start, time.time(), group=sorted((worker.pipeline, peer)), reason="pair",
+                        failed=f"{type(e).__name__}: {str(e)[:200]}")
+            return
         unflatten_(self.tensors, mine.add_(theirs).div_(2).to(self.tensors[0].device))
         worker.span("sync", step, None, start, time.time(), group=sorted((worker.pipeline, peer)), reason="pair")
 
@@ -375,7 +402,10 @@ class GossipPairs(Scheduled):
                 self.server.finish(0.0)
             else:
                 # serve until every active worker of the stage has left and every request is answered
-                done = lambda: self.store.add(self.prefix + "left", 0) >= len(self.actives) and self.server.served >= self.server.mailbox.issued()
+                def done():
+                    lost = sum(1 for p in self.actives if self.store.check([f"lost/{p}"]))
+                    return (self.store.add(self.prefix + "left", 0) + lost >= len(self.actives)
+                            and self.server.served >= self.server.mailbox.issued())
                 self.server.finish(self.worker.timeout, done)
                 self.server.check()
             self.server = None

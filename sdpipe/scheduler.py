@@ -446,6 +446,19 @@ class GroupScheduler:
         self.policy = policy
         self.graph_holder: Optional[int] = None
 
+    def snapshot(self) -> dict:
+        """Plain data: every stage's state and the graph-sync token."""
+        return {"stages": [st.snapshot() for st in self.stages], "graph_holder": self.graph_holder,
+                "policy": self.policy.to_dict()}
+
+    @classmethod
+    def restore(cls, snap: dict) -> "GroupScheduler":
+        g = cls.__new__(cls)
+        g.stages = [StageScheduler.restore(st) for st in snap["stages"]]
+        g.policy = SchedulerPolicy(**snap["policy"])
+        g.graph_holder = snap["graph_holder"]
+        return g
+
     def _flags(self) -> None:
         for st in self.stages:
             st.may_graph_sync = self.graph_holder is None or self.graph_holder == st.stage

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict, deque
 __all__ = ["RunView", "CATEGORIES", "category"]
 
 #: timeline categories, in drawing order
-CATEGORIES = ("compute", "communication", "synchronization", "waiting", "eval")
+CATEGORIES = ("compute", "communication", "synchronization", "waiting", "eval")  # "eval" also holds checkpoint saves
 
 _KIND_CATEGORY = {
     "forward": "compute",
@@ -35,6 +35,7 @@ _KIND_CATEGORY = {
     "straggle": "waiting",
     "pause": "waiting",
     "eval": "eval",
+    "save": "eval",
 }
 
 

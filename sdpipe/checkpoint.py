@@ -1,0 +1,125 @@
+"""Checkpoints: per-stage weights, optimizer state, the scheduler's state and the data position.
+
+A run with ``checkpoint_every=N`` (epochs) writes, after every N-th epoch's
+global sync, a folder ``<checkpoint_dir>/epoch-NNNN``::
+
+    manifest.json      epoch reached, steps per pipeline, configuration, scheduler state
+    rank<r>.pt         one per worker: stage weights, optimizer state, random states
+
+Every file is written under a temporary name and renamed; the folder itself
+is assembled as ``.epoch-NNNN.tmp-<run>`` and renamed into place once every
+worker's file and the manifest are there, so a reader sees a whole checkpoint
+or none.  ``latest`` (also replaced atomically) names the newest one.
+
+``sdpipe.load_checkpoint(path)`` reads one; ``sdpipe.train(..., resume_from=path)``
+starts a run at the checkpoint's epoch with its weights, optimizer states,
+random states and step counts (the data order of an epoch depends only on
+the seed and the epoch, so an ``allreduce`` run resumed this way retraces the
+uninterrupted one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["Checkpoint", "load_checkpoint", "resolve"]
+
+FORMAT = 1
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back: ``states[(pipeline, stage)]`` holds ``model``, ``optimizer`` and random states."""
+
+    path: str
+    epoch: int
+    """Epochs completed; a resumed run starts with this epoch index."""
+    steps: dict
+    """Steps each pipeline had completed (pipeline -> steps)."""
+    config: dict
+    scheduler: Optional[dict]
+    """The group service's state (stage schedulers), or None for policies without it."""
+    lost: dict
+    """Pipelines lost before the checkpoint (their workers wrote nothing)."""
+    states: dict
+
+    def stage_state(self, pipeline: int, stage: int) -> dict:
+        """The state of (pipeline, stage), or of the first pipeline that has one (a pipeline lost before the checkpoint)."""
+        if (pipeline, stage) in self.states:
+            return self.states[(pipeline, stage)]
+        for p in sorted({p for p, _ in self.states}):
+            if (p, stage) in self.states:
+                return self.states[(p, stage)]
+        raise KeyError(f"checkpoint {self.path}: no state for stage {stage}")
+
+
+def resolve(path) -> Path:
+    """The checkpoint folder ``path`` names: a folder with a manifest, or a checkpoint_dir (its ``latest``)."""
+    p = Path(os.fspath(path)).expanduser()
+    if (p / "manifest.json").is_file():
+        return p
+    latest = p / "latest"
+    if latest.is_file():
+        q = p / latest.read_text().strip()
+        if (q / "manifest.json").is_file():
+            return q
+    raise ValueError(f"resume_from: no checkpoint at {str(p)!r} (neither a manifest.json nor a 'latest' file naming one)")
+
+
+def load_checkpoint(path, *, states: bool = True) -> Checkpoint:
+    """Read the checkpoint at ``path`` (a checkpoint folder, or the checkpoint_dir for its latest)."""
+    import torch
+
+    folder = resolve(path)
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"resume_from: {folder}/manifest.json is unreadable ({type(e).__name__}: {e})") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"resume_from: {folder} has checkpoint format {manifest.get('format')!r}; this sdpipe reads {FORMAT}")
+    loaded = {}
+    if states:
+        S = manifest["config"]["stages"]
+        for rank in manifest["ranks"]:
+            loaded[divmod(rank, S)] = torch.load(folder / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+    return Checkpoint(path=str(folder), epoch=manifest["epoch"], steps={int(k): v for k, v in manifest["steps"].items()},
+                      config=manifest["config"], scheduler=manifest.get("scheduler"),
+                      lost={int(k): v for k, v in manifest.get("lost", {}).items()}, states=loaded)
+
+
+def staging(checkpoint_dir: str, epoch: int, run_id: str) -> Path:
+    return Path(checkpoint_dir) / f".epoch-{epoch:04d}.tmp-{run_id}"
+
+
+def write_rank(checkpoint_dir: str, epoch: int, run_id: str, rank: int, state: dict) -> None:
+    """A worker's part (written, then renamed)."""
+    import torch
+
+    folder = staging(checkpoint_dir, epoch, run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / f"rank{rank}.pt.part"
+    torch.save(state, part)
+    os.replace(part, folder / f"rank{rank}.pt")
+
+
+def finish(checkpoint_dir: str, epoch: int, run_id: str, manifest: dict) -> Path:
+    """The driver's part once every worker's file is there: the manifest, the folder's rename, ``latest``."""
+    folder = staging(checkpoint_dir, epoch, run_id)
+    manifest = {"format": FORMAT, "epoch": epoch, **manifest}
+    tmp = folder / "manifest.json.part"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, folder / "manifest.json")
+    final = Path(checkpoint_dir) / f"epoch-{epoch:04d}"
+    if final.exists():  # an older run's checkpoint of the same epoch: replace it
+        import shutil
+
+        shutil.rmtree(final)
+    os.replace(folder, final)
+    latest = Path(checkpoint_dir) / "latest.part"
+    latest.write_text(final.name + "\n")
+    os.replace(latest, Path(checkpoint_dir) / "latest")
+    return final

@@ -1,0 +1,110 @@
+"""Faults on a real LocalCluster: a worker process killed mid-training."""
+
+import os
+import signal
+import time
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+import sdpipe
+from sdpipe.data import digits, digits_mlp
+
+from helpers import live_process_groups, port_closed
+
+pytestmark = pytest.mark.cluster
+
+KILLED_RANK = 5  # pipeline 2, stage 1 of a 4 x 2 run
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits()
+
+
+@pytest.fixture(scope="module")
+def cluster8():
+    """Eight single-threaded worker processes; a killed one is restarted by its nanny (under a new address)."""
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        lc = LocalCluster(n_workers=8, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
+                          env={"OMP_NUM_THREADS": "1"})
+    client = Client(lc, set_as_default=False)
+    yield client
+    client.close()
+    lc.close()
+
+
+def kill_rank_when(run, client, rank, epoch, timeout=120):
+    """SIGKILL the worker process of ``rank`` once some pipeline finished ``epoch``; returns when it was killed."""
+    deadline = time.monotonic() + timeout
+    while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= epoch for e in run.events):
+        assert time.monotonic() < deadline and not run.done(), "the run did not reach the epoch"
+        time.sleep(0.05)
+    addr = run.workers[rank]
+    pid = client.run(os.getpid, workers=[addr])[addr]
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def final_accuracy(result) -> float:
+    last = max(h["epoch"] for h in result.history)
+    return min(h["accuracy"] for h in result.history if h["epoch"] == last)
+
+
+def test_sdpipe_goes_on_with_three_pipelines_after_a_worker_is_killed(data, cluster8):
+    train_data, eval_data = data
+    common = dict(stages=2, pipelines=4, policy="sdpipe", epochs=8, batch_size=32, eval_data=eval_data, cluster=cluster8)
+    reference = sdpipe.train(digits_mlp(), train_data, **common).result(timeout=600)
+
+    cluster8.wait_for_workers(8, timeout=60)
+    run = sdpipe.train(digits_mlp(), train_data, **common)
+    killed_at = kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
+    result = run.result(timeout=600)
+
+    assert set(result.lost) == {2} and "pipeline 2 stage 1" in result.lost[2]
+    assert result.finished_pipelines == [0, 1, 3] and result.models[2] is None
+    lost = [e for e in result.events if e["kind"] == "worker-lost"]
+    assert [(e["pipeline"], e["stage"]) for e in lost] == [(2, 1)]
+    # after the loss was noticed, no group has pipeline 2 in it; the others still group and sync globally
+    after = [e for e in result.events if e["kind"] == "group" and e["start"] > lost[0]["end"]]
+    assert after and all(2 not in g["group"] for g in after)
+    assert any(g["reason"] == "global" and g["group"] == [0, 1, 3] for g in after)
+    # the three pipelines trained every remaining epoch, and as well as four did
+    last = max(h["epoch"] for h in result.history)
+    assert last == 7 and sorted(h["pipeline"] for h in result.history if h["epoch"] == last) == [0, 1, 3]
+    assert abs(final_accuracy(result) - final_accuracy(reference)) <= 0.02, (final_accuracy(result), final_accuracy(reference))
+    assert time.monotonic() - killed_at < 300
+    assert port_closed(run.store_port)
+    assert live_process_groups(cluster8) == 0
+
+
+def test_allreduce_stops_with_an_error_naming_the_killed_worker(data, cluster8):
+    train_data, eval_data = data
+    cluster8.wait_for_workers(8, timeout=60)
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy="allreduce", epochs=50, batch_size=32,
+                       cluster=cluster8)
+    addr = run.workers[KILLED_RANK]
+    killed_at = kill_rank_when(run, cluster8, KILLED_RANK, epoch=0)
+    with pytest.raises(sdpipe.RunError) as err:
+        run.result(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    msg = str(err.value)
+    assert "pipeline 2 stage 1" in msg and addr in msg and "lost" in msg and "\n" not in msg
+    assert port_closed(run.store_port)
+    assert live_process_groups(cluster8) == 0
+
+
+@pytest.mark.parametrize("policy", ["adpsgd", "none"])
+def test_adpsgd_and_none_go_on_after_a_worker_is_killed(data, cluster8, policy):
+    """Pipeline 2 is passive under adpsgd: the active workers stop pairing with it."""
+    train_data, eval_data = data
+    cluster8.wait_for_workers(8, timeout=60)
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy=policy, epochs=5, batch_size=32,
+                       eval_data=eval_data, cluster=cluster8)
+    kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
+    result = run.result(timeout=600)
+    assert set(result.lost) == {2} and result.finished_pipelines == [0, 1, 3]
+    assert sorted(h["pipeline"] for h in result.history if h["epoch"] == 4) == [0, 1, 3]
+    assert final_accuracy(result) > 0.85
+    assert live_process_groups(cluster8) == 0
