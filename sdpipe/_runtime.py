@@ -449,8 +449,11 @@ class Run:
         it to wind down before re-raising.
         """
         try:
-            if not self._done.wait(timeout):
-                raise TimeoutError(f"run {self.run_id} still running after {timeout}s")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            # short waits: an interrupt gets through between them on every platform
+            while not self._done.wait(0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"run {self.run_id} still running after {timeout}s")
         except KeyboardInterrupt:
             self.stop()
             self._done.wait(self.config.timeout)
