@@ -209,9 +209,7 @@ class Run:
         try:
             workers = _pick_workers(self._client, cfg)
             self._workers = workers
-            self._store = dist.TCPStore(
-                cfg.host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=cfg.timeout)
-            )
+            self._store = _bound_store(cfg.host, cfg.timeout)
             self._run_store = dist.PrefixStore(f"sdpipe/{self.run_id}/", self._store)
             spec["store_host"], spec["store_port"] = cfg.host, self._store.port
             #: Port of the run's rendezvous store (closed when the run ends).
@@ -586,7 +584,7 @@ class Run:
             return RunError(f"every pipeline was lost; last: {self._lost[p]}")
         try:  # the others stop pairing with it, the scheduler takes it out of every stage
             self._run_store.set(f"lost/{p}", why)
-            self._service("sdpipe_leave", stage=None, pipeline=p)
+            self._service("sdpipe_leave", stage=None, pipeline=p, token=self._token)
         except Exception as e:
             log.warning("sdpipe: could not tell the group service that pipeline %d was lost: %s", p, e)
         return None
@@ -695,6 +693,30 @@ class Run:
             self._cluster = None
         self._run_store = None
         self._store = None  # dropping the last reference shuts the store's listener
+
+
+def _bound_store(host: str, timeout: float):
+    """The run's rendezvous store, listening on ``host`` only.
+
+    ``TCPStore`` itself listens on every interface; handed a socket already
+    bound to ``host`` it serves that one (and closes it with the store).
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(1024)
+        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the socket now
+    return store
 
 
 def _plain_config(config: TrainConfig) -> dict:

@@ -9,9 +9,9 @@ hosts one :class:`~sdpipe.scheduler.GroupScheduler` per run.  Its routes
     start scheduling a run (driver), from a scheduler snapshot when resuming.
 ``sdpipe_ready(run_id, stage, pipeline, step, global_sync, timeout)``
     a worker is ready; answers with its group once decided (worker).
-``sdpipe_leave(run_id, stage, pipeline)``
+``sdpipe_leave(run_id, stage, pipeline, token=None)``
     a worker leaves its stage for good: stop or failure (worker); with
-    ``stage=None`` a whole pipeline was lost (driver).
+    ``stage=None`` a whole pipeline was lost (driver, with the run's token).
 ``sdpipe_set_policy(run_id, token, policy, policy_name)``
     change the policy live (driver).
 ``sdpipe_pause(run_id, token, paused)``
@@ -85,11 +85,16 @@ class GroupService(SchedulerPlugin):
             self._drop(run_id)
 
     # ------------------------------------------------------------- helpers
-    def _run(self, run_id: str, token=None) -> _RunState:
+    def _run(self, run_id: str) -> _RunState:
         st = self.runs.get(run_id)
         if st is None:
             raise KeyError(f"run_id: no sdpipe run {run_id!r} is scheduled here")
-        if token is not None and token != st.token:
+        return st
+
+    def _owned(self, run_id: str, token) -> _RunState:
+        """The run, for a control call: only with the token its driver holds."""
+        st = self._run(run_id)
+        if not isinstance(token, str) or token != st.token:
             raise PermissionError(f"token: does not match run {run_id!r}")
         return st
 
@@ -205,10 +210,12 @@ class GroupService(SchedulerPlugin):
                 self._dispatch(run_id, st, st.core.lost(pipeline, self._now(st)))
             return {"error": f"no group for pipeline {pipeline} stage {stage} within {timeout:.0f}s"}
 
-    def leave(self, run_id, stage, pipeline):
+    def leave(self, run_id, stage, pipeline, token=None):
         st = self.runs.get(run_id)
         if st is None:
             return {"ok": False}
+        if stage is None and token != st.token:  # taking a whole pipeline out is the driver's call
+            raise PermissionError(f"token: does not match run {run_id!r}")
         now = self._now(st)
         decisions = st.core.lost(pipeline, now) if stage is None else st.core.leave(stage, pipeline, now)
         if stage is None:  # the whole pipeline is gone: its workers still waiting get no group
@@ -220,7 +227,7 @@ class GroupService(SchedulerPlugin):
         return {"ok": True}
 
     def set_policy(self, run_id, token, policy, policy_name):
-        st = self._run(run_id, token)
+        st = self._owned(run_id, token)
         st.policy_name = policy_name
         st.version += 1
         decisions = st.core.set_policy(SchedulerPolicy(**policy), self._now(st))
@@ -231,7 +238,7 @@ class GroupService(SchedulerPlugin):
         return {"ok": True, "version": st.version}
 
     def pause(self, run_id, token, paused):
-        st = self._run(run_id, token)
+        st = self._owned(run_id, token)
         st.paused = bool(paused)
         if not st.paused:
             st.resumed_at = self._now(st)
@@ -251,7 +258,7 @@ class GroupService(SchedulerPlugin):
 
     def close_run(self, run_id, token):
         if run_id in self.runs:
-            self._run(run_id, token)
+            self._owned(run_id, token)
             self._drop(run_id)
         return {"ok": True}
 

@@ -108,3 +108,59 @@ def test_adpsgd_and_none_go_on_after_a_worker_is_killed(data, cluster8, policy):
     assert sorted(h["pipeline"] for h in result.history if h["epoch"] == 4) == [0, 1, 3]
     assert final_accuracy(result) > 0.85
     assert live_process_groups(cluster8) == 0
+
+
+def test_control_routes_refuse_a_caller_without_the_run_token(data, shared_cluster):
+    """Another client of the same cluster can read a run's state but not steer it or take pipelines out."""
+    from distributed import Client
+
+    train_data, _ = data
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=300, cluster=shared_cluster)
+    try:
+        wait_for = time.monotonic() + 120
+        while not any(e["kind"] == "group" for e in run.events):
+            assert time.monotonic() < wait_for
+            time.sleep(0.05)
+        with Client(shared_cluster.scheduler.address, set_as_default=False) as other:
+            def call(route, **kw):
+                return other.sync(getattr(other.scheduler, route), run_id=run.run_id, **kw)
+
+            assert call("sdpipe_state")["policy"] == "sdpipe"
+            for route, kw in [("sdpipe_set_policy", dict(policy={}, policy_name="none")),
+                              ("sdpipe_pause", dict(paused=True)), ("sdpipe_close", {}),
+                              ("sdpipe_leave", dict(stage=None, pipeline=1))]:
+                for token in (None, "0" * 32):
+                    with pytest.raises(PermissionError, match="token: does not match run"):
+                        call(route, token=token, **kw)
+        assert not run.done() and run.status == "running"
+    finally:
+        run.stop()
+        result = run.result(timeout=120)
+    assert not result.lost
+
+
+def test_every_listener_of_a_run_is_on_loopback(data, no_leaks):
+    """The rendezvous store, the embedded cluster's scheduler and workers, gloo: all bound to 127.0.0.1."""
+    import psutil
+
+    train_data, _ = data
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=300)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["kind"] == "sync" for e in run.events):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+        listening = []
+        for proc in procs:
+            try:
+                conns = proc.net_connections(kind="inet")
+            except psutil.Error:
+                continue
+            listening += [(proc.pid, c.laddr) for c in conns if c.status == psutil.CONN_LISTEN]
+        assert len(listening) >= 6  # store, scheduler, 4 workers (and their nannies)
+        assert all(addr.ip == "127.0.0.1" for _, addr in listening), listening
+        assert any(addr.port == run.store_port for _, addr in listening)
+    finally:
+        run.stop()
+        run.result(timeout=120)
