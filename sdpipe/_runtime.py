@@ -116,8 +116,12 @@ def _probe_shapes(stage_modules, sample):
     return shapes
 
 
-def _connect(cluster, config: TrainConfig):
-    """(client, embedded cluster or None, whether we own the client)."""
+def _connect(cluster, config: TrainConfig, security=None):
+    """(client, embedded cluster or None, whether we own the client).
+
+    ``security``: a ``distributed.Security`` (TLS certificates) for a scheduler
+    address; without it Dask's configuration (``distributed.comm.tls.*``) applies.
+    """
     import dask
     from distributed import Client, LocalCluster
 
@@ -143,7 +147,13 @@ def _connect(cluster, config: TrainConfig):
             raise
     if isinstance(cluster, str):
         try:
-            return Client(cluster, timeout=CONNECT_TIMEOUT, set_as_default=False), None, True
+            kwargs = {} if security is None else {"security": security}
+            return Client(cluster, timeout=CONNECT_TIMEOUT, set_as_default=False, **kwargs), None, True
+        except TypeError as e:
+            if cluster.startswith("tls://"):
+                raise ValueError(f"security: {cluster!r} speaks TLS; pass security=distributed.Security(...) or set "
+                                 "distributed.comm.tls.* in Dask's configuration") from None
+            raise
         except (OSError, TimeoutError, ValueError) as e:
             raise ConnectionError(
                 f"cluster: cannot reach a Dask scheduler at {cluster!r} within {CONNECT_TIMEOUT:.0f}s ({type(e).__name__})"
@@ -151,7 +161,8 @@ def _connect(cluster, config: TrainConfig):
     if isinstance(cluster, Client):
         return cluster, None, False
     if hasattr(cluster, "scheduler_address"):
-        return Client(cluster, set_as_default=False), None, True
+        kwargs = {} if security is None else {"security": security}
+        return Client(cluster, set_as_default=False, **kwargs), None, True
     raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
 
 
@@ -176,8 +187,9 @@ class Run:
     """
 
     def __init__(self, config: TrainConfig, stage_modules, spec: dict, data: tuple, cluster, from_sequential: bool = True,
-                 resume=None):
+                 resume=None, security=None):
         self.config = config
+        self._security = security
         self._resume = resume  # a sdpipe.checkpoint.Checkpoint or None
         self._ckpt_next = self._first_checkpoint(spec.get("start_epoch", 0))
         #: Folders of the checkpoints this run wrote, oldest first.
@@ -204,7 +216,7 @@ class Run:
         import torch.distributed as dist
 
         cfg = self.config
-        self._client, self._cluster, self._own_client = _connect(cluster, cfg)
+        self._client, self._cluster, self._own_client = _connect(cluster, cfg, self._security)
         self._store = None
         try:
             workers = _pick_workers(self._client, cfg)
@@ -759,6 +771,7 @@ def train(
     checkpoint_every: int = 0,
     checkpoint_dir=None,
     resume_from=None,
+    security=None,
 ) -> Run:
     """Train ``model`` with ``stages`` x ``pipelines`` workers; returns a :class:`Run` at once.
 
@@ -773,6 +786,11 @@ def train(
     every N-th epoch (see :mod:`sdpipe.checkpoint`); ``resume_from`` (a
     checkpoint folder, or a checkpoint_dir for its latest) starts at that
     checkpoint's epoch with its weights, optimizer and random states.
+
+    ``security`` (a ``distributed.Security``) connects to a TLS-secured
+    scheduler address (``tls://...``).  Dask's TLS covers the control plane;
+    tensors and the rendezvous store go over torch.distributed (plain TCP), so
+    ``host`` should stay on a trusted network (by default it is loopback).
 
     Everything is checked before any worker starts; bad input raises a
     one-line ``ValueError`` naming the field.
@@ -848,8 +866,15 @@ def train(
         spec["start_epoch"] = resume.epoch
         most = max(resume.steps.values())
         spec["start_steps"] = {str(p): resume.steps.get(p, most) for p in range(pipelines)}
+    if security is not None:
+        from distributed.security import Security
+
+        if not isinstance(security, Security):
+            raise ValueError(f"security: must be a distributed.Security or None, got {type(security).__name__}")
+        if not isinstance(cluster, str) and not hasattr(cluster, "scheduler_address"):
+            raise ValueError("security: applies to a scheduler address or a cluster object; a Client brings its own")
     return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster, from_sequential=isinstance(model, nn.Sequential),
-               resume=resume)
+               resume=resume, security=security)
 
 
 def _check_resume(path, config: TrainConfig, stage_modules):

@@ -164,3 +164,23 @@ def test_every_listener_of_a_run_is_on_loopback(data, no_leaks):
     finally:
         run.stop()
         run.result(timeout=120)
+
+
+def test_tls_secured_scheduler(data, no_leaks):
+    """A LocalCluster speaking TLS with temporary certificates: a plain connection is refused, security= trains."""
+    from distributed import LocalCluster
+    from distributed.security import Security
+
+    train_data, _ = data
+    security = Security.temporary()
+    with LocalCluster(n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=None, protocol="tls://",
+                      security=security) as cluster:
+        addr = cluster.scheduler_address
+        assert addr.startswith("tls://127.0.0.1:")
+        with pytest.raises(ValueError, match="security: 'tls://127.0.0.1:.*' speaks TLS; pass security="):
+            sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=2, epochs=1, cluster=addr, security=None)
+        result = sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=addr,
+                              security=security).result(timeout=300)
+        assert len(result.history) == 2
+    with pytest.raises(ValueError, match="security: must be a distributed.Security or None, got str"):
+        sdpipe.train(digits_mlp(), train_data, cluster="tls://127.0.0.1:1", security="certs.pem")
