@@ -191,6 +191,8 @@ class Run:
         self.config = config
         self._security = security
         self._resume = resume  # a sdpipe.checkpoint.Checkpoint or None
+        #: The first epoch this run trains (later than 0 when resumed from a checkpoint).
+        self.start_epoch = spec.get("start_epoch", 0)
         self._ckpt_next = self._first_checkpoint(spec.get("start_epoch", 0))
         #: Folders of the checkpoints this run wrote, oldest first.
         self.checkpoints: list = []

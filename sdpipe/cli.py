@@ -3,6 +3,7 @@
 ``sdpipe train`` trains the built-in example (an MLP on scikit-learn's digits)
 on an embedded Dask LocalCluster, or on an existing cluster with
 ``--cluster ADDRESS``, shows a progress bar per epoch and a final summary.
+``sdpipe train --config run.toml`` takes the options from a file.
 ``sdpipe simulate`` runs the simulator (``sdpipe.simulate``) with uniform
 per-stage costs and prints the throughput.
 """
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K", help="slow pipeline P (or P,S) by factor K")
     t.add_argument("--straggle-prob", type=float, default=0.0, help="per-step probability of a transient straggle")
     t.add_argument("--straggle-delay", type=float, default=0.0, help="seconds a transient straggle lasts")
+    t.add_argument("--checkpoint-every", type=int, default=0, help="epochs between checkpoints (0: none)")
+    t.add_argument("--checkpoint-dir", default=None, help="folder for checkpoints (every worker must reach it)")
+    t.add_argument("--resume-from", default=None, help="a checkpoint folder, or a checkpoint dir for its latest")
+    t.add_argument("--config", default=None, metavar="FILE",
+                   help="a .toml or .json file of these options (names with - or _); flags given here win")
     m = sub.add_parser("simulate", help="simulate a run in simulated time on the scheduler core")
     m.add_argument("--stages", type=int, default=4)
     m.add_argument("--pipelines", type=int, default=64)
@@ -66,6 +72,52 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--straggle-delay", type=float, default=0.0)
     m.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """Options from a TOML or JSON file, checked against ``parser``'s options: one-line errors name the field."""
+    import json
+    import tomllib
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"config: cannot read {path!r} ({e.strerror or type(e).__name__})") from None
+    try:
+        data = tomllib.loads(text.decode()) if p.suffix == ".toml" else json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        kind = "TOML" if p.suffix == ".toml" else "JSON"
+        raise ValueError(f"config: {path} is not valid {kind} ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config: {path} must hold a table of options, got {type(data).__name__}")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions:
+            raise ValueError(f"config: {path}: unknown field {key!r}; allowed: {', '.join(sorted(actions))}")
+        action = actions[dest]
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"config: {path}: field {key!r} is {value!r}; allowed: {', '.join(map(str, action.choices))}")
+        if dest == "slowdown":
+            if not isinstance(value, dict):
+                raise ValueError(f"config: {path}: field 'slowdown' must be a table pipeline -> factor, got {type(value).__name__}")
+            try:
+                value = [_slowdown(f"{k}={v}") for k, v in value.items()]
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"config: {path}: field 'slowdown': {e}") from None
+        elif action.type in (int, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (action.type is float or isinstance(value, int))
+            if not ok:
+                raise ValueError(f"config: {path}: field {key!r} must be {'an integer' if action.type is int else 'a number'}, "
+                                 f"got {value!r}")
+            value = action.type(value)
+        elif value is not None and not isinstance(value, str):
+            raise ValueError(f"config: {path}: field {key!r} must be a string, got {value!r}")
+        out[dest] = value
+    return out
 
 
 def _simulate(args) -> int:
@@ -87,14 +139,14 @@ def _simulate(args) -> int:
     return 0
 
 
-def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int) -> None:
+def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int, first: int = 0) -> None:
     """One progress bar per epoch, fed by the run's events (steps of every pipeline's last stage)."""
     from collections import Counter
 
     from tqdm import tqdm
 
     steps, reports = Counter(), {}
-    cursor, current, bar = 0, 0, None
+    cursor, current, bar = 0, first, None
     while True:
         finished = run.done()
         events, cursor = run.events_since(cursor)
@@ -150,11 +202,14 @@ def _train(args) -> int:
         device=args.device,
         heterogeneity=hetero,
         cluster=args.cluster,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint_dir,
+        resume_from=args.resume_from,
     )
-    print(f"sdpipe: {run!r} on {len(run._workers)} Dask workers", flush=True)
+    print(f"sdpipe: {run!r} on {len(run.workers)} Dask workers", flush=True)
     per_epoch = run.updates_per_epoch
     try:
-        _progress(run, args.epochs, args.pipelines, args.stages, per_epoch)
+        _progress(run, args.epochs, args.pipelines, args.stages, per_epoch, run.start_epoch)
     except KeyboardInterrupt:
         print("\nsdpipe: stopping at the next step boundary ...", file=sys.stderr)
         run.stop()
@@ -170,12 +225,21 @@ def _train(args) -> int:
     accs = [h["accuracy"] for h in rows if "accuracy" in h]
     if accs:
         print(f"  held-out accuracy: min {min(accs):.4f} over {len(accs)} pipelines")
+    for p, what in sorted(result.lost.items()):
+        print(f"  pipeline {p} did not finish: {what}")
+    for folder in run.checkpoints:
+        print(f"  checkpoint: {folder}")
     return 0
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if args.command == "train" and args.config:
+            train_parser = parser._subparsers._group_actions[0].choices["train"]
+            train_parser.set_defaults(**load_config_file(args.config, train_parser))
+            args = parser.parse_args(argv)  # the file's values as defaults; flags on the command line win
         if args.command == "train":
             return _train(args)
         if args.command == "simulate":

@@ -43,3 +43,37 @@ def test_cli_simulate_prints_throughput():
     assert "simulated 2 stages x 8 pipelines, policy=sdpipe:" in out.stdout and "samples/s" in out.stdout
     bad = sdpipe("simulate", "--policy", "ps")
     assert bad.returncode == 2 and "sdpipe: error: policy: 'ps' is not one of sdpipe, allreduce, none" in bad.stderr
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("run.toml", "epoch = 3\n", "config: {path}: unknown field 'epoch'; allowed: batch_size,"),
+    ("run.toml", 'epochs = "ten"\n', "config: {path}: field 'epochs' must be an integer, got 'ten'"),
+    ("run.toml", "epochs = 2\n[nested\n", "config: {path} is not valid TOML"),
+    ("run.json", '{"model": "rnn"}', "config: {path}: field 'model' is 'rnn'; allowed: mlp, cnn"),
+    ("run.json", '{"slowdown": {"x": 2}}', "config: {path}: field 'slowdown': --slowdown: 'x=2' is not PIPELINE=FACTOR"),
+    ("run.json", '[1, 2]', "config: {path} must hold a table of options, got list"),
+    ("run.json", '{"pipelines": 0}', "pipelines: must be an integer >= 1, got 0"),
+])
+def test_cli_config_file_errors_name_the_field(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    out = sdpipe("train", "--config", str(path))
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("sdpipe: error: ") and message.format(path=path) in line, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.cluster
+def test_cli_config_file_with_flags_winning_and_a_checkpoint(tmp_path, no_leaks):
+    config = tmp_path / "run.toml"
+    config.write_text(f'epochs = 5\nstages = 1\npipelines = 2\npolicy = "sdpipe"\nslowdown = {{ 1 = 2.0 }}\n'
+                      f'checkpoint-every = 1\ncheckpoint_dir = "{tmp_path / "ck"}"\n')
+    out = sdpipe("train", "--config", str(config), "--epochs", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "epoch 1/1: 100%" in out.stderr and "summary: 1 stages x 2 pipelines, policy=sdpipe" in out.stdout
+    assert f"checkpoint: {tmp_path / 'ck' / 'epoch-0001'}" in out.stdout
+    resumed = sdpipe("train", "--config", str(config), "--epochs", "2", "--resume-from", str(tmp_path / "ck"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "epoch 2/2: 100%" in resumed.stderr and "epoch 1/2" not in resumed.stderr
+    assert "checkpoint: " + str(tmp_path / "ck" / "epoch-0002") in resumed.stdout
