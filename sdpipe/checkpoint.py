@@ -59,6 +59,8 @@ class Checkpoint:
 
 def resolve(path) -> Path:
     """The checkpoint folder ``path`` names: a folder with a manifest, or a checkpoint_dir (its ``latest``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"resume_from: must be a folder path, got {type(path).__name__}")
     p = Path(os.fspath(path)).expanduser()
     if (p / "manifest.json").is_file():
         return p

@@ -37,7 +37,12 @@ SIM_POLICIES = ("sdpipe", "allreduce", "none")
 
 
 def _seconds(name: str, values, n: int) -> tuple:
-    values = tuple(float(v) for v in values)
+    try:
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        values = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"costs.{name}: needs {n} finite numbers >= 0 (one per stage), got {values!r}") from None
     if len(values) != n or any(not (v >= 0) or math.isinf(v) for v in values):
         raise ValueError(f"costs.{name}: needs {n} finite numbers >= 0 (one per stage), got {values!r}")
     return values
@@ -63,6 +68,8 @@ class Costs:
     factor with mean 1 and this spread (default 0: none)."""
 
     def __post_init__(self):
+        if isinstance(self.forward, (str, bytes)) or not hasattr(self.forward, "__len__"):
+            raise ValueError(f"costs.forward: needs one finite number >= 0 per stage, got {self.forward!r}")
         S = len(self.forward)
         if S < 1:
             raise ValueError("costs.forward: needs one number per stage")
@@ -157,6 +164,8 @@ def calibrate(result) -> Calibration:
     Heterogeneity is taken from the run's configuration (changes made live
     are not undone).  Costs no event measured keep their defaults.
     """
+    if not all(hasattr(result, a) for a in ("config", "events")) or not isinstance(result.config, TrainConfig):
+        raise ValueError(f"result: must be a sdpipe.RunResult of a real run (run.result()), got {type(result).__name__}")
     config = result.config
     S = config.stages
     hetero = config.heterogeneity or Heterogeneity()
@@ -298,6 +307,14 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
 
     if policy not in SIM_POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(SIM_POLICIES)} (the simulator's policies)")
+    for name, v in (("stages", stages), ("pipelines", pipelines)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+    if not isinstance(network, Network):
+        raise ValueError(f"network: must be a sdpipe.Network, got {type(network).__name__}")
+    for name, v in (("lr", lr), ("noise", noise)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+            raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
     if not isinstance(costs, Costs):
         raise ValueError(f"costs: must be a sdpipe.Costs, got {type(costs).__name__}")
     if costs.stages != stages:

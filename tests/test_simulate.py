@@ -112,3 +112,17 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
     sim = simulate(2, 2, costs=costs, network=net, heterogeneity=shown, policy="sdpipe", batch_size=64,
                    steps=len(train_data[0]) // 64 // 2, record=False)
     assert 0.5 < sum(h["samples_per_s"] for h in sim.history) / real < 2.0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: sdpipe.calibrate("run"), "result: must be a sdpipe.RunResult of a real run (run.result()), got str"),
+    (lambda: simulate(2, 2, costs=COSTS, network="fast"), "network: must be a sdpipe.Network, got str"),
+    (lambda: simulate(2, 2, costs=COSTS, lr="a"), "lr: must be a finite number >= 0, got 'a'"),
+    (lambda: simulate(0, 2, costs=COSTS), "stages: must be an integer >= 1, got 0"),
+    (lambda: Costs(forward="fast", backward=[0.1]), "costs.forward: needs one finite number >= 0 per stage, got 'fast'"),
+    (lambda: sdpipe.load_checkpoint(123), "resume_from: must be a folder path, got int"),
+])
+def test_public_entry_points_name_the_bad_field(call, message):
+    with pytest.raises(ValueError) as e:
+        call()
+    assert str(e.value) == message
