@@ -149,7 +149,7 @@ def _connect(cluster, config: TrainConfig, security=None):
         try:
             kwargs = {} if security is None else {"security": security}
             return Client(cluster, timeout=CONNECT_TIMEOUT, set_as_default=False, **kwargs), None, True
-        except TypeError as e:
+        except TypeError:
             if cluster.startswith("tls://"):
                 raise ValueError(f"security: {cluster!r} speaks TLS; pass security=distributed.Security(...) or set "
                                  "distributed.comm.tls.* in Dask's configuration") from None
@@ -611,7 +611,8 @@ class Run:
         errors = [(r, self._describe_failure(r, f)) for r, f in failed]
         primary = next((e for r, e in errors if not _is_comm_failure(e.__cause__)), errors[0][1])
         if len(errors) > 1:
-            primary.args = (f"{primary.args[0]} ({len(errors) - 1} other worker(s) failed after it)",)
+            others = "; ".join(f"rank {r}: {str(e.__cause__ or e)[:160]}" for r, e in errors if e is not primary)
+            primary.args = (f"{primary.args[0]} ({len(errors) - 1} other worker(s) failed after it: {others})".replace("\n", " "),)
         return primary
 
     def _describe_failure(self, rank: int, future) -> BaseException:

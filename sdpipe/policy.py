@@ -53,6 +53,8 @@ import datetime
 import threading
 import time
 
+import torch.distributed as dist
+
 __all__ = ["SyncPolicy", "AllReduce", "NoSync", "Scheduled", "GossipPairs", "ParameterServer", "make_policy", "WORKER_MODES"]
 
 TAG_SERVE = 7  # point-to-point traffic of the gossip and parameter-server exchanges
@@ -212,7 +214,7 @@ class _Mailbox:
         key = f"{self.prefix}req/{i}"
         try:
             self.store.wait([key], datetime.timedelta(seconds=timeout))
-        except Exception:  # not there yet
+        except dist.DistStoreError:  # not there yet (a closed store raises DistNetworkError: the run is over)
             return None
         text = self.store.get(key).decode()
         self.store.delete_key(key)

@@ -1,0 +1,132 @@
+"""Kill a worker process mid-training under every policy, and record what happened.
+
+    python benchmarks/faults.py [--epochs 8] [--policies sdpipe,adpsgd,none,allreduce,ps]
+
+One LocalCluster of 8 single-threaded worker processes on 127.0.0.1
+(``allowed-failures`` 0, as the embedded cluster has).  For each policy: a
+4 x 2 run of the digits MLP without a fault (the reference), then the same
+run with the worker process of pipeline 2, stage 1 killed (SIGKILL) once
+epoch 1 is done.  Recorded: how the run ended and how long after the kill,
+which pipelines finished, the held-out accuracy against the reference, and
+what was left behind on the cluster (process groups, policy server threads,
+the rendezvous store's port).  Results: ``benchmarks/results/faults.md``
+and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from _common import meta_lines, run_meta
+
+KILLED_RANK = 5  # pipeline 2, stage 1
+
+
+def leftovers(client, port: int) -> dict:
+    def count():
+        import gc
+        import threading
+
+        import torch.distributed as dist
+
+        gc.collect()
+        return (sum(1 for o in gc.get_objects() if isinstance(o, dist.ProcessGroupGloo)),
+                sum(1 for t in threading.enumerate() if t.name.startswith(("ps-server", "adpsgd-server"))))
+
+    counts = list(client.run(count).values())
+    with socket.socket() as s:
+        s.settimeout(1)
+        store_open = s.connect_ex(("127.0.0.1", port)) == 0
+    return {"process_groups": sum(c[0] for c in counts), "server_threads": sum(c[1] for c in counts), "store_open": store_open}
+
+
+def final_accuracy(result):
+    last = max(h["epoch"] for h in result.history)
+    return min(h["accuracy"] for h in result.history if h["epoch"] == last)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--policies", default="sdpipe,adpsgd,none,allreduce,ps")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "faults.md"))
+    args = ap.parse_args(argv)
+
+    import dask
+    from distributed import Client, LocalCluster
+
+    import sdpipe
+    from sdpipe.data import digits, digits_mlp
+
+    train_data, eval_data = digits()
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        cluster = LocalCluster(n_workers=8, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
+                               env={"OMP_NUM_THREADS": "1"})
+    client = Client(cluster, set_as_default=False)
+    rows = []
+    try:
+        for policy in args.policies.split(","):
+            common = dict(stages=2, pipelines=4, policy=policy, epochs=args.epochs, batch_size=32, eval_data=eval_data,
+                          cluster=client)
+            client.wait_for_workers(8, timeout=60)
+            reference = sdpipe.train(digits_mlp(), train_data, **common).result(timeout=900)
+            client.wait_for_workers(8, timeout=60)
+            run = sdpipe.train(digits_mlp(), train_data, **common)
+            while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= 1 for e in run.events):
+                if run.done():
+                    break
+                time.sleep(0.05)
+            addr = run.workers[KILLED_RANK]
+            pid = client.run(os.getpid, workers=[addr])[addr]
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            row = {"policy": policy, "reference_accuracy": final_accuracy(reference)}
+            try:
+                result = run.result(timeout=900)
+                row.update(outcome="completed", finished=result.finished_pipelines, lost=result.lost,
+                           accuracy=final_accuracy(result), epochs=max(h["epoch"] for h in result.history) + 1)
+            except sdpipe.RunError as e:
+                row.update(outcome="error", error=str(e))
+            row["seconds_after_kill"] = time.monotonic() - killed
+            time.sleep(1.0)
+            row.update(leftovers(client, run.store_port))
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    finally:
+        client.close()
+        cluster.close()
+
+    meta = run_meta("faults.py", argv, f"digits MLP, 4 pipelines x 2 stages, batch 32, {args.epochs} epochs; "
+                    "worker process of pipeline 2 stage 1 killed with SIGKILL after epoch 1")
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["# A worker process killed mid-training", "", *meta_lines(meta), "",
+             "| policy | outcome | ended after the kill | pipelines finished | accuracy (no fault) | left behind |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["outcome"] == "completed":
+            outcome = f"completed all {r['epochs']} epochs"
+            finished = ", ".join(map(str, r["finished"]))
+            acc = f"{r['accuracy']:.3f} ({r['reference_accuracy']:.3f})"
+        else:
+            outcome = f"RunError: {r['error']}"
+            finished, acc = "-", f"- ({r['reference_accuracy']:.3f})"
+        left = [f"{r['process_groups']} process groups"] if r["process_groups"] else []
+        left += [f"{r['server_threads']} server threads"] if r["server_threads"] else []
+        left += ["the store's port"] if r["store_open"] else []
+        lines.append(f"| `{r['policy']}` | {outcome} | {r['seconds_after_kill']:.1f} s | {finished} | {acc} | "
+                     f"{', '.join(left) or 'nothing'} |")
+    out.write_text("\n".join(lines) + "\n")
+    print(out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
