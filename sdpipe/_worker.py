@@ -121,6 +121,7 @@ class Worker:
         self.dispense_base: dict = {}
         self._last_dispense = None  # (epoch, time) of this pipeline's last batch
         self._step_time = None  # recent seconds per step of this pipeline, all waits included
+        self._step_time_epoch = None  # the epoch it was last measured in
         self.policy = make_policy(cfg["policy"])
         self.policy.setup(self)
 
@@ -290,6 +291,7 @@ class Worker:
         if last is not None and last[0] == epoch:
             dt = now - last[1]
             self._step_time = dt if self._step_time is None else 0.7 * self._step_time + 0.3 * dt
+            self._step_time_epoch = epoch
         if self._step_time is not None:
             self.store.set(f"epoch{epoch}/steptime/{self.pipeline}", repr(self._step_time))
         base = self.dispense_base.get(epoch, 0)
@@ -311,7 +313,9 @@ class Worker:
         Only faster pipelines count, so the fastest one never leaves batches behind.
         """
         mine = self._step_time
-        if mine is None:
+        if mine is None or self._step_time_epoch != epoch:
+            # measured in an earlier epoch (or never): a pipeline that fell behind would otherwise
+            # keep a stale estimate, leave every tail and never measure itself again
             return False
         keys = [f"epoch{epoch}/steptime/{p}" for p in range(self.pipelines)
                 if p != self.pipeline and not self.store.check([f"lost/{p}"])]  # a lost pipeline takes nothing

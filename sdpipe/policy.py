@@ -168,7 +168,11 @@ class Scheduled(SyncPolicy):
         try:
             pg = self.groups.get(answer["name"])
             if pg is None:
-                pg = worker.group(f"avg/{answer['name']}", members.index(worker.pipeline), len(members))
+                if not self._all_arrive(worker, answer):
+                    worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
+                                reason=answer["reason"], failed="a member's pipeline was lost before the group formed")
+                    return
+                pg = worker.group(f"avg/{answer['name']}/r{answer['round']}", members.index(worker.pipeline), len(members))
                 self.groups[answer["name"]] = pg
             worker.delay_link()
             allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device)
@@ -181,6 +185,26 @@ class Scheduled(SyncPolicy):
                         reason=answer["reason"], failed=f"{type(e).__name__}: {str(e)[:200]}")
             return
         worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"], reason=answer["reason"])
+
+    @staticmethod
+    def _all_arrive(worker, answer: dict) -> bool:
+        """Before a new group's rendezvous: whether every member came (False as soon as one's pipeline is lost).
+
+        A rendezvous cannot be interrupted, and a member that died right
+        after the service answered it would hold the others for the whole
+        timeout; this wait can give up.
+        """
+        members, store = answer["members"], worker.store
+        key = f"arrive/s{worker.stage}/r{answer['round']}/{answer['name']}"
+        store.add(key, 1)
+        deadline = time.monotonic() + worker.timeout
+        while store.add(key, 0) < len(members):
+            if any(store.check([f"lost/{m}"]) for m in members if m != worker.pipeline):
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"group {answer['name']}: not every member arrived within {worker.timeout:.0f}s")
+            time.sleep(0.002)
+        return True
 
     def after_step(self, worker, step: int) -> None:
         self._average(worker, worker.ask_group(step, global_sync=False), step)

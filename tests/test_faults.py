@@ -105,7 +105,9 @@ def test_adpsgd_and_none_go_on_after_a_worker_is_killed(data, cluster8, policy):
     kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
     result = run.result(timeout=600)
     assert set(result.lost) == {2} and result.finished_pipelines == [0, 1, 3]
-    assert sorted(h["pipeline"] for h in result.history if h["epoch"] == 4) == [0, 1, 3]
+    # every survivor trained after the loss (under none an epoch can end before a lagging pipeline gets a batch)
+    assert {h["pipeline"] for h in result.history if h["epoch"] >= 3} == {0, 1, 3}
+    assert 2 not in {h["pipeline"] for h in result.history if h["epoch"] == 4}
     assert final_accuracy(result) > 0.85
     assert live_process_groups(cluster8) == 0
 
