@@ -105,9 +105,13 @@ def test_adpsgd_and_none_go_on_after_a_worker_is_killed(data, cluster8, policy):
     kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
     result = run.result(timeout=600)
     assert set(result.lost) == {2} and result.finished_pipelines == [0, 1, 3]
-    # every survivor trained after the loss (under none an epoch can end before a lagging pipeline gets a batch)
-    assert {h["pipeline"] for h in result.history if h["epoch"] >= 3} == {0, 1, 3}
-    assert 2 not in {h["pipeline"] for h in result.history if h["epoch"] == 4}
+    last = [h for h in result.history if h["epoch"] == 4]
+    # the survivors took every batch of the last epoch between them
+    assert {h["pipeline"] for h in last} <= {0, 1, 3} and sum(h["samples"] for h in last) == len(train_data[0]) // 32 * 32
+    if policy == "adpsgd":  # its epochs end in a global sync, so every survivor trains in every epoch
+        assert {h["pipeline"] for h in last} == {0, 1, 3}
+    # (under none nothing holds the pipelines together: one held up for a whole epoch, as by the killed
+    # worker's restart on this 2-core machine, finds the next epoch's batches taken and skips ahead)
     assert final_accuracy(result) > 0.85
     assert live_process_groups(cluster8) == 0
 
