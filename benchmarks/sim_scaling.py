@@ -36,8 +36,7 @@ def load_costs(path: Path, stages: int):
     rows = [r for r in rows if r["stages"] == stages and r["policy"] == "sdpipe" and r["scenario"] == "homogeneous"]
     if not rows:
         raise SystemExit(f"--costs-from: {path} has no {stages}-stage sdpipe homogeneous row; run benchmarks/sim_agreement.py")
-    c = max(rows, key=lambda r: r["pipelines"])["self_costs"]
-    c = c[0] if isinstance(c, list) else c  # one per repeat: the first run's
+    c = max(rows, key=lambda r: r["pipelines"])["self_costs"][0]  # one per repeat: the first run's
     return sdpipe.Costs(forward=c["forward"], backward=c["backward"], optimizer=c["optimizer"],
                         weight_bytes=c["weight_bytes"], activation_bytes=c.get("activation_bytes", ()),
                         step_overhead=c["step_overhead"], jitter=c.get("jitter", 0.0))

@@ -55,6 +55,16 @@ class Link:
         return buf.to(self.device)
 
 
+def lost_key(pipeline: int) -> str:
+    """The run-store key the driver sets when ``pipeline`` was lost (its value says why)."""
+    return f"lost/{pipeline}"
+
+
+def pipeline_lost(store, pipeline: int) -> bool:
+    """Whether the driver marked ``pipeline`` lost in the run's store."""
+    return store.check([lost_key(pipeline)])
+
+
 def flatten(tensors: list, device) -> torch.Tensor:
     """The tensors as one flat buffer on ``device`` (a copy)."""
     if not tensors:

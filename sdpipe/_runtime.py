@@ -125,6 +125,7 @@ def _connect(cluster, config: TrainConfig, security=None):
     import dask
     from distributed import Client, LocalCluster
 
+    secure = {} if security is None else {"security": security}
     if cluster is None:
         kwargs = dict(
             n_workers=config.world_size,
@@ -147,8 +148,7 @@ def _connect(cluster, config: TrainConfig, security=None):
             raise
     if isinstance(cluster, str):
         try:
-            kwargs = {} if security is None else {"security": security}
-            return Client(cluster, timeout=CONNECT_TIMEOUT, set_as_default=False, **kwargs), None, True
+            return Client(cluster, timeout=CONNECT_TIMEOUT, set_as_default=False, **secure), None, True
         except TypeError:
             if cluster.startswith("tls://"):
                 raise ValueError(f"security: {cluster!r} speaks TLS; pass security=distributed.Security(...) or set "
@@ -161,8 +161,7 @@ def _connect(cluster, config: TrainConfig, security=None):
     if isinstance(cluster, Client):
         return cluster, None, False
     if hasattr(cluster, "scheduler_address"):
-        kwargs = {} if security is None else {"security": security}
-        return Client(cluster, set_as_default=False, **kwargs), None, True
+        return Client(cluster, set_as_default=False, **secure), None, True
     raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
 
 
@@ -193,7 +192,7 @@ class Run:
         self._resume = resume  # a sdpipe.checkpoint.Checkpoint or None
         #: The first epoch this run trains (later than 0 when resumed from a checkpoint).
         self.start_epoch = spec.get("start_epoch", 0)
-        self._ckpt_next = self._first_checkpoint(spec.get("start_epoch", 0))
+        self._ckpt_next = self._first_checkpoint(self.start_epoch)
         #: Folders of the checkpoints this run wrote, oldest first.
         self.checkpoints: list = []
         self._from_sequential = from_sequential
@@ -596,8 +595,10 @@ class Run:
         log.warning("sdpipe: %s; the run goes on with %d pipeline(s)", self._lost[p], cfg.pipelines - len(self._lost))
         if len(self._lost) == cfg.pipelines:
             return RunError(f"every pipeline was lost; last: {self._lost[p]}")
+        from ._comm import lost_key
+
         try:  # the others stop pairing with it, the scheduler takes it out of every stage
-            self._run_store.set(f"lost/{p}", why)
+            self._run_store.set(lost_key(p), why)
             self._service("sdpipe_leave", stage=None, pipeline=p, token=self._token)
         except Exception as e:
             log.warning("sdpipe: could not tell the group service that pipeline %d was lost: %s", p, e)
@@ -736,7 +737,7 @@ def _bound_store(host: str, timeout: float):
 
 def _plain_config(config: TrainConfig) -> dict:
     """The configuration as JSON data (a checkpoint's manifest)."""
-    return json.loads(json.dumps(config.to_dict(), default=lambda v: None if v == float("inf") else str(v)))
+    return json.loads(json.dumps(config.to_dict(), default=str))
 
 
 def _history(events: list) -> list:

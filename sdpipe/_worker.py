@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._comm import TAG_ACT, TAG_CTRL, TAG_GRAD, Link, make_group
+from ._comm import TAG_ACT, TAG_CTRL, TAG_GRAD, Link, make_group, pipeline_lost
 from .config import Heterogeneity
-from .data import batch_indices
+from .data import TAIL_BATCHES_PER_PIPELINE, batch_indices, leaves_tail, smoothed_step_time
 from .policy import AllReduce, _state_tensors, make_policy
 
 CMD_STOP, CMD_RUN, CMD_EPOCH_END, CMD_PAUSE = 0, 1, 2, 3
@@ -290,7 +290,7 @@ class Worker:
         last = self._last_dispense
         if last is not None and last[0] == epoch:
             dt = now - last[1]
-            self._step_time = dt if self._step_time is None else 0.7 * self._step_time + 0.3 * dt
+            self._step_time = smoothed_step_time(self._step_time, dt)
             self._step_time_epoch = epoch
         if self._step_time is not None:
             self.store.set(f"epoch{epoch}/steptime/{self.pipeline}", repr(self._step_time))
@@ -298,7 +298,7 @@ class Worker:
         taken = self.store.add(f"epoch{epoch}/taken", 0)
         remaining = self.batches_per_epoch - base - taken
         b = None
-        if remaining > 0 and not (remaining <= 8 * self.pipelines and self._leave_tail(epoch, remaining)):
+        if remaining > 0 and not (remaining <= TAIL_BATCHES_PER_PIPELINE * self.pipelines and self._leave_tail(epoch, remaining)):
             b = base + self.store.add(f"epoch{epoch}/taken", 1) - 1
         if b is None or b >= self.batches_per_epoch:
             self.store.set(f"epoch{epoch}/steptime/{self.pipeline}", "inf")  # out of this epoch
@@ -308,21 +308,16 @@ class Worker:
         return b
 
     def _leave_tail(self, epoch: int, remaining: int) -> bool:
-        """Whether the faster pipelines still in ``epoch`` would take the ``remaining`` batches before this one finished one.
-
-        Only faster pipelines count, so the fastest one never leaves batches behind.
-        """
-        mine = self._step_time
-        if mine is None or self._step_time_epoch != epoch:
+        """The tail rule (:func:`sdpipe.data.leaves_tail`) against the step times the other pipelines still in ``epoch`` published."""
+        if self._step_time_epoch != epoch:
             # measured in an earlier epoch (or never): a pipeline that fell behind would otherwise
             # keep a stale estimate, leave every tail and never measure itself again
             return False
         keys = [f"epoch{epoch}/steptime/{p}" for p in range(self.pipelines)
-                if p != self.pipeline and not self.store.check([f"lost/{p}"])]  # a lost pipeline takes nothing
+                if p != self.pipeline and not pipeline_lost(self.store, p)]  # a lost pipeline takes nothing
         keys = [k for k in keys if self.store.check([k])]
         times = [float(v) for v in self.store.multi_get(keys)] if keys else []
-        rate = sum(1.0 / t for t in times if 0 < t < mine)
-        return rate > 0 and remaining / rate < mine
+        return leaves_tail(self._step_time, times, remaining)
 
     def ask_group(self, step: int, global_sync: bool) -> dict:
         """Tell the group service this worker is ready; wait (bounded) for its group."""

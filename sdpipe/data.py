@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["as_tensors", "batch_indices", "steps_per_epoch", "digits", "digits_mlp"]
+__all__ = ["as_tensors", "batch_indices", "steps_per_epoch", "leaves_tail", "digits", "digits_mlp"]
 
 
 def as_tensors(data, name: str):
@@ -45,6 +45,27 @@ def as_tensors(data, name: str):
 def steps_per_epoch(n: int, batch_size: int, pipelines: int) -> int:
     """Steps each pipeline takes per epoch when every pipeline reads its own shard."""
     return (n // batch_size) // pipelines
+
+
+#: Batches per pipeline left in an epoch below which the tail rule applies.
+TAIL_BATCHES_PER_PIPELINE = 8
+
+
+def smoothed_step_time(old, dt: float) -> float:
+    """A pipeline's recent seconds per step: an average leaning on the latest steps."""
+    return dt if old is None else 0.7 * old + 0.3 * dt
+
+
+def leaves_tail(mine, others, remaining: int) -> bool:
+    """Whether a pipeline taking ``mine`` seconds per step leaves the ``remaining`` batches of an epoch's tail
+    to the others (their step times ``others``): when the faster ones would take them all before it finished one.
+
+    Only faster pipelines count, so the fastest one never leaves batches behind.
+    """
+    if mine is None:
+        return False
+    rate = sum(1.0 / t for t in others if 0 < t < mine)
+    return rate > 0 and remaining / rate < mine
 
 
 @lru_cache(maxsize=2)

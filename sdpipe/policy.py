@@ -55,6 +55,8 @@ import time
 
 import torch.distributed as dist
 
+from ._comm import pipeline_lost
+
 __all__ = ["SyncPolicy", "AllReduce", "NoSync", "Scheduled", "GossipPairs", "ParameterServer", "make_policy", "WORKER_MODES"]
 
 TAG_SERVE = 7  # point-to-point traffic of the gossip and parameter-server exchanges
@@ -160,11 +162,8 @@ class Scheduled(SyncPolicy):
             return
         from ._comm import allreduce_mean_
 
-        from ._comm import flatten, unflatten_
-
         start = time.time()
         tensors = _state_tensors(worker)
-        before = flatten(tensors, tensors[0].device).clone()
         try:
             pg = self.groups.get(answer["name"])
             if pg is None:
@@ -177,9 +176,9 @@ class Scheduled(SyncPolicy):
             worker.delay_link()
             allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device)
         except RuntimeError as e:
-            # a member died during the collective (its pipeline is being lost): keep this worker's own
-            # weights, forget the group, and go on; the scheduler takes the lost pipeline out
-            unflatten_(tensors, before)
+            # a member died during the collective (its pipeline is being lost): this worker keeps its own
+            # weights (allreduce_mean_ writes them back only after the collective returned), forgets the
+            # group and goes on; the scheduler takes the lost pipeline out
             self.groups.pop(answer["name"], None)
             worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
                         reason=answer["reason"], failed=f"{type(e).__name__}: {str(e)[:200]}")
@@ -199,7 +198,7 @@ class Scheduled(SyncPolicy):
         store.add(key, 1)
         deadline = time.monotonic() + worker.timeout
         while store.add(key, 0) < len(members):
-            if any(store.check([f"lost/{m}"]) for m in members if m != worker.pipeline):
+            if any(pipeline_lost(store, m) for m in members if m != worker.pipeline):
                 return False
             if time.monotonic() > deadline:
                 raise TimeoutError(f"group {answer['name']}: not every member arrived within {worker.timeout:.0f}s")
@@ -375,7 +374,7 @@ class GossipPairs(Scheduled):
         if self.pg is None or not self.passives:
             return
         peer = worker.rng.choice(self.passives)
-        if self.store.check([f"lost/{peer}"]):  # its pipeline was lost: pair with the others from now on
+        if pipeline_lost(self.store, peer):  # its pipeline was lost: pair with the others from now on
             self.passives.remove(peer)
             return self.after_step(worker, step)
         start = time.time()
@@ -429,7 +428,7 @@ class GossipPairs(Scheduled):
             else:
                 # serve until every active worker of the stage has left and every request is answered
                 def done():
-                    lost = sum(1 for p in self.actives if self.store.check([f"lost/{p}"]))
+                    lost = sum(1 for p in self.actives if pipeline_lost(self.store, p))
                     return (self.store.add(self.prefix + "left", 0) + lost >= len(self.actives)
                             and self.server.served >= self.server.mailbox.issued())
                 self.server.finish(self.worker.timeout, done)

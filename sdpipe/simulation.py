@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from .config import Heterogeneity, TrainConfig
+from .data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
 from .scheduler import POLICY_PRESETS, GroupScheduler, Ready
 
 __all__ = ["Calibration", "Costs", "Network", "calibrate", "simulate", "ring_allreduce_seconds", "SIM_POLICIES"]
@@ -110,14 +111,6 @@ class Network:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or (name == "bandwidth" and v == 0):
                 raise ValueError(f"network.{name}: must be a number {'> 0' if name == 'bandwidth' else '>= 0'}, got {v!r}")
-
-
-def _median(values, default=0.0) -> float:
-    values = sorted(values)
-    if not values:
-        return default
-    n = len(values)
-    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
 
 
 def _mean(values, default=0.0) -> float:
@@ -221,14 +214,12 @@ def calibrate(result) -> Calibration:
     per_worker: dict = {}
     for (p, st, _), v in compute.items():
         per_worker.setdefault((p, st), []).append(v)
-    jitter = []
-    for st in range(S):
-        rel = []
-        for (p, q), vals in per_worker.items():
-            m = _mean(vals)
-            if q == st and m > 0:
-                rel += [v / m for v in vals]
-        jitter.append(math.sqrt(_mean((r - 1.0) ** 2 for r in rel)) if len(rel) > 1 else 0.0)
+    rel: dict = {s: [] for s in range(S)}
+    for (_, s), vals in per_worker.items():
+        m = _mean(vals)
+        if m > 0:
+            rel[s] += [v / m for v in vals]
+    jitter = [math.sqrt(_mean((r - 1.0) ** 2 for r in rel[s])) if len(rel[s]) > 1 else 0.0 for s in range(S)]
 
     # untraced time per step on stage 0: between consecutive optimizer ends, minus every span inside
     covered = ("forward", "backward", "send", "recv", "wait", "sync", "straggle", "pause", "eval", "optimizer")
@@ -245,7 +236,12 @@ def calibrate(result) -> Calibration:
             lo, hi = a["end"], b["end"]
             while j < len(spans) and spans[j][1] <= lo:
                 j += 1
-            inside = sum(min(e, hi) - max(st, lo) for st, e in spans[j:] if st < hi and e > lo)
+            inside, k = 0.0, j
+            while k < len(spans) and spans[k][0] < hi:  # sorted by start: later ones lie past this step
+                st, en = spans[k]
+                if en > lo:
+                    inside += min(en, hi) - max(st, lo)
+                k += 1
             untraced.append(max(0.0, (hi - lo) - inside))
     costs = Costs(forward=forward, backward=backward, optimizer=optimizer, weight_bytes=weight_bytes,
                   activation_bytes=activation_bytes, step_overhead=_mean(untraced), jitter=jitter)
@@ -377,25 +373,21 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
             events.append(rec)
 
     def leave_tail(p: int) -> bool:
-        """The runtime's epoch-tail rule: leave the last batches to faster pipelines that would take them all first."""
-        mine = pipes[p].step_time
-        if mine is None:
-            return False
-        rate = sum(1.0 / q.step_time for i, q in enumerate(pipes)
-                   if i != p and not q.done and q.step_time is not None and 0 < q.step_time < mine)
-        return rate > 0 and (total - taken) / rate < mine
+        """The runtime's epoch-tail rule, on the simulated pipelines still in the epoch."""
+        others = [q.step_time for i, q in enumerate(pipes) if i != p and not q.done and q.step_time is not None]
+        return leaves_tail(pipes[p].step_time, others, total - taken)
 
     def next_batch(p: int, t: float) -> bool:
         nonlocal taken
         pipe = pipes[p]
         if pipe.last_start is not None:
             dt = t - pipe.last_start
-            pipe.step_time = dt if pipe.step_time is None else 0.7 * pipe.step_time + 0.3 * dt
+            pipe.step_time = smoothed_step_time(pipe.step_time, dt)
         pipe.last_start = t
         if policy == "allreduce":
             return pipe.step < steps
         remaining = total - taken
-        if remaining > 0 and not (remaining <= 8 * D and leave_tail(p)):
+        if remaining > 0 and not (remaining <= TAIL_BATCHES_PER_PIPELINE * D and leave_tail(p)):
             taken += 1
             return True
         pipe.done = True
