@@ -8,12 +8,18 @@ import platform
 import sys
 
 
-def local_cluster(n_workers: int):
-    """(client, cluster): single-threaded worker processes on 127.0.0.1, shared by all runs of a script."""
+def local_cluster(n_workers: int, allowed_failures=None):
+    """(client, cluster): single-threaded worker processes on 127.0.0.1, shared by all runs of a script.
+
+    ``allowed_failures=0`` makes Dask give up on a task whose worker died at once (as sdpipe's embedded cluster does).
+    """
+    import dask
     from distributed import Client, LocalCluster
 
-    cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address=None, env={"OMP_NUM_THREADS": "1"})
+    settings = {} if allowed_failures is None else {"distributed.scheduler.allowed-failures": allowed_failures}
+    with dask.config.set(settings):
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               dashboard_address=None, env={"OMP_NUM_THREADS": "1"})
     return Client(cluster, set_as_default=False), cluster
 
 

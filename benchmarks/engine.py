@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import meta_lines, run_meta
+from _common import local_cluster, meta_lines, run_meta
 
 
 def make_model(name: str):
@@ -123,8 +123,6 @@ def run_torch(args: dict) -> dict:
 
 
 def run_sdpipe(args: dict) -> dict:
-    from distributed import Client, LocalCluster
-
     import sdpipe
     from sdpipe.data import digits
 
@@ -132,15 +130,14 @@ def run_sdpipe(args: dict) -> dict:
     S, D, B = args["stages"], args["pipelines"], args["batch_size"]
     per_epoch = len(X) // B // D
     epochs = 1 + -(-args["steps"] // per_epoch)  # a warm-up epoch, then at least ``steps`` steps
-    cluster = LocalCluster(n_workers=S * D, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
-                           env={"OMP_NUM_THREADS": "1"})
+    client, cluster = local_cluster(S * D)  # fresh worker processes: their peak memory is this run's
     try:
-        with Client(cluster, set_as_default=False) as client:
-            result = sdpipe.train(make_model(args["model"]), (X, Y), stages=S, pipelines=D, policy="allreduce",
-                                  schedule=args["schedule"], microbatches=args["microbatches"], batch_size=B,
-                                  epochs=epochs, cuts=cuts_for(args["model"], S), cluster=client).result(timeout=1800)
-            rss = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        result = sdpipe.train(make_model(args["model"]), (X, Y), stages=S, pipelines=D, policy="allreduce",
+                              schedule=args["schedule"], microbatches=args["microbatches"], batch_size=B,
+                              epochs=epochs, cuts=cuts_for(args["model"], S), cluster=client).result(timeout=1800)
+        rss = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     finally:
+        client.close()
         cluster.close()
     # epochs after the first: samples of all pipelines over the epoch time (as the torch side: after a warm-up epoch)
     rates = [sum(h["samples_per_s"] for h in result.history if h["epoch"] == e) for e in range(1, epochs)]

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import meta_lines, run_meta
+from _common import local_cluster, meta_lines, run_meta
 
 KILLED_RANK = 5  # pipeline 2, stage 1
 
@@ -59,17 +59,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "faults.md"))
     args = ap.parse_args(argv)
 
-    import dask
-    from distributed import Client, LocalCluster
-
     import sdpipe
     from sdpipe.data import digits, digits_mlp
 
     train_data, eval_data = digits()
-    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
-        cluster = LocalCluster(n_workers=8, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
-                               env={"OMP_NUM_THREADS": "1"})
-    client = Client(cluster, set_as_default=False)
+    client, cluster = local_cluster(8, allowed_failures=0)
     rows = []
     try:
         for policy in args.policies.split(","):
