@@ -15,8 +15,21 @@ import torch.distributed as dist
 TAG_CTRL, TAG_ACT, TAG_GRAD = 0, 1, 2
 
 
-def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout: float, host: str):
-    """A process group of ``size`` members named ``name``; this worker is ``rank``."""
+# How long the members of a new averaging group may take to connect. They meet in the run's store
+# first, so a live member connects within milliseconds; a member that dies after that meeting would
+# otherwise hold the others inside the (uninterruptible) gloo rendezvous for the whole run timeout, and
+# their pipeline neighbours' sends would time out meanwhile. Operations on the group get the full timeout.
+CONNECT_TIMEOUT = 20.0
+
+
+def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout: float, host: str,
+               connect_timeout: float | None = None):
+    """A process group of ``size`` members named ``name``; this worker is ``rank``.
+
+    With gloo, ``connect_timeout`` (default ``timeout``) bounds building the
+    group and is the default for its operations; pass an operation's own
+    timeout (:func:`allreduce_mean_`'s ``timeout``) to wait longer.
+    """
     prefixed = dist.PrefixStore(f"group/{name}/", store)
     td = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
@@ -24,7 +37,7 @@ def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout:
         opts._timeout = td
         return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = td
+    opts._timeout = datetime.timedelta(seconds=min(timeout, connect_timeout or timeout))
     # Bind gloo's listener to the configured address (loopback by default).
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(prefixed, rank, size, opts)
@@ -81,18 +94,24 @@ def unflatten_(tensors: list, flat: torch.Tensor) -> None:
         offset += k
 
 
-def allreduce_mean_(tensors: list, group, size: int, extras=(), comm_device=None) -> list:
+def allreduce_mean_(tensors: list, group, size: int, extras=(), comm_device=None, timeout: float | None = None) -> list:
     """Average ``tensors`` in place over ``group``; returns ``extras`` summed over it.
 
     The tensors travel as one flat buffer with the ``extras`` appended (used to
     agree on a stop vote or a policy version in the same collective).
+    ``timeout`` (seconds) overrides the group's default for this operation.
     """
     device = tensors[0].device if tensors else torch.device("cpu")
     dtype = tensors[0].dtype if tensors else torch.float32
     comm_device = comm_device or device
     tail = torch.tensor([float(x) for x in extras], device=device, dtype=torch.float64).to(dtype)
     flat = torch.cat([t.reshape(-1) for t in tensors] + [tail]).to(comm_device)
-    group.allreduce([flat]).wait()
+    if timeout is None:
+        group.allreduce([flat]).wait()
+    else:
+        opts = dist.AllreduceOptions()
+        opts.timeout = datetime.timedelta(seconds=timeout)
+        group.allreduce([flat], opts).wait()
     n = flat.numel() - len(extras)
     sums = [float(x) for x in flat[n:]]
     unflatten_(tensors, flat[:n].div_(size).to(device))

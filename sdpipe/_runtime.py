@@ -220,8 +220,6 @@ class Run:
         self._client, self._cluster, self._own_client = _connect(cluster, cfg, self._security)
         self._store = None
         try:
-            workers = _pick_workers(self._client, cfg)
-            self._workers = workers
             self._store = _bound_store(cfg.host, cfg.timeout)
             self._run_store = dist.PrefixStore(f"sdpipe/{self.run_id}/", self._store)
             spec["store_host"], spec["store_port"] = cfg.host, self._store.port
@@ -230,13 +228,9 @@ class Run:
             self._topic = spec["topic"]
             self._client.subscribe_topic(self._topic, self._on_event)
             self._init_control(spec)
-            X, Y, EX, EY = data
             S = cfg.stages
-            first = [workers[p * S] for p in range(cfg.pipelines)]
-            last = [workers[p * S + S - 1] for p in range(cfg.pipelines)]
-            scatter = lambda obj, ws: self._client.scatter(obj, workers=ws, broadcast=True, hash=False) if obj is not None else None
-            fX, fEX = scatter(X, first), scatter(EX, first)
-            fY, fEY = scatter(Y, last), scatter(EY, last)
+            workers, (fX, fY, fEX, fEY) = self._place_data(data)
+            self._workers = workers
             from ._worker import worker_main
 
             resources = {"GPU": 1} if cfg.device == "cuda" else None
@@ -267,6 +261,27 @@ class Run:
             raise
         self._monitor_thread = threading.Thread(target=self._monitor, name=f"sdpipe-monitor-{self.run_id}", daemon=True)
         self._monitor_thread.start()
+
+    def _place_data(self, data) -> tuple:
+        """Choose the workers and copy the data to the first and last stages' ones.
+
+        A worker that leaves the cluster meanwhile (one that just died and is
+        being restarted by its nanny) makes the copy fail: choose again, up
+        to three times.
+        """
+        cfg, S = self.config, self.config.stages
+        X, Y, EX, EY = data
+        for attempt in range(3):
+            workers = _pick_workers(self._client, cfg)
+            first = [workers[p * S] for p in range(cfg.pipelines)]
+            last = [workers[p * S + S - 1] for p in range(cfg.pipelines)]
+            scatter = lambda obj, ws: self._client.scatter(obj, workers=ws, broadcast=True, hash=False) if obj is not None else None
+            try:
+                return workers, (scatter(X, first), scatter(Y, last), scatter(EX, first), scatter(EY, last))
+            except KeyError as e:  # the scheduler no longer knows a chosen worker
+                if attempt == 2:
+                    raise RuntimeError(f"cluster: worker {e} left the cluster while the run started") from None
+                time.sleep(1.0)
 
     # ------------------------------------------------------------ control
     def _init_control(self, spec) -> None:

@@ -146,10 +146,17 @@ class Worker:
             return torch.device("cuda", index)
         return torch.device("cpu")
 
-    def group(self, name: str, rank: int, size: int):
-        g = make_group(self.store, name, rank, size, backend=self.backend, timeout=self.timeout, host=self.host)
+    def group(self, name: str, rank: int, size: int, connect_timeout: float | None = None):
+        g = make_group(self.store, name, rank, size, backend=self.backend, timeout=self.timeout, host=self.host,
+                       connect_timeout=connect_timeout)
         self._groups.append(g)
         return g
+
+    def drop_group(self, g) -> None:
+        """Forget a broken group. Once the caller drops its last reference too, the group's connections
+        close, and members still waiting in it fail then instead of at their timeout (gloo's
+        ``abort()`` does not close them: checked)."""
+        self._groups = [x for x in self._groups if x is not g]
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -433,7 +440,7 @@ class Worker:
         return res
 
     def close(self, failed: bool) -> None:
-        """Drop every group; after a failure abort them so peers fail fast instead of timing out."""
+        """Drop every group (their connections close, so peers still waiting in one fail fast instead of timing out)."""
         try:
             self.policy.close(failed)
         finally:

@@ -160,7 +160,7 @@ class Scheduled(SyncPolicy):
         members = answer["members"]
         if len(members) < 2:
             return
-        from ._comm import allreduce_mean_
+        from ._comm import CONNECT_TIMEOUT, allreduce_mean_
 
         start = time.time()
         tensors = _state_tensors(worker)
@@ -171,15 +171,21 @@ class Scheduled(SyncPolicy):
                     worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
                                 reason=answer["reason"], failed="a member's pipeline was lost before the group formed")
                     return
-                pg = worker.group(f"avg/{answer['name']}/r{answer['round']}", members.index(worker.pipeline), len(members))
+                pg = worker.group(f"avg/{answer['name']}/r{answer['round']}", members.index(worker.pipeline),
+                                  len(members), connect_timeout=CONNECT_TIMEOUT)
                 self.groups[answer["name"]] = pg
             worker.delay_link()
-            allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device)
+            allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device, timeout=worker.timeout)
         except RuntimeError as e:
             # a member died during the collective (its pipeline is being lost): this worker keeps its own
             # weights (allreduce_mean_ writes them back only after the collective returned), forgets the
             # group and goes on; the scheduler takes the lost pipeline out
-            self.groups.pop(answer["name"], None)
+            broken = self.groups.pop(answer["name"], None)
+            if broken is not None:
+                # its connections close once unreferenced, so a member still waiting in it fails now too
+                worker.drop_group(broken)
+                del broken
+            pg = None
             worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
                         reason=answer["reason"], failed=f"{type(e).__name__}: {str(e)[:200]}")
             return
@@ -191,7 +197,9 @@ class Scheduled(SyncPolicy):
 
         A rendezvous cannot be interrupted, and a member that died right
         after the service answered it would hold the others for the whole
-        timeout; this wait can give up.
+        timeout; this wait can give up. A member that dies after this meeting,
+        during the rendezvous, holds the others for ``CONNECT_TIMEOUT`` at most
+        (the rendezvous then fails, and the group is skipped like a broken one).
         """
         members, store = answer["members"], worker.store
         key = f"arrive/s{worker.stage}/r{answer['round']}/{answer['name']}"
