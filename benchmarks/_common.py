@@ -16,7 +16,9 @@ def local_cluster(n_workers: int, allowed_failures=None):
     import dask
     from distributed import Client, LocalCluster
 
-    settings = {} if allowed_failures is None else {"distributed.scheduler.allowed-failures": allowed_failures}
+    settings = {"distributed.worker.profile.enabled": False}  # as sdpipe's embedded cluster: no sampling profiler
+    if allowed_failures is not None:
+        settings["distributed.scheduler.allowed-failures"] = allowed_failures
     with dask.config.set(settings):
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                                dashboard_address=None, env={"OMP_NUM_THREADS": "1"})

@@ -138,8 +138,10 @@ def _connect(cluster, config: TrainConfig, security=None):
         )
         if config.device == "cuda":
             kwargs["resources"] = {"GPU": 1}
-        # A training rank must never be re-run on another worker after its worker died.
-        with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        # A training rank must never be re-run on another worker after its worker died. Dask's statistical
+        # profiler (it samples the training thread 100 times a second) is off: measured ~10% of a 2 x 2
+        # run's samples/s on two cores (benchmarks/results/engine.md).
+        with dask.config.set({"distributed.scheduler.allowed-failures": 0, "distributed.worker.profile.enabled": False}):
             lc = LocalCluster(**kwargs)
         try:
             return Client(lc, set_as_default=False), lc, True

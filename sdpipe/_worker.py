@@ -24,6 +24,8 @@ from .data import TAIL_BATCHES_PER_PIPELINE, batch_indices, leaves_tail, smoothe
 from .policy import AllReduce, _state_tensors, make_policy
 
 CMD_STOP, CMD_RUN, CMD_EPOCH_END, CMD_PAUSE = 0, 1, 2, 3
+CTL_INTERVAL = 0.1  # seconds: how often a pipeline's stage 0 looks for the driver's commands
+CTL_MAX_AGE = 2.5 * CTL_INTERVAL  # the oldest reading a step acts on
 
 
 class EventSink:
@@ -62,6 +64,33 @@ class EventSink:
             self.batches += 1
             self.sent += len(batch)
         self._worker.log_event(self.topic, {"rank": self.rank, "seq": seq, "events": batch})
+
+
+class _CtlWatcher(threading.Thread):
+    """Stage 0: reads the driver's command key every ``CTL_INTERVAL`` in the background.
+
+    It has its own connection to the run's store, so a step never waits for
+    a store round trip (or for this thread) to learn that nothing changed.
+    """
+
+    def __init__(self, host: str, port: int, prefix: str, timeout: float):
+        super().__init__(name="sdpipe-ctl", daemon=True)
+        base = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        self._store = dist.PrefixStore(prefix, base)
+        self._halt = threading.Event()
+        self.latest = None  # (monotonic time, raw value) of the last reading
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.latest = (time.monotonic(), self._store.get("ctl"))
+            except Exception:  # the store is gone (the run ended): steps fall back to reading it themselves
+                return
+            self._halt.wait(CTL_INTERVAL)
+
+    def close(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
 
 
 @dataclass
@@ -120,10 +149,16 @@ class Worker:
         self.policy_version = 0
         self.dispense_base: dict = {}
         self._last_dispense = None  # (epoch, time) of this pipeline's last batch
+        self._ctl_cache = None  # (monotonic time, value) of the last read_ctl
+        self._ctl_send = None  # (work, tensor) of the control message in flight to the next stage
+        self._ctl_watcher = None
         self._step_time = None  # recent seconds per step of this pipeline, all waits included
         self._step_time_epoch = None  # the epoch it was last measured in
         self.policy = make_policy(cfg["policy"])
         self.policy.setup(self)
+        if self.first:
+            self._ctl_watcher = _CtlWatcher(spec["store_host"], spec["store_port"], f"sdpipe/{spec['run_id']}/", self.timeout)
+            self._ctl_watcher.start()
 
     # ----------------------------------------------------------- helpers
     def _make_optimizer(self, cfg: dict):
@@ -235,14 +270,39 @@ class Worker:
         else:
             t = self.link.recv((len(msg),), torch.int64, self.stage - 1, TAG_CTRL)
         if not self.last:
-            self.link.send(t, self.stage + 1, TAG_CTRL)
+            # not waited for here: a gloo send completes only once the next stage posted its receive,
+            # i.e. once it finished its previous step; this stage starts its step meanwhile
+            self.wait_control()
+            self._ctl_send = self.link.isend(t, self.stage + 1, TAG_CTRL)
         if not self.first and int(t[0]) != CMD_PAUSE:
             self.span("wait", int(t[2]), None, start, time.time())
         return [int(x) for x in t.tolist()]
 
-    def read_ctl(self) -> tuple:
-        """(stop requested, heterogeneity version, policy version, paused) as the driver last set them."""
-        stop, hv, pv, pause = self.store.get("ctl").decode().split(",")
+    def wait_control(self) -> None:
+        """Wait for the last control message this stage sent down the pipeline to be received."""
+        if self._ctl_send is not None:
+            work, _ = self._ctl_send
+            self._ctl_send = None
+            work.wait()
+
+    def read_ctl(self, max_age: float = 0.0) -> tuple:
+        """(stop requested, heterogeneity version, policy version, paused) as the driver last set them.
+
+        ``max_age``: a reading at most this many seconds old is answered
+        without asking the store (a round trip costs a millisecond or more on
+        a busy machine); stage 0's :class:`_CtlWatcher` keeps one fresh in the
+        background, so steps never wait for it and the driver's commands act
+        within about ``CTL_INTERVAL``.
+        """
+        now = time.monotonic()
+        readings = [r for r in (self._ctl_cache, self._ctl_watcher.latest if self._ctl_watcher else None) if r is not None]
+        newest = max(readings, key=lambda r: r[0]) if readings else None
+        if newest is not None and now - newest[0] <= max_age:
+            raw = newest[1]
+        else:
+            raw = self.store.get("ctl")
+            self._ctl_cache = (now, raw)
+        stop, hv, pv, pause = raw.decode().split(",")
         return stop == "1", int(hv), int(pv), pause == "1"
 
     def hold(self, step: int, hv: int, pv: int) -> tuple:
@@ -442,6 +502,8 @@ class Worker:
     def close(self, failed: bool) -> None:
         """Drop every group (their connections close, so peers still waiting in one fail fast instead of timing out)."""
         try:
+            if self._ctl_watcher is not None:
+                self._ctl_watcher.close()
             self.policy.close(failed)
         finally:
             self.link = None
@@ -480,7 +542,7 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=
             losses, samples, j = [], 0, 0
             while True:
                 if worker.first:
-                    stop, hv, pv, pause = worker.read_ctl()
+                    stop, hv, pv, pause = worker.read_ctl(CTL_MAX_AGE)
                     if isinstance(worker.policy, AllReduce):
                         # coupled replicas act on what they agreed in the last collective
                         stop, pv, pause = pending_stop, pending_version or worker.policy_version, pending_pause
@@ -517,7 +579,7 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=
                 loss = worker.train_step(step, xb, yb)
                 local_stop, local_version, local_pause = False, 0, False
                 if worker.first and isinstance(worker.policy, AllReduce):
-                    local_stop, _, local_version, local_pause = worker.read_ctl()
+                    local_stop, _, local_version, local_pause = worker.read_ctl(CTL_MAX_AGE)
                 pending_stop, pending_version, pending_pause = worker.policy.after_backward(
                     worker, step, local_stop, local_version, local_pause)
                 t = time.time()
@@ -554,6 +616,7 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=
                 worker.checkpoint(epoch + 1, step)
             if stopped:
                 break
+        worker.wait_control()
         state = {k: v.detach().cpu().clone() for k, v in worker.module.state_dict().items()}
         failed = False
         result = {"rank": rank, "state": state, "steps": step, "stopped": stopped}
