@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import local_cluster, meta_lines, run_meta
+from _common import local_cluster, meta_lines, run_meta, save_figure
 
 
 def make_model(name: str):
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60, help="measured steps per pipeline (after a warm-up epoch)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.md"))
     a = ap.parse_args(argv)
     base = dict(stages=a.stages, pipelines=a.pipelines, model=a.model, microbatches=a.microbatches,
@@ -184,9 +184,28 @@ def main(argv=None) -> int:
         ratio = table[f"sdpipe-{schedule}"]["samples_per_s"] / table[f"torch-{schedule}"]["samples_per_s"]
         lines.append("")
         lines.append(f"- {schedule}: sdpipe / torch.distributed.pipelining = **{ratio:.2f}x**")
+    written = save_figure(figure(table), out.with_suffix(""), width=800, height=440)
+    lines += ["", "Figure: " + ", ".join(f"[{w.name}]({w.name})" for w in written)]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
     return 0
+
+
+def figure(table: dict):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    names = list(table)
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35], horizontal_spacing=0.12,
+                        subplot_titles=("samples/s (bar: median, points: each repeat)", "peak RSS per worker (MiB)"))
+    colors = ["#1f77b4" if n.startswith("sdpipe") else "#ff7f0e" for n in names]
+    fig.add_trace(go.Bar(x=names, y=[table[n]["samples_per_s"] for n in names], marker_color=colors, showlegend=False), row=1, col=1)
+    fig.add_trace(go.Scatter(x=[n for n in names for _ in table[n]["samples_per_s_each"]],
+                             y=[v for n in names for v in table[n]["samples_per_s_each"]], mode="markers",
+                             marker=dict(color="black", size=7), showlegend=False), row=1, col=1)
+    fig.add_trace(go.Bar(x=names, y=[table[n]["peak_rss_mib"] for n in names], marker_color=colors, showlegend=False), row=1, col=2)
+    fig.update_layout(template="plotly_white", width=800, height=440)
+    return fig
 
 
 if __name__ == "__main__":

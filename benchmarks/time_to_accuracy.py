@@ -2,12 +2,15 @@
 
     python benchmarks/time_to_accuracy.py [--scenarios none,straggler2x,straggler4x,transient,slowlink]
                                           [--policies sdpipe,allreduce,adpsgd,ps,none] [--seeds 3]
-                                          [--target 0.95] [--max-epochs 20] [--pipelines 4] [--stages 2] [--channels 64]
+                                          [--target 0.95] [--max-epochs 12] [--pipelines 4] [--stages 2] [--channels 64]
 
 The digits CNN (``--channels``, default 64) on one LocalCluster of S x D single-threaded
 worker processes (127.0.0.1), evaluated after every epoch.  A run stops once
 every pipeline's held-out accuracy reached the target (``run.stop()``); its
-time to accuracy is the time of that epoch's last evaluation, from launch.
+time to accuracy is the time of that epoch's last evaluation, from the run's
+first step (launching takes ~0.2 s more, recorded as ``launch``).  Each run's
+samples/s gives the ratio to the ideal: the sum of the pipelines' speeds
+with none waiting, i.e. policy ``none`` in the same scenario.
 Policies alternate within each scenario and seed; an unrecorded
 warm-up run comes first.  Scenarios: ``none``;
 ``straggler2x`` / ``straggler4x`` (the last pipeline persistently slower);
@@ -63,13 +66,72 @@ def time_to_target(run, D: int, target: float, timeout: float = 1800) -> tuple:
     return None, None
 
 
+def _cell(vals: list, missed: int, base=None) -> str:
+    if not vals:
+        return "not reached"
+    med = statistics.median(vals)
+    speed = f", {base / med:.2f}x" if base else ""
+    return f"{med:.1f} [{min(vals):.1f}-{max(vals):.1f}{speed}]" + (f" ({missed} missed)" if missed else "")
+
+
+def summarize(rows: list, scenarios: list, policies: list) -> dict:
+    """Per scenario and policy: median and range of the time to target and of samples/s, and the ratios."""
+    out = {}
+    for name in scenarios:
+        for policy in policies:
+            mine = [r for r in rows if r["scenario"] == name and r["policy"] == policy]
+            secs = [r["seconds"] for r in mine if r["seconds"] is not None]
+            rates = [r["samples_per_s"] for r in mine if r["samples_per_s"]]
+            out[(name, policy)] = {
+                "seconds": secs, "missed": sum(1 for r in mine if r["seconds"] is None),
+                "median_seconds": statistics.median(secs) if secs else None,
+                "samples_per_s": rates, "median_samples_per_s": statistics.median(rates) if rates else None,
+                "epochs": [r["epochs"] for r in mine if r["epochs"]],
+            }
+        ideal = out.get((name, "none"), {}).get("median_samples_per_s")
+        base = out.get((name, "allreduce"), {})
+        for policy in policies:
+            cell = out[(name, policy)]
+            rate = cell["median_samples_per_s"]
+            cell["to_ideal"] = rate / ideal if rate and ideal else None
+            cell["to_allreduce_rate"] = rate / base["median_samples_per_s"] if rate and base.get("median_samples_per_s") else None
+            cell["speedup"] = (base["median_seconds"] / cell["median_seconds"]
+                               if cell["median_seconds"] and base.get("median_seconds") else None)
+    return out
+
+
+def figure(summary: dict, scenarios: list, policies: list, target: float):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.14, subplot_titles=(
+        f"seconds to {target:.2f} held-out accuracy on every pipeline (median, bars: min-max over seeds)",
+        "samples/s / ideal (the sum of the pipelines' speeds with none waiting: policy none)"))
+    for policy in policies:
+        if policy != "none":
+            med = [summary[(n, policy)]["median_seconds"] for n in scenarios]
+            lo = [min(summary[(n, policy)]["seconds"]) if summary[(n, policy)]["seconds"] else None for n in scenarios]
+            hi = [max(summary[(n, policy)]["seconds"]) if summary[(n, policy)]["seconds"] else None for n in scenarios]
+            fig.add_trace(go.Bar(name=policy, x=scenarios, y=med, legendgroup=policy, offsetgroup=policy,
+                                 error_y=dict(type="data", symmetric=False,
+                                              array=[h - m if m is not None else 0 for h, m in zip(hi, med)],
+                                              arrayminus=[m - l if m is not None else 0 for l, m in zip(lo, med)])),
+                          row=1, col=1)
+        fig.add_trace(go.Bar(name=policy, x=scenarios, y=[summary[(n, policy)]["to_ideal"] for n in scenarios],
+                             legendgroup=policy, offsetgroup=policy, showlegend=policy == "none"), row=2, col=1)
+    fig.update_layout(barmode="group", template="plotly_white", height=720, width=900)
+    fig.update_yaxes(title_text="seconds", row=1, col=1)
+    fig.update_yaxes(title_text="ratio", row=2, col=1)
+    return fig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", default="none,straggler2x,straggler4x,transient,slowlink")
     ap.add_argument("--policies", default="sdpipe,allreduce,adpsgd,ps,none")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--target", type=float, default=0.95)
-    ap.add_argument("--max-epochs", type=int, default=20)
+    ap.add_argument("--max-epochs", type=int, default=12)
     ap.add_argument("--pipelines", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--channels", type=int, default=64, help="width of the CNN")
@@ -78,16 +140,20 @@ def main(argv=None) -> int:
 
     import sdpipe
     from sdpipe.data import digits, digits_cnn
+    from straggler import throughput
+
+    from _common import save_figure
 
     S, D = a.stages, a.pipelines
     policies = a.policies.split(",")
+    scenarios = a.scenarios.split(",")
     client, cluster = local_cluster(S * D)
     rows = []
     try:
         # warm-up: the worker processes' first run pays for imports and first-time allocations
         sdpipe.train(digits_cnn(a.channels), digits()[0], stages=S, pipelines=D, cuts=(6,) if S == 2 else None, policy="sdpipe",
                      epochs=1, batch_size=64, cluster=client).result(timeout=600)
-        for name in a.scenarios.split(","):
+        for name in scenarios:
             for seed in range(a.seeds):
                 train_data, eval_data = digits(seed=seed)
                 order = policies if seed % 2 == 0 else policies[::-1]
@@ -95,9 +161,12 @@ def main(argv=None) -> int:
                     run = sdpipe.train(digits_cnn(a.channels, seed=seed), train_data, eval_data=eval_data, stages=S, pipelines=D,
                                        cuts=(6,) if S == 2 else None, policy=policy, epochs=a.max_epochs, batch_size=64,
                                        seed=seed, heterogeneity=scenario(name, D), cluster=client)
-                    seconds, epochs = time_to_target(run, D, a.target)
-                    run.result(timeout=600)
-                    row = {"scenario": name, "seed": seed, "policy": policy, "seconds": seconds, "epochs": epochs}
+                    at, epochs = time_to_target(run, D, a.target)
+                    result = run.result(timeout=600)
+                    first = min(e["start"] for e in result.events if e["kind"] == "forward")
+                    rate = throughput(result) if len({h["epoch"] for h in result.history}) > 1 else None
+                    row = {"scenario": name, "seed": seed, "policy": policy, "epochs": epochs, "launch": first,
+                           "seconds": None if at is None else at - first, "samples_per_s": rate}
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
     finally:
@@ -106,25 +175,32 @@ def main(argv=None) -> int:
 
     meta = run_meta("time_to_accuracy.py", argv, f"digits CNN ({a.channels} channels), {S} stages x {D} pipelines, batch 64, "
                     f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs, {a.seeds} seeds")
+    summary = summarize(rows, scenarios, policies)
     out = Path(a.out)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": [
+        {"scenario": n, "policy": p, **v} for (n, p), v in summary.items()]}, indent=1))
+    written = save_figure(figure(summary, scenarios, policies, a.target), out.with_suffix(""), width=900, height=720)
     lines = ["# Time to accuracy", "", *meta_lines(meta), "",
-             "Seconds from launch until every pipeline reached the target: median [min-max] over seeds "
-             "(a run that never reached it counts as missing); in brackets below the policy: x allreduce (median).", "",
+             "Seconds from the run's first step until every pipeline's held-out accuracy reached the target, "
+             "evaluated after each epoch: median [min-max] over seeds, then x allreduce (medians). "
+             "A run that never reached it within the epochs counts as missed.", "",
              "| scenario | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
-    for name in a.scenarios.split(","):
+    for name in scenarios:
+        base = summary.get((name, "allreduce"), {}).get("median_seconds")
+        lines.append(f"| {name} | " + " | ".join(_cell(summary[(name, p)]["seconds"], summary[(name, p)]["missed"], base)
+                                                 for p in policies) + " |")
+    lines += ["", "Samples/s of all pipelines (median over seeds of each run's median epoch after the first) "
+              "and its ratio to the ideal: the sum of the pipelines' speeds with none waiting for another "
+              "(policy `none` in the same scenario).", "",
+              "| scenario | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+    for name in scenarios:
         cells = []
-        base = [r["seconds"] for r in rows if r["scenario"] == name and r["policy"] == "allreduce" and r["seconds"]]
-        for policy in policies:
-            vals = [r["seconds"] for r in rows if r["scenario"] == name and r["policy"] == policy and r["seconds"]]
-            missed = sum(1 for r in rows if r["scenario"] == name and r["policy"] == policy and not r["seconds"])
-            if not vals:
-                cells.append("not reached")
-                continue
-            med = statistics.median(vals)
-            speed = f", {statistics.median(base) / med:.2f}x" if base else ""
-            cells.append(f"{med:.1f} [{min(vals):.1f}-{max(vals):.1f}{speed}]" + (f" ({missed} missed)" if missed else ""))
+        for p in policies:
+            c = summary[(name, p)]
+            cells.append(f"{c['median_samples_per_s']:.0f} ({c['to_ideal']:.2f} of ideal)" if c["median_samples_per_s"] and c["to_ideal"]
+                         else (f"{c['median_samples_per_s']:.0f}" if c["median_samples_per_s"] else "-"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Figure: " + ", ".join(f"[{w.name}]({w.name})" for w in written)]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
     return 0
