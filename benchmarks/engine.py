@@ -154,7 +154,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60, help="measured steps per pipeline (after a warm-up epoch)")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.md"))
+    ap.add_argument("--from-json", metavar="PATH", help="redraw the results file and figure from a recorded .json")
     a = ap.parse_args(argv)
+    if a.from_json:
+        recorded = json.loads(Path(a.from_json).read_text())
+        write_results(recorded["meta"], recorded["results"], Path(a.out))
+        return 0
     base = dict(stages=a.stages, pipelines=a.pipelines, model=a.model, microbatches=a.microbatches,
                 batch_size=a.batch_size, steps=a.steps)
     contenders = [("sdpipe", "1f1b"), ("torch", "1f1b"), ("sdpipe", "gpipe"), ("torch", "gpipe")]
@@ -175,6 +180,12 @@ def main(argv=None) -> int:
                  "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rows)} for k, rows in samples.items()}
     out = Path(a.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": table}, indent=1))
+    write_results(meta, table, out)
+    return 0
+
+
+def write_results(meta: dict, table: dict, out: Path) -> None:
+    """The results file and figure from the measured table (also: ``--from-json``, to redraw without re-measuring)."""
     lines = ["# Engine efficiency: sdpipe's allreduce against torch.distributed.pipelining", "", *meta_lines(meta), "",
              "| contender | samples/s (median) | each repeat | peak RSS per worker (MiB) |", "|---|---|---|---|"]
     for k, v in table.items():
@@ -184,11 +195,15 @@ def main(argv=None) -> int:
         ratio = table[f"sdpipe-{schedule}"]["samples_per_s"] / table[f"torch-{schedule}"]["samples_per_s"]
         lines.append("")
         lines.append(f"- {schedule}: sdpipe / torch.distributed.pipelining = **{ratio:.2f}x**")
+    spread = max((max(v["samples_per_s_each"]) - min(v["samples_per_s_each"])) / v["samples_per_s"] for v in table.values())
+    lines += ["", f"- noise: the repeats of one contender differ by up to {100 * spread:.0f}% of its median on this machine "
+              "(S x D worker processes share its cores); where sdpipe falls short, its per-step extras are a 6-integer control "
+              "message from stage 0 down the pipeline and the event records (`benchmarks/step_breakdown.py` shows where a step's "
+              "time goes), and its workers are Dask worker processes (an event loop next to the training thread)"]
     written = save_figure(figure(table), out.with_suffix(""), width=800, height=440)
     lines += ["", "Figure: " + ", ".join(f"[{w.name}]({w.name})" for w in written)]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
-    return 0
 
 
 def figure(table: dict):

@@ -1,6 +1,6 @@
 """Kill a worker process mid-training under every policy, and record what happened.
 
-    python benchmarks/faults.py [--epochs 8] [--policies sdpipe,adpsgd,none,allreduce,ps]
+    python benchmarks/faults.py [--epochs 8] [--policies sdpipe,adpsgd,none,allreduce,ps] [--random-kills N]
 
 One LocalCluster of 8 single-threaded worker processes on 127.0.0.1
 (``allowed-failures`` 0, as the embedded cluster has).  For each policy: a
@@ -11,6 +11,11 @@ which pipelines finished, the held-out accuracy against the reference, and
 what was left behind on the cluster (process groups, policy server threads,
 the rendezvous store's port).  Results: ``benchmarks/results/faults.md``
 and ``.json``.
+
+``--random-kills N``: then N more runs of the first policy, each with the
+same worker killed at a random moment of epochs 1-3 (after epoch 1 plus 0-2 s),
+to catch the kill landing inside a group's formation or collective; recorded
+is how many completed with 3 pipelines and how long each took after its kill.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -56,6 +62,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--policies", default="sdpipe,adpsgd,none,allreduce,ps")
+    ap.add_argument("--random-kills", type=int, default=0, help="more runs of the first policy, killed at random moments")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "faults.md"))
     args = ap.parse_args(argv)
 
@@ -64,7 +71,7 @@ def main(argv=None) -> int:
 
     train_data, eval_data = digits()
     client, cluster = local_cluster(8, allowed_failures=0)
-    rows = []
+    rows, random_rows = [], []
     try:
         for policy in args.policies.split(","):
             common = dict(stages=2, pipelines=4, policy=policy, epochs=args.epochs, batch_size=32, eval_data=eval_data,
@@ -93,6 +100,29 @@ def main(argv=None) -> int:
             row.update(leftovers(client, run.store_port))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
+        rng = random.Random(0)
+        policy = args.policies.split(",")[0]
+        for k in range(args.random_kills):
+            client.wait_for_workers(8, timeout=60)
+            time.sleep(2.0)  # the restarted worker settles
+            run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy=policy, epochs=args.epochs,
+                               batch_size=32, eval_data=eval_data, cluster=client)
+            while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= 1 for e in run.events) and not run.done():
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 2.0))
+            addr = run.workers[KILLED_RANK]
+            pid = client.run(os.getpid, workers=[addr])[addr]
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            row = {"policy": policy, "kill": k}
+            try:
+                result = run.result(timeout=900)
+                row.update(outcome="completed", finished=result.finished_pipelines, lost=sorted(result.lost))
+            except sdpipe.RunError as e:
+                row.update(outcome="error", error=str(e)[:300])
+            row["seconds_after_kill"] = time.monotonic() - killed
+            random_rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
     finally:
         client.close()
         cluster.close()
@@ -100,7 +130,7 @@ def main(argv=None) -> int:
     meta = run_meta("faults.py", argv, f"digits MLP, 4 pipelines x 2 stages, batch 32, {args.epochs} epochs; "
                     "worker process of pipeline 2 stage 1 killed with SIGKILL after epoch 1")
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "random_kills": random_rows}, indent=1))
     lines = ["# A worker process killed mid-training", "", *meta_lines(meta), "",
              "| policy | outcome | ended after the kill | pipelines finished | accuracy (no fault) | left behind |",
              "|---|---|---|---|---|---|"]
@@ -117,6 +147,14 @@ def main(argv=None) -> int:
         left += ["the store's port"] if r["store_open"] else []
         lines.append(f"| `{r['policy']}` | {outcome} | {r['seconds_after_kill']:.1f} s | {finished} | {acc} | "
                      f"{', '.join(left) or 'nothing'} |")
+    if random_rows:
+        done = [r for r in random_rows if r["outcome"] == "completed" and len(r["finished"]) == 3]
+        secs = sorted(r["seconds_after_kill"] for r in random_rows)
+        lines += ["", f"Kills at random moments (`{random_rows[0]['policy']}`, after epoch 1 plus 0-2 s): "
+                  f"{len(done)} of {len(random_rows)} runs completed with 3 pipelines; ended "
+                  f"{secs[len(secs) // 2]:.1f} s (median), at most {secs[-1]:.1f} s after the kill."]
+        lines += [f"- kill {r['kill']}: {r['outcome']}" + (f": {r['error']}" if r["outcome"] == "error" else "")
+                  for r in random_rows if r not in done]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, 1 seed, two scenarios, into results/quick/")
     a = ap.parse_args(argv)
-    out = HERE / "results" / ("quick" if a.quick else "")
+    out = Path(os.path.relpath(HERE / "results" / ("quick" if a.quick else "")))
     out.mkdir(parents=True, exist_ok=True)
     parts = [
         ("engine", engine.main, ["--repeats", "1" if a.quick else "4", "--out", str(out / "engine.md")]),

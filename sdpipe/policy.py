@@ -322,6 +322,7 @@ class GossipPairs(Scheduled):
         self.store = worker.store
         self.pg = worker.group(f"adpsgd-stage{stage}", worker.pipeline, D) if D > 1 else None
         self.lock = threading.Lock()
+        self.held = False  # whether the training thread holds the lock (from after_backward to after_step)
         self.pending = None  # sum of the deltas served but not yet applied
         self.left = False
         self.server = None
@@ -368,6 +369,7 @@ class GossipPairs(Scheduled):
     def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
         if self.server is not None:
             self.lock.acquire()  # the optimizer step must not interleave with a snapshot being served
+            self.held = True
         return stop, version, pause
 
     def after_step(self, worker, step: int) -> None:
@@ -376,6 +378,7 @@ class GossipPairs(Scheduled):
         from ._comm import flatten, unflatten_
 
         if self.server is not None:
+            self.held = False
             self.lock.release()
             self._apply_pending()
             return
@@ -429,7 +432,9 @@ class GossipPairs(Scheduled):
         except Exception:
             pass
         if self.server is not None:
-            if self.lock.locked():
+            if self.held:  # a step ended by an error between after_backward and after_step
+                # (not lock.locked(): the server thread may hold the lock right now, serving a request)
+                self.held = False
                 self.lock.release()
             if failed:
                 self.server.finish(0.0)
