@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         rng = random.Random(0)
         policy = args.policies.split(",")[0]
         for k in range(args.random_kills):
-            client.wait_for_workers(8, timeout=60)
+            client.wait_for_workers(8, timeout=180)
             time.sleep(2.0)  # the restarted worker settles
             run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy=policy, epochs=args.epochs,
                                batch_size=32, eval_data=eval_data, cluster=client)

@@ -33,9 +33,14 @@ from _common import meta_lines, run_meta
 HERE = Path(__file__).parent
 
 
+def minutes(took: dict, part: str) -> str:
+    return f"{took[part] / 60:.1f}" if part in took else "- (recorded earlier: see the part's own command)"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, 1 seed, two scenarios, into results/quick/")
+    ap.add_argument("--summary-only", action="store_true", help="write suite.md from the recorded results without running")
     a = ap.parse_args(argv)
     out = Path(os.path.relpath(HERE / "results" / ("quick" if a.quick else "")))
     out.mkdir(parents=True, exist_ok=True)
@@ -46,7 +51,7 @@ def main(argv=None) -> int:
          + ["--out", str(out / "time_to_accuracy.md")]),
     ]
     took = {}
-    for name, fn, args in parts:
+    for name, fn, args in ([] if a.summary_only else parts):
         t = time.time()
         print(f"== {name}: {' '.join(args)}", file=sys.stderr)
         fn(args)
@@ -57,9 +62,9 @@ def main(argv=None) -> int:
     meta = run_meta("suite.py", argv, "engine.py then time_to_accuracy.py, as listed below")
     lines = ["# Side by side: the suite", "", *meta_lines(meta), "",
              "| part | results | minutes |", "|---|---|---|",
-             f"| engine efficiency | [engine.md](engine.md), [figure](engine.html) | {took['engine'] / 60:.1f} |",
+             f"| engine efficiency | [engine.md](engine.md), [figure](engine.html) | {minutes(took, 'engine')} |",
              f"| time to accuracy | [time_to_accuracy.md](time_to_accuracy.md), [figure](time_to_accuracy.html) | "
-             f"{took['time to accuracy'] / 60:.1f} |", "", "Headlines:", ""]
+             f"{minutes(took, 'time to accuracy')} |", "", "Headlines:", ""]
     for schedule in ("1f1b", "gpipe"):
         ratio = eng[f"sdpipe-{schedule}"]["samples_per_s"] / eng[f"torch-{schedule}"]["samples_per_s"]
         lines.append(f"- {schedule}: sdpipe's allreduce engine / torch.distributed.pipelining = {ratio:.2f}x samples/s (median)")

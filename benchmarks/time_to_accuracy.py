@@ -107,18 +107,21 @@ def figure(summary: dict, scenarios: list, policies: list, target: float):
     fig = make_subplots(rows=2, cols=1, vertical_spacing=0.14, subplot_titles=(
         f"seconds to {target:.2f} held-out accuracy on every pipeline (median, bars: min-max over seeds)",
         "samples/s / ideal (the sum of the pipelines' speeds with none waiting: policy none)"))
+    palette = ["#636efa", "#00cc96", "#ffa15a", "#ef553b", "#ab63fa", "#19d3f3"]
+    color = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
     for policy in policies:
         if policy != "none":
             med = [summary[(n, policy)]["median_seconds"] for n in scenarios]
             lo = [min(summary[(n, policy)]["seconds"]) if summary[(n, policy)]["seconds"] else None for n in scenarios]
             hi = [max(summary[(n, policy)]["seconds"]) if summary[(n, policy)]["seconds"] else None for n in scenarios]
-            fig.add_trace(go.Bar(name=policy, x=scenarios, y=med, legendgroup=policy, offsetgroup=policy,
+            fig.add_trace(go.Bar(name=policy, x=scenarios, y=med, legendgroup=policy, offsetgroup=policy, marker_color=color[policy],
                                  error_y=dict(type="data", symmetric=False,
                                               array=[h - m if m is not None else 0 for h, m in zip(hi, med)],
                                               arrayminus=[m - l if m is not None else 0 for l, m in zip(lo, med)])),
                           row=1, col=1)
         fig.add_trace(go.Bar(name=policy, x=scenarios, y=[summary[(n, policy)]["to_ideal"] for n in scenarios],
-                             legendgroup=policy, offsetgroup=policy, showlegend=policy == "none"), row=2, col=1)
+                             legendgroup=policy, offsetgroup=policy, marker_color=color[policy], showlegend=policy == "none"),
+                      row=2, col=1)
     fig.update_layout(barmode="group", template="plotly_white", height=720, width=900)
     fig.update_yaxes(title_text="seconds", row=1, col=1)
     fig.update_yaxes(title_text="ratio", row=2, col=1)
@@ -136,17 +139,27 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--channels", type=int, default=64, help="width of the CNN")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "time_to_accuracy.md"))
+    ap.add_argument("--from-rows", nargs="+", metavar="FILE",
+                    help="summarize recorded rows instead of running: .json results files or JSON-lines of rows")
     a = ap.parse_args(argv)
+    policies = a.policies.split(",")
+    scenarios = a.scenarios.split(",")
+    if a.from_rows:
+        rows = []
+        for f in a.from_rows:
+            text = Path(f).read_text()
+            rows += json.loads(text)["rows"] if f.endswith(".json") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        meta = run_meta("time_to_accuracy.py", argv, f"rows recorded by earlier runs ({', '.join(a.from_rows)}): "
+                        f"digits CNN ({a.channels} channels), {a.stages} stages x {a.pipelines} pipelines, batch 64, "
+                        f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs")
+        write_results(meta, rows, scenarios, policies, a.target, Path(a.out))
+        return 0
 
     import sdpipe
     from sdpipe.data import digits, digits_cnn
     from straggler import throughput
 
-    from _common import save_figure
-
     S, D = a.stages, a.pipelines
-    policies = a.policies.split(",")
-    scenarios = a.scenarios.split(",")
     client, cluster = local_cluster(S * D)
     rows = []
     try:
@@ -175,11 +188,18 @@ def main(argv=None) -> int:
 
     meta = run_meta("time_to_accuracy.py", argv, f"digits CNN ({a.channels} channels), {S} stages x {D} pipelines, batch 64, "
                     f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs, {a.seeds} seeds")
+    write_results(meta, rows, scenarios, policies, a.target, Path(a.out))
+    return 0
+
+
+def write_results(meta: dict, rows: list, scenarios: list, policies: list, target: float, out: Path) -> None:
+    """The results file (.md and .json) and the figure from the rows of every run."""
+    from _common import save_figure
+
     summary = summarize(rows, scenarios, policies)
-    out = Path(a.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": [
         {"scenario": n, "policy": p, **v} for (n, p), v in summary.items()]}, indent=1))
-    written = save_figure(figure(summary, scenarios, policies, a.target), out.with_suffix(""), width=900, height=720)
+    written = save_figure(figure(summary, scenarios, policies, target), out.with_suffix(""), width=900, height=720)
     lines = ["# Time to accuracy", "", *meta_lines(meta), "",
              "Seconds from the run's first step until every pipeline's held-out accuracy reached the target, "
              "evaluated after each epoch: median [min-max] over seeds, then x allreduce (medians). "
@@ -203,7 +223,6 @@ def main(argv=None) -> int:
     lines += ["", "Figure: " + ", ".join(f"[{w.name}]({w.name})" for w in written)]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
-    return 0
 
 
 if __name__ == "__main__":
