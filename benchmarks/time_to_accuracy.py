@@ -2,7 +2,7 @@
 
     python benchmarks/time_to_accuracy.py [--scenarios none,straggler2x,straggler4x,transient,slowlink]
                                           [--policies sdpipe,allreduce,adpsgd,ps,none] [--seeds 3]
-                                          [--target 0.95] [--max-epochs 12] [--pipelines 4] [--stages 2] [--channels 64]
+                                          [--target 0.95] [--max-epochs 12] [--pipelines 4] [--stages 2] [--channels 64] [--lr 0.002]
 
 The digits CNN (``--channels``, default 64) on one LocalCluster of S x D single-threaded
 worker processes (127.0.0.1), evaluated after every epoch.  A run stops once
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pipelines", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--channels", type=int, default=64, help="width of the CNN")
+    ap.add_argument("--lr", type=float, default=0.002, help="Adam's learning rate, for every policy")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "time_to_accuracy.md"))
     ap.add_argument("--from-rows", nargs="+", metavar="FILE",
                     help="summarize recorded rows instead of running: .json results files or JSON-lines of rows")
@@ -173,12 +174,12 @@ def main(argv=None) -> int:
                 for policy in order:
                     run = sdpipe.train(digits_cnn(a.channels, seed=seed), train_data, eval_data=eval_data, stages=S, pipelines=D,
                                        cuts=(6,) if S == 2 else None, policy=policy, epochs=a.max_epochs, batch_size=64,
-                                       seed=seed, heterogeneity=scenario(name, D), cluster=client)
+                                       seed=seed, lr=a.lr, heterogeneity=scenario(name, D), cluster=client)
                     at, epochs = time_to_target(run, D, a.target)
                     result = run.result(timeout=600)
                     first = min(e["start"] for e in result.events if e["kind"] == "forward")
                     rate = throughput(result) if len({h["epoch"] for h in result.history}) > 1 else None
-                    row = {"scenario": name, "seed": seed, "policy": policy, "epochs": epochs, "launch": first,
+                    row = {"scenario": name, "seed": seed, "policy": policy, "lr": a.lr, "epochs": epochs, "launch": first,
                            "seconds": None if at is None else at - first, "samples_per_s": rate}
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
         cluster.close()
 
     meta = run_meta("time_to_accuracy.py", argv, f"digits CNN ({a.channels} channels), {S} stages x {D} pipelines, batch 64, "
-                    f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs, {a.seeds} seeds")
+                    f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs, {a.seeds} seeds, Adam lr {a.lr}")
     write_results(meta, rows, scenarios, policies, a.target, Path(a.out))
     return 0
 
