@@ -53,6 +53,17 @@ def leftovers(client, port: int) -> dict:
     return {"process_groups": sum(c[0] for c in counts), "server_threads": sum(c[1] for c in counts), "store_open": store_open}
 
 
+def kill_after_epoch_1(client, run, delay: float = 0.0) -> float:
+    """SIGKILL the worker process of ``KILLED_RANK`` ``delay`` seconds after epoch 1 is done; the monotonic time of the kill."""
+    while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= 1 for e in run.events) and not run.done():
+        time.sleep(0.05)
+    time.sleep(delay)
+    addr = run.workers[KILLED_RANK]
+    pid = client.run(os.getpid, workers=[addr])[addr]
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
 def final_accuracy(result):
     last = max(h["epoch"] for h in result.history)
     return min(h["accuracy"] for h in result.history if h["epoch"] == last)
@@ -80,14 +91,7 @@ def main(argv=None) -> int:
             reference = sdpipe.train(digits_mlp(), train_data, **common).result(timeout=900)
             client.wait_for_workers(8, timeout=60)
             run = sdpipe.train(digits_mlp(), train_data, **common)
-            while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= 1 for e in run.events):
-                if run.done():
-                    break
-                time.sleep(0.05)
-            addr = run.workers[KILLED_RANK]
-            pid = client.run(os.getpid, workers=[addr])[addr]
-            os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
+            killed = kill_after_epoch_1(client, run)
             row = {"policy": policy, "reference_accuracy": final_accuracy(reference)}
             try:
                 result = run.result(timeout=900)
@@ -107,13 +111,7 @@ def main(argv=None) -> int:
             time.sleep(2.0)  # the restarted worker settles
             run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy=policy, epochs=args.epochs,
                                batch_size=32, eval_data=eval_data, cluster=client)
-            while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= 1 for e in run.events) and not run.done():
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0.0, 2.0))
-            addr = run.workers[KILLED_RANK]
-            pid = client.run(os.getpid, workers=[addr])[addr]
-            os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
+            killed = kill_after_epoch_1(client, run, delay=rng.uniform(0.0, 2.0))
             row = {"policy": policy, "kill": k}
             try:
                 result = run.result(timeout=900)
