@@ -66,6 +66,13 @@ class EventSink:
         self._worker.log_event(self.topic, {"rank": self.rank, "seq": seq, "events": batch})
 
 
+def _run_store(spec: dict, timeout: float):
+    """A new connection to the run's store (the driver's ``TCPStore``), under the run's key prefix."""
+    base = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(f"sdpipe/{spec['run_id']}/", base)
+
+
 class _CtlWatcher(threading.Thread):
     """Stage 0: reads the driver's command key every ``CTL_INTERVAL`` in the background.
 
@@ -73,10 +80,9 @@ class _CtlWatcher(threading.Thread):
     a store round trip (or for this thread) to learn that nothing changed.
     """
 
-    def __init__(self, host: str, port: int, prefix: str, timeout: float):
+    def __init__(self, spec: dict, timeout: float):
         super().__init__(name="sdpipe-ctl", daemon=True)
-        base = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        self._store = dist.PrefixStore(prefix, base)
+        self._store = _run_store(spec, timeout)
         self._halt = threading.Event()
         self.latest = None  # (monotonic time, raw value) of the last reading
 
@@ -120,11 +126,7 @@ class Worker:
         self.rng = random.Random(cfg["seed"] * 100003 + rank)
         self._groups: list = []
 
-        base = dist.TCPStore(
-            spec["store_host"], spec["store_port"], is_master=False, timeout=datetime.timedelta(seconds=self.timeout)
-        )
-        self._base_store = base
-        self.store = dist.PrefixStore(f"sdpipe/{spec['run_id']}/", base)
+        self.store = _run_store(spec, self.timeout)
 
         self.module = spec["stage_modules"][self.stage].to(self.device)
         self.module.train()
@@ -157,7 +159,7 @@ class Worker:
         self.policy = make_policy(cfg["policy"])
         self.policy.setup(self)
         if self.first:
-            self._ctl_watcher = _CtlWatcher(spec["store_host"], spec["store_port"], f"sdpipe/{spec['run_id']}/", self.timeout)
+            self._ctl_watcher = _CtlWatcher(spec, self.timeout)
             self._ctl_watcher.start()
 
     # ----------------------------------------------------------- helpers
@@ -542,8 +544,12 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=
             losses, samples, j = [], 0, 0
             while True:
                 if worker.first:
-                    stop, hv, pv, pause = worker.read_ctl(CTL_MAX_AGE)
-                    if isinstance(worker.policy, AllReduce):
+                    # coupled replicas agree on stop and policy in their collective, so a reading up to
+                    # CTL_MAX_AGE old is as good; decoupled pipelines read it fresh, or they would take a
+                    # stop up to a watcher interval apart (steps apart: a group-wide policy would see one leave)
+                    coupled = isinstance(worker.policy, AllReduce)
+                    stop, hv, pv, pause = worker.read_ctl(CTL_MAX_AGE if coupled else 0.0)
+                    if coupled:
                         # coupled replicas act on what they agreed in the last collective
                         stop, pv, pause = pending_stop, pending_version or worker.policy_version, pending_pause
                     if pause and not stop:
