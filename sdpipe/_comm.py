@@ -94,25 +94,31 @@ def unflatten_(tensors: list, flat: torch.Tensor) -> None:
         offset += k
 
 
-def allreduce_mean_(tensors: list, group, size: int, extras=(), comm_device=None, timeout: float | None = None) -> list:
+def allreduce_mean_(tensors: list, group, size: int, extras=(), comm_device=None, timeout: float | None = None,
+                    weight: float | None = None) -> list:
     """Average ``tensors`` in place over ``group``; returns ``extras`` summed over it.
 
     The tensors travel as one flat buffer with the ``extras`` appended (used to
     agree on a stop vote or a policy version in the same collective).
     ``timeout`` (seconds) overrides the group's default for this operation.
+    With ``weight``, the average is weighted (each member's tensors count
+    ``weight`` times; weights > 0) and the summed weight is returned after the extras.
     """
     device = tensors[0].device if tensors else torch.device("cpu")
     dtype = tensors[0].dtype if tensors else torch.float32
     comm_device = comm_device or device
+    extras = list(extras) + ([weight] if weight is not None else [])
     tail = torch.tensor([float(x) for x in extras], device=device, dtype=torch.float64).to(dtype)
     flat = torch.cat([t.reshape(-1) for t in tensors] + [tail]).to(comm_device)
+    n = flat.numel() - len(extras)
+    if weight is not None:
+        flat[:n].mul_(weight)
     if timeout is None:
         group.allreduce([flat]).wait()
     else:
         opts = dist.AllreduceOptions()
         opts.timeout = datetime.timedelta(seconds=timeout)
         group.allreduce([flat], opts).wait()
-    n = flat.numel() - len(extras)
     sums = [float(x) for x in flat[n:]]
-    unflatten_(tensors, flat[:n].div_(size).to(device))
+    unflatten_(tensors, flat[:n].div_(sums[-1] if weight is not None else size).to(device))
     return sums

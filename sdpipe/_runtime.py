@@ -31,6 +31,8 @@ log = logging.getLogger("sdpipe")
 
 #: Seconds to reach an existing Dask scheduler before giving up.
 CONNECT_TIMEOUT = 10.0
+#: seconds a call to the group service on the Dask scheduler may take
+SERVICE_TIMEOUT = 30.0
 
 
 class RunError(RuntimeError):
@@ -292,7 +294,7 @@ class Run:
         cfg = self.config
         self._token = uuid.uuid4().hex
         self._ctl_lock = threading.Lock()
-        self._ctl = {"stop": 0, "hetero": 0, "policy": 0, "pause": 0}
+        self._ctl = {"seq": 0, "stop": 0, "hetero": 0, "policy": 0, "pause": 0}
         self._mode = "scheduled" if cfg.policy == "sdpipe" else cfg.policy
         self.policy = cfg.policy
         self.scheduler_policy = cfg.scheduler_policy()
@@ -312,11 +314,12 @@ class Run:
 
     def _service(self, route: str, **kwargs):
         client = self._client
-        return client.sync(getattr(client.scheduler, route), run_id=self.run_id, **kwargs)
+        return client.sync(getattr(client.scheduler, route), run_id=self.run_id, callback_timeout=SERVICE_TIMEOUT, **kwargs)
 
     def _write_ctl(self) -> None:
         c = self._ctl
-        self._run_store.set("ctl", f"{c['stop']},{c['hetero']},{c['policy']},{c['pause']}")
+        c["seq"] += 1  # readers on several connections keep the reading with the highest sequence number
+        self._run_store.set("ctl", f"{c['seq']},{c['stop']},{c['hetero']},{c['policy']},{c['pause']}")
 
     def _record(self, what: str, **extra) -> None:
         now = time.time() - self._t0
@@ -429,6 +432,12 @@ class Run:
         """Ask every pipeline to stop at its next step boundary (pipelines that sync together stop together)."""
         self._stop_requested = True
         if not self._done.is_set() and self._store is not None:
+            try:
+                # the group service first: pipelines under a group policy take the stop from their
+                # groups' answers (the store's flag is their fallback), so the members of a round stop together
+                self._service("sdpipe_stop", token=self._token)
+            except Exception:  # the service or the run is already gone
+                pass
             try:
                 with self._ctl_lock:
                     self._ctl["stop"] = 1

@@ -16,6 +16,9 @@ hosts one :class:`~sdpipe.scheduler.GroupScheduler` per run.  Its routes
     change the policy live (driver).
 ``sdpipe_pause(run_id, token, paused)``
     the run is paused or resumed (driver): while paused, waits for a group do not time out.
+``sdpipe_stop(run_id, token)``
+    the run is stopping (driver): every answer decided from now on says so, so the members
+    of a round take the stop after the same round (pipelines that average together stop at one step).
 ``sdpipe_state(run_id)``
     a plain-data snapshot of the scheduler (anyone).
 ``sdpipe_close(run_id, token)``
@@ -54,6 +57,7 @@ class _RunState:
         self.seq = 0
         self.paused = False
         self.resumed_at = -1e9  # service clock of the last resume
+        self.stopping = False
 
 
 class GroupService(SchedulerPlugin):
@@ -74,6 +78,7 @@ class GroupService(SchedulerPlugin):
                 "sdpipe_leave": self.leave,
                 "sdpipe_set_policy": self.set_policy,
                 "sdpipe_pause": self.pause,
+                "sdpipe_stop": self.stop,
                 "sdpipe_state": self.state,
                 "sdpipe_close": self.close_run,
             }
@@ -117,6 +122,8 @@ class GroupService(SchedulerPlugin):
                 "name": name,
                 "policy": st.policy_name,
                 "version": st.version,
+                "weighting": st.core.policy.weighting,
+                "stop": st.stopping,
             }
             for m in g.members:
                 fut = st.waiters.pop((g.stage, m), None)
@@ -242,6 +249,10 @@ class GroupService(SchedulerPlugin):
         st.paused = bool(paused)
         if not st.paused:
             st.resumed_at = self._now(st)
+        return {"ok": True}
+
+    def stop(self, run_id, token):
+        self._owned(run_id, token).stopping = True
         return {"ok": True}
 
     def state(self, run_id):

@@ -298,13 +298,12 @@ class Worker:
         """
         now = time.monotonic()
         readings = [r for r in (self._ctl_cache, self._ctl_watcher.latest if self._ctl_watcher else None) if r is not None]
-        newest = max(readings, key=lambda r: r[0]) if readings else None
-        if newest is not None and now - newest[0] <= max_age:
-            raw = newest[1]
-        else:
-            raw = self.store.get("ctl")
-            self._ctl_cache = (now, raw)
-        stop, hv, pv, pause = raw.decode().split(",")
+        if not readings or now - max(r[0] for r in readings) > max_age:
+            self._ctl_cache = (now, self.store.get("ctl"))
+            readings.append(self._ctl_cache)
+        # two connections' readings may arrive out of order: the driver numbers its writes
+        raw = max((r[1].decode().split(",") for r in readings), key=lambda f: int(f[0]))
+        _, stop, hv, pv, pause = raw
         return stop == "1", int(hv), int(pv), pause == "1"
 
     def hold(self, step: int, hv: int, pv: int) -> tuple:
@@ -544,14 +543,16 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=
             losses, samples, j = [], 0, 0
             while True:
                 if worker.first:
-                    # coupled replicas agree on stop and policy in their collective, so a reading up to
-                    # CTL_MAX_AGE old is as good; decoupled pipelines read it fresh, or they would take a
-                    # stop up to a watcher interval apart (steps apart: a group-wide policy would see one leave)
+                    # a reading up to CTL_MAX_AGE old (the watcher keeps one): coupled replicas agree on stop and
+                    # policy in their collective, group policies take the stop from their groups' answers
                     coupled = isinstance(worker.policy, AllReduce)
-                    stop, hv, pv, pause = worker.read_ctl(CTL_MAX_AGE if coupled else 0.0)
+                    stop, hv, pv, pause = worker.read_ctl(CTL_MAX_AGE)
                     if coupled:
                         # coupled replicas act on what they agreed in the last collective
                         stop, pv, pause = pending_stop, pending_version or worker.policy_version, pending_pause
+                    elif getattr(worker.policy, "carries_stop", False):
+                        # group policies: the stop comes with the group service's answers (same round, same word)
+                        stop = worker.policy.stop_now(stop)
                     if pause and not stop:
                         stop, hv, pv = worker.hold(step, hv, pv)
                         pending_pause = False
@@ -568,6 +569,7 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=
                 worker.apply_ctl(step, hv, pv, epoch, j if cmd == CMD_RUN else None)
                 if cmd == CMD_STOP:
                     stopped = True
+                    worker.policy.stopping(worker, step)
                     worker.policy.leave(worker)
                     break
                 if cmd == CMD_EPOCH_END:

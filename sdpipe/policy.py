@@ -60,6 +60,8 @@ from ._comm import pipeline_lost
 __all__ = ["SyncPolicy", "AllReduce", "NoSync", "Scheduled", "GossipPairs", "ParameterServer", "make_policy", "WORKER_MODES"]
 
 TAG_SERVE = 7  # point-to-point traffic of the gossip and parameter-server exchanges
+#: seconds after stage 0 first read the driver's stop before a group policy takes it without its group's word
+STOP_GRACE = 5.0
 
 
 class SyncPolicy:
@@ -83,6 +85,9 @@ class SyncPolicy:
 
     def epoch_end(self, worker, step: int) -> None:
         """When the pipeline's epoch ends (all workers of a pipeline call it at the same step)."""
+
+    def stopping(self, worker, step: int) -> None:
+        """The run stops at this step boundary (before :meth:`leave`)."""
 
     def leave(self, worker) -> None:
         """The worker stops for good (stop or failure)."""
@@ -149,16 +154,51 @@ class Scheduled(SyncPolicy):
 
     The members of a group average their stage's weights (and floating
     buffers) with a collective among the members only; groups of one skip it.
+    Under the scheduler's ``weighting="progress"`` each member counts with its
+    mass (1 + its optimizer steps since the last global sync; a group leaves
+    each member the mean mass of the group), so a replica that fell behind
+    pulls the average back less; ``"uniform"`` is the plain mean.
     """
 
     name = "scheduled"
 
+    #: the stop comes with the group service's answers (see :meth:`stop_now`)
+    carries_stop = True
+
     def setup(self, worker) -> None:
         self.groups: dict = {}
+        self.mass = 1.0
+        self.stop_answered = False  # an answer of the group service said the run is stopping
+        self.stop_seen_at = None  # when stage 0 first read the driver's stop from the store
+        self.in_sync = True  # no step since the last global sync
+
+    def stop_now(self, store_stop: bool) -> bool:
+        """Stage 0, at a step boundary: whether to stop.
+
+        The group service says so in every answer decided after ``run.stop()``,
+        and the members of a round get the same answer, so pipelines that
+        average together stop after the same round (under the ``allreduce``
+        preset: at the same step, and the replicas end identical).  The
+        driver's flag in the run's store is the fallback, taken
+        ``STOP_GRACE`` seconds after this worker first read it.
+        """
+        if self.stop_answered:
+            return True
+        if not store_stop:
+            return False
+        now = time.monotonic()
+        if self.stop_seen_at is None:
+            self.stop_seen_at = now
+        return now - self.stop_seen_at > STOP_GRACE
+
+    def _reset_after(self, answer: dict) -> None:
+        if answer["reason"] == "global":
+            self.mass = 1.0  # every replica holds the same model again
 
     def _average(self, worker, answer: dict, step: int) -> None:
         members = answer["members"]
         if len(members) < 2:
+            self._reset_after(answer)
             return
         from ._comm import CONNECT_TIMEOUT, allreduce_mean_
 
@@ -175,7 +215,15 @@ class Scheduled(SyncPolicy):
                                   len(members), connect_timeout=CONNECT_TIMEOUT)
                 self.groups[answer["name"]] = pg
             worker.delay_link()
-            allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device, timeout=worker.timeout)
+            before = self.mass
+            if answer.get("weighting", "uniform") == "progress":
+                mass = allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device, timeout=worker.timeout,
+                                       weight=self.mass)[-1]
+            else:
+                mass = allreduce_mean_(tensors, pg, len(members), extras=(self.mass,), comm_device=worker.link_device,
+                                       timeout=worker.timeout)[-1]
+            self.mass = mass / len(members)
+            self._reset_after(answer)
         except RuntimeError as e:
             # a member died during the collective (its pipeline is being lost): this worker keeps its own
             # weights (allreduce_mean_ writes them back only after the collective returned), forgets the
@@ -189,7 +237,8 @@ class Scheduled(SyncPolicy):
             worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
                         reason=answer["reason"], failed=f"{type(e).__name__}: {str(e)[:200]}")
             return
-        worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"], reason=answer["reason"])
+        worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"], reason=answer["reason"],
+                    mass=round(before, 4), weighting=answer.get("weighting", "uniform"))
 
     @staticmethod
     def _all_arrive(worker, answer: dict) -> bool:
@@ -213,11 +262,24 @@ class Scheduled(SyncPolicy):
             time.sleep(0.002)
         return True
 
+    def _ask(self, worker, step: int, global_sync: bool) -> dict:
+        answer = worker.ask_group(step, global_sync=global_sync)
+        self.stop_answered = self.stop_answered or bool(answer.get("stop"))
+        return answer
+
     def after_step(self, worker, step: int) -> None:
-        self._average(worker, worker.ask_group(step, global_sync=False), step)
+        self.mass += 1.0
+        self.in_sync = False
+        self._average(worker, self._ask(worker, step, False), step)
 
     def epoch_end(self, worker, step: int) -> None:
-        self._average(worker, worker.ask_group(step, global_sync=True), step)
+        self._average(worker, self._ask(worker, step, True), step)
+        self.in_sync = True
+
+    def stopping(self, worker, step: int) -> None:
+        """A last global sync, so a stopped run's replicas of a stage end identical (as after an epoch)."""
+        if self.carries_stop and not self.in_sync:
+            self.epoch_end(worker, step)
 
     def leave(self, worker) -> None:
         worker.leave_service()
@@ -309,6 +371,7 @@ class GossipPairs(Scheduled):
     """
 
     name = "adpsgd"
+    carries_stop = False  # it asks the group service only at global syncs
 
     def setup(self, worker) -> None:
         super().setup(worker)
@@ -406,7 +469,7 @@ class GossipPairs(Scheduled):
         worker.span("sync", step, None, start, time.time(), group=sorted((worker.pipeline, peer)), reason="pair")
 
     def epoch_end(self, worker, step: int) -> None:
-        answer = worker.ask_group(step, global_sync=True)
+        answer = self._ask(worker, step, True)
         if self.server is not None:
             # every active worker is at the global sync or gone, so no request is still coming:
             # serve all issued ones and fold them in before averaging

@@ -67,9 +67,13 @@ __all__ = [
 ]
 
 
+#: how the members of a group weight their models (SchedulerPolicy.weighting)
+WEIGHTINGS = ("progress", "uniform")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerPolicy:
-    """Parameters of the group scheduler (defaults: the SDPipe prototype's)."""
+    """Parameters of the group scheduler (defaults: the SDPipe prototype's, but for ``weighting``)."""
 
     max_group: Optional[int] = None
     """Largest group; None means all live workers of the stage."""
@@ -89,6 +93,11 @@ class SchedulerPolicy:
     """P: the groups of every P x D updates of a stage connect all its D live workers (for "ps": steps a worker may run ahead)."""
     pair_threshold: int = 8
     """Above this many live workers, ordinary rounds pair their members."""
+    weighting: str = "progress"
+    """How a group averages: "uniform" (x_i <- mean of the members, the paper's doubly stochastic
+    mixing) or "progress" (each member weighted by its mass: 1 + its optimizer steps since the last
+    global sync, carried through earlier groups, which leave every member the mean mass; a replica
+    that fell behind pulls the average back less; the mass-weighted sum over the replicas is conserved)."""
 
     def __post_init__(self):
         def check(name, ok, allowed):
@@ -105,6 +114,7 @@ class SchedulerPolicy:
         check("shrink", num(self.shrink) and 0 < self.shrink <= 1, "use a factor in (0, 1]")
         check("staleness", isinstance(self.staleness, int) and self.staleness >= 1, "use an integer >= 1")
         check("pair_threshold", isinstance(self.pair_threshold, int) and self.pair_threshold >= 2, "use an integer >= 2")
+        check("weighting", self.weighting in WEIGHTINGS, f"use one of {', '.join(map(repr, WEIGHTINGS))}")
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -119,7 +129,8 @@ class SchedulerPolicy:
 #: Scheduler settings by policy name; "allreduce" waits for every worker each round (no window, no pairing).
 POLICY_PRESETS = {
     "sdpipe": SchedulerPolicy(),
-    "allreduce": SchedulerPolicy(window_init=math.inf, window_min=math.inf, window_max=math.inf, pair_threshold=2**31),
+    "allreduce": SchedulerPolicy(window_init=math.inf, window_min=math.inf, window_max=math.inf, pair_threshold=2**31,
+                                 weighting="uniform"),
     "none": SchedulerPolicy(max_group=1, window_init=0.0, window_min=0.0, staleness=2**31),
 }
 

@@ -360,6 +360,7 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
     seq = 0
     init = {s: [rng.gauss(0, 3) for _ in range(4)] for s in range(S)}  # convergence proxy: replicas start equal
     x = {(p, s): list(init[s]) for p in range(D) for s in range(S)}
+    mass = {(p, s): 1.0 for p in range(D) for s in range(S)}  # weighting="progress": 1 + steps since the global sync
 
     def push(t, kind, data):
         nonlocal seq
@@ -415,6 +416,7 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
 
     def learn(p: int, s: int) -> None:
         v = x[(p, s)]
+        mass[(p, s)] += 1.0
         for i in range(len(v)):
             v[i] -= lr * (v[i] + noise * rng.gauss(0, 1))
 
@@ -434,9 +436,16 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
             rtt = 0.0 if policy == "allreduce" else net.scheduler_rtt  # allreduce needs no scheduler
             end = g.closed + rtt + delay + ring_allreduce_seconds(costs.weight_bytes[g.stage], len(members), net)
             if len(members) > 1:
-                mean = [sum(x[(m, g.stage)][i] for m in members) / len(members) for i in range(len(x[(members[0], g.stage)]))]
+                w = {m: mass[(m, g.stage)] if core.policy.weighting == "progress" else 1.0 for m in members}
+                mean = [sum(w[m] * x[(m, g.stage)][i] for m in members) / sum(w.values())
+                        for i in range(len(x[(members[0], g.stage)]))]
+                shared = sum(mass[(m, g.stage)] for m in members) / len(members)
                 for m in members:
                     x[(m, g.stage)] = list(mean)
+                    mass[(m, g.stage)] = shared
+            if g.reason == "global":
+                for m in members:
+                    mass[(m, g.stage)] = 1.0
             if record:
                 events.append({"kind": "group", "pipeline": None, "stage": g.stage, "step": None, "microbatch": None,
                                "start": g.opened, "end": g.closed, "round": g.round, "group": members, "reason": g.reason,

@@ -24,7 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _member(rank: int, size: int, joining: int, port: int, delay: float, out) -> None:
+def _member(rank: int, size: int, joining: int, port: int, delay: float, out, weights=None) -> None:
     store = dist.TCPStore("127.0.0.1", port, joining, rank == 0, timeout=datetime.timedelta(seconds=RUN_TIMEOUT))
     start = time.monotonic()
     try:
@@ -37,18 +37,22 @@ def _member(rank: int, size: int, joining: int, port: int, delay: float, out) ->
     t = [torch.full((3,), float(rank))]
     start = time.monotonic()
     try:
-        allreduce_mean_(t, pg, size, timeout=RUN_TIMEOUT)
-        out.put((rank, "ok", time.monotonic() - start, t[0].tolist()))
+        if weights is None:
+            allreduce_mean_(t, pg, size, timeout=RUN_TIMEOUT)
+            out.put((rank, "ok", time.monotonic() - start, t[0].tolist()))
+        else:
+            sums = allreduce_mean_(t, pg, size, extras=(1.0,), timeout=RUN_TIMEOUT, weight=weights[rank])
+            out.put((rank, "ok", time.monotonic() - start, t[0].tolist(), sums))
     except RuntimeError as e:
         out.put((rank, "op-failed", time.monotonic() - start, str(e)[:80]))
     time.sleep(0.5)
 
 
-def _run(size: int, joining: int, delay: float) -> list:
+def _run(size: int, joining: int, delay: float, weights=None) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_member, args=(r, size, joining, port, delay, out)) for r in range(joining)]
+    procs = [ctx.Process(target=_member, args=(r, size, joining, port, delay, out, weights)) for r in range(joining)]
     for p in procs:
         p.start()
     try:
@@ -75,3 +79,14 @@ def test_operations_on_the_group_wait_longer_than_the_connect_timeout(no_leaks):
     assert results[0][2] >= delay * 0.9  # rank 0 waited past the connect timeout and still succeeded
     for r in results:
         assert r[3] == pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_a_weighted_average_counts_each_member_by_its_weight_and_returns_the_total(no_leaks):
+    """The "progress" weighting: sum(w_i x_i) / sum(w_i) on every member, the extras and the summed weight come back."""
+    weights = [1.0, 2.0, 5.0]  # member r holds the value r
+    results = _run(size=3, joining=3, delay=0.0, weights=weights)
+    assert [r[1] for r in results] == ["ok"] * 3
+    expected = sum(w * r for r, w in enumerate(weights)) / sum(weights)  # 12 / 8, not the plain mean 1.0
+    for r in results:
+        assert r[3] == pytest.approx([expected] * 3)
+        assert r[4] == pytest.approx([3.0, sum(weights)])

@@ -74,6 +74,7 @@ def test_partition_sequential_and_list():
         (dict(backend="nccl"), "backend: 'nccl' needs device='cuda'"),
         (dict(timeout=-1), "timeout: must be > 0.0"),
         (dict(heterogeneity=Heterogeneity(slowdown={5: 2.0})), r"heterogeneity.slowdown: key 5 names no worker"),
+        (dict(scheduler={"weighting": "by-speed"}), r"policy.weighting: 'by-speed' is not allowed; use one of 'progress', 'uniform'"),
     ],
 )
 def test_config_rejects_bad_input_with_one_line(kwargs, message):

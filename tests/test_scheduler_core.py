@@ -190,6 +190,31 @@ def test_group_averaging_conserves_the_sum(values, groups):
         assert math.isclose(sum(col), total[k], rel_tol=1e-9, abs_tol=1e-6)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    values=st.lists(st.floats(-1e3, 1e3), min_size=2, max_size=10),
+    events=st.lists(st.one_of(st.integers(0, 9), st.lists(st.integers(0, 9), min_size=1, max_size=10)), max_size=40),
+)
+def test_progress_weighting_conserves_the_mass_weighted_sum(values, events):
+    """weighting="progress": a step adds 1 to a replica's mass; a group sets every member to
+    sum(m_j x_j) / sum(m_j) and the mean mass: sum(m_i x_i) changes only by the steps' own updates."""
+    D = len(values)
+    x, m = list(values), [1.0] * D
+    for ev in events:
+        if isinstance(ev, int):  # a step of replica ev % D moving its value by 1
+            i = ev % D
+            x[i] += 1.0
+            m[i] += 1.0
+            continue
+        members = sorted({k % D for k in ev})
+        before = sum(m[k] * x[k] for k in members)
+        mass = sum(m[k] for k in members)
+        for k in members:
+            x[k], m[k] = before / mass, mass / len(members)
+        assert math.isclose(sum(m[k] * x[k] for k in members), before, rel_tol=1e-9, abs_tol=1e-6)
+        assert min(values) - 50 <= x[members[0]] <= max(values) + 50  # a convex combination stays in range
+
+
 def test_straggler_is_left_out_of_most_groups():
     speeds = [1.0, 1.0, 1.0, 0.25]
     sched, log, _, _ = drive(1, speeds, SchedulerPolicy(window_init=0.05, window_max=0.2, window_min=0.001, staleness=3), steps=40)

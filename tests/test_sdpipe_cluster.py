@@ -75,6 +75,18 @@ def test_straggler_is_left_out_and_bound_holds(data, shared_cluster):
         assert since < P * 4
         since += len(g["group"])
     assert any(g["reason"] == "graph" and 3 in g["group"] for g in groups)
+    # weighting="progress" (the default): at the epochs' global syncs the slow replica, with fewer steps
+    # behind it, counts less than the fast ones; the masses restart there, and the replicas end identical
+    syncs = [e for e in result.events if e["kind"] == "sync" and e["reason"] == "global" and not e.get("failed")]
+    assert {e["weighting"] for e in syncs} == {"progress"}
+    by_round = {}
+    for e in syncs:
+        by_round.setdefault(e["round"], {})[e["pipeline"]] = e["mass"]
+    assert len(by_round) == 3 and all(len(m) == 4 for m in by_round.values())
+    total = {p: sum(m[p] for m in by_round.values()) for p in range(4)}
+    assert total[3] < min(total[p] for p in (0, 1, 2)), by_round  # (a group just before may even them out)
+    assert all(max(m.values()) > 2 for m in by_round.values())
+    assert result.max_param_diff() < 1e-6
 
 
 def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluster):
@@ -98,9 +110,28 @@ def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluste
     switch = [e for e in ctl if e.get("what") == "policy" and e["pipeline"] is not None]
     assert len(switch) == 4 and len({e["step"] for e in switch}) == 1  # allreduce couples both pipelines
     assert any(e.get("policy") == "allreduce" and e["applied_by"] == "scheduler" for e in ctl)
-    # after switching back, every round groups all pipelines, so the replicas are identical again
-    last_groups = [e for e in result.events if e["kind"] == "group"][-4:]
-    assert all(g["group"] == [0, 1] for g in last_groups)
+    # after switching back, every round groups all pipelines but those a global sync preempted (a pipeline
+    # already at the epoch's end while the other finishes the epoch's tail: the slow one leaves it), the
+    # policy's answers average uniformly, and the stop ends with a global sync: the replicas are identical
+    back = max(e["start"] for e in ctl if e.get("policy") == "allreduce" and e["applied_by"] == "scheduler")
+    after = [e for e in result.events if e["kind"] == "group" and e["start"] > back]
+    global_rounds = {(g["stage"], g["round"]) for g in result.events if g["kind"] == "group" and g["reason"] == "global"}
+    at_global = [e for e in result.events if e["kind"] == "wait" and e.get("what") == "group"
+                 and (e["stage"], e["round"]) in global_rounds]
+
+    def others_at_global(g):  # every pipeline missing from g waited at its stage's global sync meanwhile
+        return all(any(w["pipeline"] == q and w["stage"] == g["stage"] and w["start"] - 0.05 <= g["end"] <= w["end"] + 0.05
+                       for w in at_global) for q in {0, 1} - set(g["group"]))
+
+    odd = [(g["stage"], g["round"], g["group"], g["reason"], round(g["start"], 3)) for g in after
+           if g["group"] != [0, 1] and not others_at_global(g)]
+    assert after and not odd, (odd, back)
+    for stage in (0, 1):
+        last = [g for g in after if g["stage"] == stage][-1]
+        assert last["group"] == [0, 1] and last["reason"] == "global"
+    rounds = {(g["stage"], g["round"]) for g in after}
+    synced = [e for e in result.events if e["kind"] == "sync" and (e["stage"], e.get("round")) in rounds and "weighting" in e]
+    assert synced and all(e["weighting"] == "uniform" for e in synced)
     assert result.max_param_diff() < 1e-6
     # the slowdown took effect on pipeline 1 only
     fwd = lambda p, after: [e["end"] - e["start"] for e in result.events if e["kind"] == "forward" and e["pipeline"] == p and e["start"] > after]
