@@ -17,7 +17,9 @@ warm-up run comes first.  Scenarios: ``none``;
 ``transient`` (every worker straggles with probability 0.1 per step for
 0.07 s, about a step); ``slowlink`` (the last pipeline's synchronization
 delayed 0.05 s).  Results: ``benchmarks/results/time_to_accuracy.md`` and
-``.json`` (median and range over seeds).
+``.json`` (median and range over seeds).  Besides the policies,
+``sdpipe-uniform`` is ``sdpipe`` averaging its groups uniformly (the
+paper's mixing) instead of by progress (the default).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ import time
 from pathlib import Path
 
 from _common import local_cluster, meta_lines, run_meta
+
+
+#: contenders that are a policy with other scheduler parameters: name -> (policy, scheduler)
+VARIANTS = {"sdpipe-uniform": ("sdpipe", {"weighting": "uniform"})}
 
 
 def scenario(name: str, D: int):
@@ -172,9 +178,10 @@ def main(argv=None) -> int:
                 train_data, eval_data = digits(seed=seed)
                 order = policies if seed % 2 == 0 else policies[::-1]
                 for policy in order:
+                    mode, sched = VARIANTS.get(policy, (policy, None))
                     run = sdpipe.train(digits_cnn(a.channels, seed=seed), train_data, eval_data=eval_data, stages=S, pipelines=D,
-                                       cuts=(6,) if S == 2 else None, policy=policy, epochs=a.max_epochs, batch_size=64,
-                                       seed=seed, lr=a.lr, heterogeneity=scenario(name, D), cluster=client)
+                                       cuts=(6,) if S == 2 else None, policy=mode, scheduler=sched, epochs=a.max_epochs,
+                                       batch_size=64, seed=seed, lr=a.lr, heterogeneity=scenario(name, D), cluster=client)
                     at, epochs = time_to_target(run, D, a.target)
                     result = run.result(timeout=600)
                     first = min(e["start"] for e in result.events if e["kind"] == "forward")

@@ -169,16 +169,38 @@ def _connect(cluster, config: TrainConfig, security=None):
     raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
 
 
+def _free_threads(dask_worker) -> int:
+    """(On a Dask worker) threads not running a task, cancelled ones included: a task whose client left
+    keeps its thread until the function returns."""
+    return dask_worker.state.nthreads - len(dask_worker.state.executing) - len(dask_worker.state.long_running)
+
+
 def _pick_workers(client, config: TrainConfig) -> list:
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    addrs = sorted(info)
-    if config.device == "cuda":
-        addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]
+    """Workers for the ranks, one with a free thread each.
+
+    A worker still running an earlier run's task (its client left, the task
+    ends at its next failing operation or its timeout) would start its rank
+    late and the others' rendezvous would time out: such workers are passed
+    over, or waited for (at most the run's ``timeout``).
+    """
     need = config.world_size
-    if len(addrs) < need:
-        what = "Dask workers with a 'GPU' resource" if config.device == "cuda" else "Dask workers"
-        raise ValueError(f"cluster: needs {need} {what} (stages x pipelines), found {len(addrs)}")
-    return addrs[:need]
+    deadline = time.monotonic() + config.timeout
+    while True:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        addrs = sorted(info)
+        if config.device == "cuda":
+            addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]
+        if len(addrs) < need:
+            what = "Dask workers with a 'GPU' resource" if config.device == "cuda" else "Dask workers"
+            raise ValueError(f"cluster: needs {need} {what} (stages x pipelines), found {len(addrs)}")
+        free = client.run(_free_threads, workers=addrs, on_error="return")
+        idle = [a for a in addrs if isinstance(free.get(a), int) and free[a] >= 1]
+        if len(idle) >= need:
+            return idle[:need]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cluster: {len(idle)} of the {need} workers needed have a free thread; the others "
+                               f"still run earlier tasks after {config.timeout:.0f}s")
+        time.sleep(0.5)
 
 
 class Run:
@@ -429,7 +451,12 @@ class Run:
         return _history(self.events)
 
     def stop(self) -> None:
-        """Ask every pipeline to stop at its next step boundary (pipelines that sync together stop together)."""
+        """Ask every pipeline to stop at its next step boundary (pipelines that sync together stop together).
+
+        Under ``sdpipe`` (and the live presets) the group service says so in
+        its answers, the members of a round stop after it, and the stop ends
+        with a global sync, so every stage's replicas end identical.
+        """
         self._stop_requested = True
         if not self._done.is_set() and self._store is not None:
             try:

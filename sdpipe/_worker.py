@@ -13,6 +13,7 @@ import math
 import random
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,8 @@ class _CtlWatcher(threading.Thread):
         while not self._halt.is_set():
             try:
                 self.latest = (time.monotonic(), self._store.get("ctl"))
-            except Exception:  # the store is gone (the run ended): steps fall back to reading it themselves
+            except Exception:  # the store is gone (the run ended): steps read it themselves, and fail at once
+                self.latest = None
                 return
             self._halt.wait(CTL_INTERVAL)
 
@@ -507,7 +509,10 @@ class Worker:
                 self._ctl_watcher.close()
             self.policy.close(failed)
         finally:
+            if self.link is not None:
+                self.link.group = None  # a failed operation's traceback may still hold the Link
             self.link = None
+            self._ctl_send = None
             if failed:
                 for g in self._groups:
                     try:
@@ -629,6 +634,12 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=
         failed = False
         result = {"rank": rank, "state": state, "steps": step, "stopped": stopped}
         return result
+    except BaseException as e:
+        # Dask keeps a failed task's exception, and its traceback's frames would keep their locals (a
+        # process group among them) and so its connections open: a peer still waiting in it would sit out
+        # its whole timeout instead of failing now
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         if worker is not None:
             if failed:

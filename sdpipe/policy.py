@@ -52,6 +52,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import traceback
 
 import torch.distributed as dist
 
@@ -335,6 +336,7 @@ class _Server(threading.Thread):
                 self.handle(text)
                 self.served += 1
         except BaseException as e:  # surfaced by check() in the worker's main thread
+            traceback.clear_frames(e.__traceback__)  # kept: its frames must not keep a process group open
             self.error = e
 
     def check(self) -> None:
@@ -491,6 +493,13 @@ class GossipPairs(Scheduled):
 
     def close(self, failed: bool = False) -> None:
         try:
+            self._close_server(failed)
+        finally:
+            self.pg = None  # its connections close: a peer waiting in an exchange with this worker fails now
+            super().close(failed)
+
+    def _close_server(self, failed: bool) -> None:
+        try:
             self._leave_pairs()
         except Exception:
             pass
@@ -510,8 +519,6 @@ class GossipPairs(Scheduled):
                 self.server.finish(self.worker.timeout, done)
                 self.server.check()
             self.server = None
-        self.pg = None
-        super().close(failed)
 
 
 class ParameterServer(SyncPolicy):
@@ -654,14 +661,16 @@ class ParameterServer(SyncPolicy):
             self.leave(self.worker)
         except Exception:
             pass
-        if self.server is not None:
-            if failed:
-                self.server.finish(0.0)
-            else:
-                self.server.finish(self.worker.timeout, lambda: not self.live)
-                self.server.check()
-            self.server = None
-        self.pg = None
+        try:
+            if self.server is not None:
+                if failed:
+                    self.server.finish(0.0)
+                else:
+                    self.server.finish(self.worker.timeout, lambda: not self.live)
+                    self.server.check()
+                self.server = None
+        finally:
+            self.pg = None
 
 
 #: worker-side behaviour by policy name
