@@ -74,18 +74,23 @@ def test_straggler_is_left_out_and_bound_holds(data, shared_cluster):
             continue
         assert since < P * 4
         since += len(g["group"])
-    assert any(g["reason"] == "graph" and 3 in g["group"] for g in groups)
-    # weighting="progress" (the default): at the epochs' global syncs the slow replica, with fewer steps
-    # behind it, counts less than the fast ones; the masses restart there, and the replicas end identical
+    # the bound held rounds for it, and the straggler mixed between global syncs (in a graph round, or in an
+    # earlier ordinary one that already connected the stage: which one depends on timing)
+    assert any(g["reason"] == "graph" for g in groups)
+    assert any(3 in g["group"] and g["reason"] != "global" for g in groups)
+    # weighting="progress" (the default): every global sync averages by mass (1 + steps since the last
+    # global sync, spread by the groups in between); the masses restart there, and the replicas end identical
     syncs = [e for e in result.events if e["kind"] == "sync" and e["reason"] == "global" and not e.get("failed")]
     assert {e["weighting"] for e in syncs} == {"progress"}
     by_round = {}
     for e in syncs:
         by_round.setdefault(e["round"], {})[e["pipeline"]] = e["mass"]
     assert len(by_round) == 3 and all(len(m) == 4 for m in by_round.values())
-    total = {p: sum(m[p] for m in by_round.values()) for p in range(4)}
-    assert total[3] < min(total[p] for p in (0, 1, 2)), by_round  # (a group just before may even them out)
-    assert all(max(m.values()) > 2 for m in by_round.values())
+    # groups conserve the stage's total mass and each step adds 1: at an epoch's global sync the masses add
+    # up to D + that epoch's steps (however the groups spread them)
+    steps = Counter(e["epoch"] for e in result.events if e["kind"] == "optimizer")
+    for epoch, r in enumerate(sorted(by_round)):
+        assert sum(by_round[r].values()) == pytest.approx(4 + steps[epoch], abs=0.01), (epoch, by_round[r], steps)
     assert result.max_param_diff() < 1e-6
 
 
