@@ -561,7 +561,7 @@ def worker_main(spec: dict, rank: int, X=None, Y=None, EX=None, EY=None, resume=
                     if pause and not stop:
                         stop, hv, pv = worker.hold(step, hv, pv)
                         pending_pause = False
-                        if isinstance(worker.policy, AllReduce):
+                        if coupled:
                             stop, pv = stop or pending_stop, pending_version or worker.policy_version
                     batch = None if stop else worker.policy.next_batch(worker, epoch, j)
                     cmd = CMD_STOP if stop else (CMD_EPOCH_END if batch is None else CMD_RUN)

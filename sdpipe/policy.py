@@ -171,7 +171,6 @@ class Scheduled(SyncPolicy):
         self.mass = 1.0
         self.stop_answered = False  # an answer of the group service said the run is stopping
         self.stop_seen_at = None  # when stage 0 first read the driver's stop from the store
-        self.in_sync = True  # no step since the last global sync
 
     def stop_now(self, store_stop: bool) -> bool:
         """Stage 0, at a step boundary: whether to stop.
@@ -197,7 +196,7 @@ class Scheduled(SyncPolicy):
             self.mass = 1.0  # every replica holds the same model again
 
     def _average(self, worker, answer: dict, step: int) -> None:
-        members = answer["members"]
+        members, weighting = answer["members"], answer.get("weighting", "uniform")
         if len(members) < 2:
             self._reset_after(answer)
             return
@@ -217,13 +216,10 @@ class Scheduled(SyncPolicy):
                 self.groups[answer["name"]] = pg
             worker.delay_link()
             before = self.mass
-            if answer.get("weighting", "uniform") == "progress":
-                mass = allreduce_mean_(tensors, pg, len(members), comm_device=worker.link_device, timeout=worker.timeout,
-                                       weight=self.mass)[-1]
-            else:
-                mass = allreduce_mean_(tensors, pg, len(members), extras=(self.mass,), comm_device=worker.link_device,
-                                       timeout=worker.timeout)[-1]
-            self.mass = mass / len(members)
+            # the masses travel as an extra under either weighting; "uniform" weights every member 1
+            total = allreduce_mean_(tensors, pg, len(members), extras=(self.mass,), comm_device=worker.link_device,
+                                    timeout=worker.timeout, weight=self.mass if weighting == "progress" else 1.0)[0]
+            self.mass = total / len(members)
             self._reset_after(answer)
         except RuntimeError as e:
             # a member died during the collective (its pipeline is being lost): this worker keeps its own
@@ -239,7 +235,7 @@ class Scheduled(SyncPolicy):
                         reason=answer["reason"], failed=f"{type(e).__name__}: {str(e)[:200]}")
             return
         worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"], reason=answer["reason"],
-                    mass=round(before, 4), weighting=answer.get("weighting", "uniform"))
+                    mass=round(before, 4), weighting=weighting)
 
     @staticmethod
     def _all_arrive(worker, answer: dict) -> bool:
@@ -270,16 +266,18 @@ class Scheduled(SyncPolicy):
 
     def after_step(self, worker, step: int) -> None:
         self.mass += 1.0
-        self.in_sync = False
         self._average(worker, self._ask(worker, step, False), step)
 
     def epoch_end(self, worker, step: int) -> None:
         self._average(worker, self._ask(worker, step, True), step)
-        self.in_sync = True
 
     def stopping(self, worker, step: int) -> None:
-        """A last global sync, so a stopped run's replicas of a stage end identical (as after an epoch)."""
-        if self.carries_stop and not self.in_sync:
+        """A last global sync, so a stopped run's replicas of a stage end identical (as after an epoch).
+
+        Skipped when no step reached this replica since the last global sync: its mass is still 1
+        (a step adds 1, a group leaves the mean of masses of at least 1, a global sync restarts it).
+        """
+        if self.carries_stop and self.mass != 1.0:
             self.epoch_end(worker, step)
 
     def leave(self, worker) -> None:
