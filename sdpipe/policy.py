@@ -195,11 +195,12 @@ class Scheduled(SyncPolicy):
         if answer["reason"] == "global":
             self.mass = 1.0  # every replica holds the same model again
 
-    def _average(self, worker, answer: dict, step: int) -> None:
+    def _average(self, worker, answer: dict, step: int) -> bool:
+        """Average with the answer's group; False when the group was skipped because a member's pipeline was lost first."""
         members, weighting = answer["members"], answer.get("weighting", "uniform")
         if len(members) < 2:
             self._reset_after(answer)
-            return
+            return True
         from ._comm import CONNECT_TIMEOUT, allreduce_mean_
 
         start = time.time()
@@ -210,7 +211,7 @@ class Scheduled(SyncPolicy):
                 if not self._all_arrive(worker, answer):
                     worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
                                 reason=answer["reason"], failed="a member's pipeline was lost before the group formed")
-                    return
+                    return False
                 pg = worker.group(f"avg/{answer['name']}/r{answer['round']}", members.index(worker.pipeline),
                                   len(members), connect_timeout=CONNECT_TIMEOUT)
                 self.groups[answer["name"]] = pg
@@ -233,31 +234,53 @@ class Scheduled(SyncPolicy):
             pg = None
             worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
                         reason=answer["reason"], failed=f"{type(e).__name__}: {str(e)[:200]}")
-            return
+            return True  # not retried: some members may have completed the collective
         worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"], reason=answer["reason"],
                     mass=round(before, 4), weighting=weighting)
+        return True
+
+    def _global_sync(self, worker, step: int, answer: dict) -> None:
+        """Average with a global sync's answer; when a member's pipeline was lost before the group formed
+        (every member then skips it: one verdict), the survivors ask for a global sync among themselves again."""
+        for _ in range(worker.pipelines):
+            if self._average(worker, answer, step):
+                return
+            answer = self._ask(worker, step, True)
 
     @staticmethod
     def _all_arrive(worker, answer: dict) -> bool:
-        """Before a new group's rendezvous: whether every member came (False as soon as one's pipeline is lost).
+        """Before a new group's rendezvous: whether every member came; every member gets the same verdict.
 
         A rendezvous cannot be interrupted, and a member that died right
         after the service answered it would hold the others for the whole
-        timeout; this wait can give up. A member that dies after this meeting,
-        during the rendezvous, holds the others for ``CONNECT_TIMEOUT`` at most
-        (the rendezvous then fails, and the group is skipped like a broken one).
+        timeout; this wait can give up. The verdict is one atomic
+        compare-and-set in the run's store, "go" once every member arrived or
+        "skip" once a member's pipeline is marked lost, whichever comes first:
+        a member of a lost pipeline that is still alive (its other stage died)
+        may arrive after another member saw the mark, and deciding each for
+        itself would send some members into a rendezvous the others skip. A
+        member that dies after a "go", during the rendezvous, holds the others
+        for ``CONNECT_TIMEOUT`` at most (the rendezvous then fails, and the
+        group is skipped like a broken one).
         """
         members, store = answer["members"], worker.store
         key = f"arrive/s{worker.stage}/r{answer['round']}/{answer['name']}"
+        verdict = key + "/verdict"
         store.add(key, 1)
         deadline = time.monotonic() + worker.timeout
-        while store.add(key, 0) < len(members):
-            if any(pipeline_lost(store, m) for m in members if m != worker.pipeline):
-                return False
-            if time.monotonic() > deadline:
+        while True:
+            if store.check([verdict]):
+                return store.get(verdict) == b"go"
+            if store.add(key, 0) >= len(members):
+                proposal = "go"
+            elif any(pipeline_lost(store, m) for m in members if m != worker.pipeline):
+                proposal = "skip"
+            elif time.monotonic() > deadline:
                 raise TimeoutError(f"group {answer['name']}: not every member arrived within {worker.timeout:.0f}s")
-            time.sleep(0.002)
-        return True
+            else:
+                time.sleep(0.002)
+                continue
+            return store.compare_set(verdict, "", proposal) == b"go"
 
     def _ask(self, worker, step: int, global_sync: bool) -> dict:
         answer = worker.ask_group(step, global_sync=global_sync)
@@ -269,7 +292,7 @@ class Scheduled(SyncPolicy):
         self._average(worker, self._ask(worker, step, False), step)
 
     def epoch_end(self, worker, step: int) -> None:
-        self._average(worker, self._ask(worker, step, True), step)
+        self._global_sync(worker, step, self._ask(worker, step, True))
 
     def stopping(self, worker, step: int) -> None:
         """A last global sync, so a stopped run's replicas of a stage end identical (as after an epoch).
@@ -289,7 +312,12 @@ class Scheduled(SyncPolicy):
 
 # ---------------------------------------------------------------- servers
 class _Mailbox:
-    """Requests to one server, through the run's store: a counter hands out slots in order."""
+    """Requests to one server, through the run's store: a counter hands out slots in order.
+
+    Putting a request takes two store calls (claim a slot, fill it), so a
+    writer that dies between them leaves a slot that is never filled (a hole):
+    the server serves the filled slots past a hole (:class:`_Server`).
+    """
 
     def __init__(self, store, prefix: str):
         self.store, self.prefix = store, prefix
@@ -300,21 +328,44 @@ class _Mailbox:
         return i
 
     def issued(self) -> int:
+        """Slots claimed so far (filled or not)."""
         return self.store.add(self.prefix + "n", 0)
 
     def get(self, i: int, timeout: float):
+        """Slot ``i``'s request once it is filled (waiting at most ``timeout`` seconds), or None."""
         key = f"{self.prefix}req/{i}"
         try:
             self.store.wait([key], datetime.timedelta(seconds=timeout))
         except dist.DistStoreError:  # not there yet (a closed store raises DistNetworkError: the run is over)
             return None
+        return self._pop(key)
+
+    def take(self, i: int):
+        """Slot ``i``'s request if it is filled now, else None (no wait)."""
+        key = f"{self.prefix}req/{i}"
+        return self._pop(key) if self.store.check([key]) else None
+
+    def _pop(self, key: str) -> str:
         text = self.store.get(key).decode()
         self.store.delete_key(key)
         return text
 
 
+#: seconds between looks at the slots past a hole (see :class:`_Server`)
+HOLE_POLL = 0.002
+
+
 class _Server(threading.Thread):
-    """Serves a mailbox in order until stopped; an error is kept for the main thread to raise."""
+    """Serves a mailbox until stopped; an error is kept for the main thread to raise.
+
+    Slots are served in order while they are filled in order.  A slot that
+    stays empty while later ones were claimed (its writer may have died
+    between claiming and filling it) does not hold up the others: the server
+    then looks at every claimed slot every ``HOLE_POLL`` seconds and serves
+    the filled ones.  :meth:`settle` gives up on the holes below a count once
+    every live writer is known to be done with them (the caller knows when);
+    a slot given up on that is filled after all is still served.
+    """
 
     def __init__(self, name: str, mailbox: _Mailbox, handle, idle=None):
         super().__init__(name=name, daemon=True)
@@ -322,20 +373,67 @@ class _Server(threading.Thread):
         self.stopping = threading.Event()
         self.error = None
         self.served = 0
+        self.next = 0  # every slot below it is served or given up on
+        self.ahead: set = set()  # slots above ``next`` already served (past a hole)
+        self.given_up: set = set()  # empty slots below ``next``: still served if they are filled after all
+        self.claimed = 0  # the mailbox's count of claimed slots, as last read
+        self.settle_to = 0  # set by settle(): give up on the empty slots below it once the filled ones are served
+        self.settled = 0
 
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
-                text = self.mailbox.get(self.served, 0.2)
-                if text is None:
-                    if self.idle is not None:
-                        self.idle()
-                    continue
-                self.handle(text)
-                self.served += 1
+                if not self._serve_one() and self.idle is not None:
+                    self.idle()
         except BaseException as e:  # surfaced by check() in the worker's main thread
             traceback.clear_frames(e.__traceback__)  # kept: its frames must not keep a process group open
             self.error = e
+
+    def _serve_one(self) -> bool:
+        """Serve one filled slot if there is one (waiting a little); whether one was served."""
+        behind = self.claimed > self.next or self.settle_to > self.settled
+        text = self.mailbox.take(self.next) if behind else self.mailbox.get(self.next, 0.2)
+        if text is not None:
+            self._served(self.next, text)
+            return True
+        self.claimed = self.mailbox.issued()
+        for i in sorted(self.given_up) + list(range(self.next + 1, self.claimed)):
+            if i not in self.ahead:
+                text = self.mailbox.take(i)
+                if text is not None:
+                    self.given_up.discard(i)
+                    self._served(i, text)
+                    return True
+        if self.settle_to > self.settled:
+            # every filled slot below settle_to is served: the empty ones are holes
+            self.given_up.update(i for i in range(self.next, self.settle_to) if i not in self.ahead)
+            self._advance(self.settle_to)
+            self.settled = self.settle_to
+        elif self.claimed > self.next:
+            time.sleep(HOLE_POLL)
+        return False
+
+    def _served(self, i: int, text: str) -> None:
+        self.handle(text)
+        self.served += 1
+        self.ahead.add(i)
+        self._advance(self.next)
+
+    def _advance(self, to: int) -> None:
+        self.next = max(self.next, to)
+        self.ahead = {i for i in self.ahead if i >= self.next}
+        while self.next in self.ahead:
+            self.ahead.discard(self.next)
+            self.next += 1
+
+    def settle(self, upto: int, timeout: float) -> bool:
+        """Serve every filled slot below ``upto`` and give up on the empty ones; whether done within ``timeout``.
+
+        Call it once every live writer has filled the slots it claimed below
+        ``upto`` (e.g. every one of them is waiting for this worker).
+        """
+        self.settle_to = max(self.settle_to, upto)
+        return self.wait_until(lambda: self.settled >= upto, timeout, poll=0.001)
 
     def check(self) -> None:
         if self.error is not None:
@@ -471,19 +569,20 @@ class GossipPairs(Scheduled):
     def epoch_end(self, worker, step: int) -> None:
         answer = self._ask(worker, step, True)
         if self.server is not None:
-            # every active worker is at the global sync or gone, so no request is still coming:
-            # serve all issued ones and fold them in before averaging
+            # every live active worker is waiting for this one in the global sync, so each has filled every
+            # slot it claimed: serve the filled ones, give up on the holes a dead one left, fold in, average
             issued = self.server.mailbox.issued()
-            if not self.server.wait_until(lambda: self.server.served >= issued, worker.timeout, poll=0.001):
+            if not self.server.settle(issued, worker.timeout):
                 self.server.check()
-                raise TimeoutError(f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served {self.server.served} of {issued} exchanges")
+                raise TimeoutError(f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served {self.server.served} "
+                                   f"of {issued} exchanges within {worker.timeout:.0f}s")
             self._apply_pending()
-        self._average(worker, answer, step)
+        self._global_sync(worker, step, answer)
 
     def _leave_pairs(self) -> None:
         if self.active and self.pg is not None and not self.left:
             self.left = True
-            self.store.add(self.prefix + "left", 1)
+            self.store.set(f"{self.prefix}left/{self.worker.pipeline}", "1")
 
     def leave(self, worker) -> None:
         self._leave_pairs()
@@ -509,11 +608,15 @@ class GossipPairs(Scheduled):
             if failed:
                 self.server.finish(0.0)
             else:
-                # serve until every active worker of the stage has left and every request is answered
+                # serve until every active worker of the stage has left (or its pipeline was lost) and every
+                # request is answered (a lost one's hole given up on)
                 def done():
-                    lost = sum(1 for p in self.actives if pipeline_lost(self.store, p))
-                    return (self.store.add(self.prefix + "left", 0) + lost >= len(self.actives)
-                            and self.server.served >= self.server.mailbox.issued())
+                    if not all(self.store.check([f"{self.prefix}left/{p}"]) or pipeline_lost(self.store, p)
+                               for p in self.actives):
+                        return False
+                    upto = self.server.mailbox.issued()
+                    self.server.settle_to = max(self.server.settle_to, upto)
+                    return self.server.settled >= upto
                 self.server.finish(self.worker.timeout, done)
                 self.server.check()
             self.server = None

@@ -1,0 +1,106 @@
+"""What survivors wait for when a worker dies at an awkward moment, on a real TCPStore.
+
+Two moments that a SIGKILL at a random time hits now and then (``benchmarks/faults.py
+--random-kills`` tries them end to end):
+
+* a writer dies between claiming a mailbox slot and filling it: the server must still serve
+  the requests after it, and an epoch's end must not wait for the hole;
+* a lost pipeline's worker that is still alive reaches a new group after another member
+  saw the loss: every member must take the same verdict (go or skip), or the ones that go
+  sit in a rendezvous the others never join.
+"""
+
+import datetime
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from sdpipe._comm import lost_key
+from sdpipe.policy import Scheduled, _Mailbox, _Server
+
+
+@pytest.fixture
+def store():
+    s = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    yield s
+    del s
+
+
+def _wait(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_server_serves_past_a_slot_whose_writer_died_and_settles(store):
+    box = _Mailbox(store, "adpsgd/1/3/")
+    served = []
+    server = _Server("test-server", box, served.append)
+    server.start()
+    try:
+        box.put("0,1")
+        assert _wait(lambda: served == ["0,1"])
+        store.add("adpsgd/1/3/n", 1)  # a writer claims slot 1 and dies before filling it
+        box.put("2,7")
+        box.put("0,8")
+        # the requests after the hole are served, each within a fraction of a second
+        assert _wait(lambda: sorted(served) == ["0,1", "0,8", "2,7"], timeout=2.0), served
+        # an epoch's end: every live writer is done, so the hole is given up on, quickly
+        start = time.monotonic()
+        assert server.settle(box.issued(), timeout=5.0)
+        assert time.monotonic() - start < 1.0
+        # back to in-order waiting: a new request is served at once
+        box.put("0,9")
+        assert _wait(lambda: "0,9" in served, timeout=2.0)
+        # a slot given up on that is filled after all (its writer was slow, not dead) is still served
+        store.set("adpsgd/1/3/req/1", "2,6")
+        assert _wait(lambda: "2,6" in served, timeout=2.0), served
+        assert server.error is None and server.served == 5
+    finally:
+        server.finish(0.0)
+    assert not server.is_alive()
+
+
+def _member(store, pipeline, answer, out):
+    worker = SimpleNamespace(store=store, stage=1, pipeline=pipeline, timeout=20.0)
+    out[pipeline] = Scheduled._all_arrive(worker, answer)
+
+
+def test_every_member_of_a_new_group_takes_the_same_verdict(store):
+    # members 0, 1 and 2; 0 and 1 arrive, then the driver marks pipeline 2 lost (its other stage
+    # died), then 2's worker of this stage, still alive, arrives too
+    answer = {"members": [0, 1, 2], "round": 4, "name": "s1-0-1-2"}
+    out = {}
+    early = [threading.Thread(target=_member, args=(store, p, answer, out)) for p in (0, 1)]
+    for t in early:
+        t.start()
+    time.sleep(0.3)
+    store.set(lost_key(2), "its worker process died")
+    assert _wait(lambda: len(out) == 2)
+    _member(store, 2, answer, out)
+    for t in early:
+        t.join(5)
+    assert out == {0: False, 1: False, 2: False}
+
+
+def test_members_that_all_arrive_go_together(store):
+    answer = {"members": [0, 1, 3], "round": 5, "name": "s1-0-1-3"}
+    out = {}
+    threads = [threading.Thread(target=_member, args=(store, p, answer, out)) for p in (0, 1, 3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(5)
+    assert out == {0: True, 1: True, 3: True}
+    # a mark that comes after the verdict changes nothing for a member that asks late
+    store.set(lost_key(3), "its worker process died")
+    out2 = {}
+    _member(store, 0, answer, out2)
+    assert out2 == {0: True}
