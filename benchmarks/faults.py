@@ -125,7 +125,8 @@ def main(argv=None) -> int:
                                    batch_size=32, eval_data=eval_data, cluster=client, timeout=args.timeout)
                 killed = kill_after_epoch_1(client, run, delay=delay, rank=rank)
                 pipeline, stage = divmod(rank, 2)
-                row = {"policy": policy, "kill": k, "pipeline": pipeline, "stage": stage, "delay": round(delay, 3)}
+                row = {"policy": policy, "kill": k, "pipeline": pipeline, "stage": stage, "delay": round(delay, 3),
+                       "trained_before_kill": sorted({e["pipeline"] for e in list(run.events) if e["kind"] == "epoch"})}
                 try:
                     result = run.result(timeout=900)
                     row.update(outcome="completed", finished=result.finished_pipelines, lost=sorted(result.lost))

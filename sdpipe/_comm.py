@@ -8,6 +8,7 @@ of some workers can be formed at any time, in any order, by name.
 from __future__ import annotations
 
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -36,11 +37,48 @@ def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
         return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    seconds = min(timeout, connect_timeout or timeout)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=min(timeout, connect_timeout or timeout))
+    opts._timeout = datetime.timedelta(seconds=seconds)
     # Bind gloo's listener to the configured address (loopback by default).
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+    return _bounded(lambda: dist.ProcessGroupGloo(prefixed, rank, size, opts), seconds + RENDEZVOUS_MARGIN, name)
+
+
+#: seconds past its own timeout that a gloo rendezvous may take before the caller gives up on it
+RENDEZVOUS_MARGIN = 5.0
+
+
+class RendezvousTimeout(RuntimeError):
+    """A group's rendezvous did not end (neither connected nor failed) within its timeout."""
+
+
+def _bounded(build, seconds: float, name: str):
+    """``build()`` in a helper thread, given up on after ``seconds``.
+
+    gloo's rendezvous has its own timeout, but a peer that dies during the
+    connection handshake can leave it waiting past that (seen: a stage's
+    worker stuck for minutes in ``Pair::waitUntilConnected`` after its
+    pipeline neighbour was killed), which would hold the Dask worker's thread
+    after the run ended. The caller gets an error in time; a helper thread
+    stuck in the C++ call is left to end with the process.
+    """
+    box: dict = {}
+
+    def target():
+        try:
+            box["group"] = build()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target, name=f"sdpipe-rendezvous-{name}", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise RendezvousTimeout(f"group {name}: the rendezvous neither connected nor failed within {seconds:.0f}s")
+    if "error" in box:
+        raise box.pop("error")
+    return box.pop("group")
 
 
 class Link:

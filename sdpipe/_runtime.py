@@ -135,6 +135,9 @@ def _connect(cluster, config: TrainConfig, security=None):
             processes=True,
             host=config.host,
             dashboard_address=None,
+            # the scheduler serves its HTTP routes (health, metrics) even without a dashboard, on 8787 unless told:
+            # a random port on the cluster's host, so a second cluster on the machine starts without a warning
+            scheduler_kwargs={"dashboard_address": f"{config.host}:0"} if ":" not in config.host else {},
             silence_logs=logging.ERROR,
             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
@@ -879,6 +882,8 @@ def train(
         checkpoint_every=checkpoint_every,
         checkpoint_dir=checkpoint_dir,
     )
+    if cluster is None:
+        _check_main_guard()
     if config.device == "cuda" and cluster is None and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but this machine has no GPU; use device='cpu'")
     stage_modules = [copy.deepcopy(m) for m in partition(model, stages, cuts)]
@@ -932,6 +937,62 @@ def train(
             raise ValueError("security: applies to a scheduler address or a cluster object; a Client brings its own")
     return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster, from_sequential=isinstance(model, nn.Sequential),
                resume=resume, security=security)
+
+
+def _unguarded_main_line() -> Optional[tuple]:
+    """(script, line) when this call comes from a script's top-level code outside ``if __name__ == "__main__":``.
+
+    The embedded cluster's worker processes start by spawn, which imports the
+    script again in each of them (as ``__mp_main__``): unguarded, that import
+    trains again, and Dask only says "Nanny failed to start" after pages of
+    tracebacks. Scripts run as files are checked (their source, parsed);
+    notebooks, ``python -c`` and interactive sessions have nothing to re-import.
+    """
+    import ast
+    import sys
+    from pathlib import Path
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not str(path).endswith(".py"):
+        return None
+    frame, top = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_globals is vars(main) and frame.f_code.co_name == "<module>":
+            top = frame
+        frame = frame.f_back
+    if top is None:
+        return None
+    line = top.f_lineno
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+    def is_guard(test) -> bool:
+        if not isinstance(test, ast.Compare) or len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+            return False
+        sides = [test.left, test.comparators[0]]
+        return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+                and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and is_guard(node.test) and node.body:
+            if node.body[0].lineno <= line <= (node.body[-1].end_lineno or node.body[-1].lineno):
+                return None
+    return str(path), line
+
+
+def _check_main_guard() -> None:
+    from pathlib import Path
+
+    found = _unguarded_main_line()
+    if found is not None:
+        path, line = found
+        # a plain message and exit status 1, no traceback: the fix is one line in the user's script
+        raise SystemExit(
+            f"sdpipe: {Path(path).name} line {line} trains at the top level of the script; put that code under "
+            f"'if __name__ == \"__main__\":' (the embedded Dask cluster starts its workers by importing the script again)")
 
 
 def _check_resume(path, config: TrainConfig, stage_modules):

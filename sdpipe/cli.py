@@ -26,27 +26,41 @@ def _slowdown(text: str):
         raise argparse.ArgumentTypeError(f"--slowdown: {text!r} is not PIPELINE=FACTOR or PIPELINE,STAGE=FACTOR") from None
 
 
+class _Help(argparse.HelpFormatter):
+    """Every flag's help ends with its default (None and an empty list read "none")."""
+
+    def _get_help_string(self, action):
+        if action.default is argparse.SUPPRESS or not action.option_strings:
+            return action.help
+        default = "none" if action.default in (None, []) else action.default
+        return f"{action.help} (default: {default})"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    fmt = _Help
     parser = argparse.ArgumentParser(prog="sdpipe", description="Heterogeneity-aware pipeline-parallel training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the built-in example (MLP on scikit-learn's digits)")
+    t = sub.add_parser("train", help="train the built-in example (MLP on scikit-learn's digits)", formatter_class=fmt,
+                       description="Train the built-in example on an embedded Dask LocalCluster (or --cluster) and "
+                                   "print a progress bar per epoch and a summary.")
     t.add_argument("--example", choices=["digits"], default="digits", help="built-in model and data")
     t.add_argument("--stages", type=int, default=2, help="stages S the model is cut into")
     t.add_argument("--pipelines", type=int, default=2, help="pipelines D trained at once")
-    t.add_argument("--policy", default="allreduce", help=f"one of {', '.join(POLICIES)}")
-    t.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}")
-    t.add_argument("--microbatches", type=int, default=4)
+    t.add_argument("--policy", default="allreduce", help=f"how a stage's replicas synchronize: one of {', '.join(POLICIES)}")
+    t.add_argument("--schedule", default="1f1b", help=f"micro-batch schedule inside a step: one of {', '.join(SCHEDULE_NAMES)}")
+    t.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (must divide --batch-size)")
     t.add_argument("--batch-size", type=int, default=32, help="samples per step per pipeline")
-    t.add_argument("--epochs", type=int, default=10)
+    t.add_argument("--epochs", type=int, default=10, help="passes over the training data")
     t.add_argument("--sync-every", type=int, default=1, help="epochs between global syncs (sdpipe, ps, adpsgd)")
     t.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="the digits MLP or a small CNN (more compute per weight)")
-    t.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
-    t.add_argument("--lr", type=float, default=0.002)
+    t.add_argument("--optimizer", default="adam", help=f"every worker's local optimizer: one of {', '.join(OPTIMIZERS)}")
+    t.add_argument("--lr", type=float, default=0.002, help="learning rate")
     t.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="cpu", help="cpu or cuda")
-    t.add_argument("--cluster", default=None, help="address of an existing Dask scheduler (default: an embedded LocalCluster)")
-    t.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K", help="slow pipeline P (or P,S) by factor K")
+    t.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights, the data order and the split")
+    t.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per worker, NCCL)")
+    t.add_argument("--cluster", default=None, help="address of an existing Dask scheduler; none starts an embedded LocalCluster on this machine")
+    t.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K",
+                   help="slow pipeline P (or P,S) by factor K; repeat for more")
     t.add_argument("--straggle-prob", type=float, default=0.0, help="per-step probability of a transient straggle")
     t.add_argument("--straggle-delay", type=float, default=0.0, help="seconds a transient straggle lasts")
     t.add_argument("--checkpoint-every", type=int, default=0, help="epochs between checkpoints (0: none)")
@@ -54,23 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume-from", default=None, help="a checkpoint folder, or a checkpoint dir for its latest")
     t.add_argument("--config", default=None, metavar="FILE",
                    help="a .toml or .json file of these options (names with - or _); flags given here win")
-    m = sub.add_parser("simulate", help="simulate a run in simulated time on the scheduler core")
-    m.add_argument("--stages", type=int, default=4)
-    m.add_argument("--pipelines", type=int, default=64)
+    m = sub.add_parser("simulate", help="simulate a run in simulated time on the scheduler core", formatter_class=fmt,
+                       description="Simulate a run with uniform per-stage costs and print its throughput.")
+    m.add_argument("--stages", type=int, default=4, help="stages S")
+    m.add_argument("--pipelines", type=int, default=64, help="pipelines D")
     m.add_argument("--policy", default="sdpipe", help="sdpipe, allreduce or none")
     m.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}")
-    m.add_argument("--microbatches", type=int, default=4)
-    m.add_argument("--batch-size", type=int, default=32)
+    m.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    m.add_argument("--batch-size", type=int, default=32, help="samples per step per pipeline")
     m.add_argument("--steps", type=int, default=200, help="steps' worth of batches per pipeline")
     m.add_argument("--forward", type=float, default=0.002, help="seconds of forward per micro-batch and stage")
     m.add_argument("--backward", type=float, default=0.004, help="seconds of backward per micro-batch and stage")
     m.add_argument("--weight-bytes", type=float, default=4e5, help="bytes of a stage's weights")
     m.add_argument("--activation-bytes", type=float, default=4e4, help="bytes of a micro-batch's activation")
     m.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s of a link")
-    m.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K", help="slow pipeline P (or P,S) by factor K")
-    m.add_argument("--straggle-prob", type=float, default=0.0)
-    m.add_argument("--straggle-delay", type=float, default=0.0)
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K",
+                   help="slow pipeline P (or P,S) by factor K; repeat for more")
+    m.add_argument("--straggle-prob", type=float, default=0.0, help="per-step probability of a transient straggle")
+    m.add_argument("--straggle-delay", type=float, default=0.0, help="seconds a transient straggle lasts")
+    m.add_argument("--seed", type=int, default=0, help="seed of the simulated jitter and straggles")
     return parser
 
 
@@ -174,13 +190,31 @@ def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int, fir
         bar.close()
 
 
-def _train(args) -> int:
-    from . import Heterogeneity, train
-    from .data import digits, digits_cnn, digits_mlp
+def _check(args):
+    """The options' one-line errors, before torch, the data or any worker load (well under a second)."""
+    from .config import Heterogeneity, TrainConfig
 
+    config = TrainConfig(stages=args.stages, pipelines=args.pipelines, policy=args.policy, schedule=args.schedule,
+                         microbatches=args.microbatches, batch_size=args.batch_size, epochs=args.epochs,
+                         sync_every=args.sync_every, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+                         device=args.device, checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir)
     hetero = None
     if args.slowdown or args.straggle_prob:
         hetero = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay)
+    return config, hetero
+
+
+def _train(args) -> int:
+    import os
+
+    config, hetero = _check(args)
+    where = f"the Dask cluster at {args.cluster}" if args.cluster else "an embedded Dask cluster on this machine"
+    print(f"sdpipe: starting {config.world_size} workers ({args.stages} stages x {args.pipelines} pipelines, "
+          f"policy {args.policy}) on {where} ...", flush=True)
+
+    from . import train
+    from .data import digits, digits_cnn, digits_mlp
+
     train_data, eval_data = digits(seed=args.seed)
     model = digits_cnn(seed=args.seed) if args.model == "cnn" else digits_mlp(hidden=args.hidden, seed=args.seed)
     run = train(
@@ -206,7 +240,7 @@ def _train(args) -> int:
         checkpoint_dir=args.checkpoint_dir,
         resume_from=args.resume_from,
     )
-    print(f"sdpipe: {run!r} on {len(run.workers)} Dask workers", flush=True)
+    print(f"sdpipe: run {run.run_id} training on {len(run.workers)} Dask workers", flush=True)
     per_epoch = run.updates_per_epoch
     try:
         _progress(run, args.epochs, args.pipelines, args.stages, per_epoch, run.start_epoch)
@@ -216,15 +250,25 @@ def _train(args) -> int:
     result = run.result()
     last = max(h["epoch"] for h in result.history)
     rows = [h for h in result.history if h["epoch"] == last]
+    samples = sum(h["samples"] for h in result.history)
+    epochs = len({h["epoch"] for h in result.history})
     print(f"\nsummary: {args.stages} stages x {args.pipelines} pipelines, policy={args.policy}, schedule={args.schedule}")
+    began = min((e["start"] for e in result.events if e["kind"] == "forward"), default=0.0)
+    trained = max(result.wall_time - began, 1e-9)
+    print(f"  trained {epochs} epoch(s): {samples} samples over all pipelines in {trained:.1f} s from the first step "
+          f"({samples / trained:.0f} samples/s, evaluation included); the workers took {began:.1f} s to start")
+    print(f"  last epoch ({last + 1}), per pipeline:")
     for h in rows:
         acc = f"{h['accuracy']:.4f}" if "accuracy" in h else "-"
         print(f"  pipeline {h['pipeline']}: loss {h['loss']:.4f}  held-out accuracy {acc}  {h['samples_per_s']:.0f} samples/s")
-    print(f"  total throughput {sum(h['samples_per_s'] for h in rows):.0f} samples/s; wall time {result.wall_time:.1f}s")
     print(f"  max parameter difference between pipelines: {result.max_param_diff():.3g}")
     accs = [h["accuracy"] for h in rows if "accuracy" in h]
     if accs:
         print(f"  held-out accuracy: min {min(accs):.4f} over {len(accs)} pipelines")
+    cores = os.cpu_count() or 1
+    if not args.cluster and config.world_size > cores:
+        print(f"  note: {config.world_size} workers shared {cores} cores, so samples/s measure this machine's contention "
+              f"(a slowed worker's share goes to the others), not what each worker would do on its own cores")
     for p, what in sorted(result.lost.items()):
         print(f"  pipeline {p} did not finish: {what}")
     for folder in run.checkpoints:

@@ -37,6 +37,29 @@ def test_cli_bad_input_is_one_clear_line(args, message):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("args", [["--pipelines", "0"], ["--policy", "gossip"], ["--batch-size", "30"],
+                                  ["--checkpoint-every", "2"]])
+def test_cli_rejects_bad_options_before_loading_torch_or_data(args):
+    code = ("import sys; from sdpipe.cli import main; rc = main(['train', *sys.argv[1:]]); "
+            "print(rc, sorted(m for m in ('torch', 'sklearn', 'distributed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "2 []", (out.stdout, out.stderr[-2000:])
+    assert out.stderr.startswith("sdpipe: error: ") and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["train", "simulate"])
+def test_cli_help_gives_every_flag_a_sentence_and_its_default(command):
+    import argparse
+
+    from sdpipe.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices[command]
+    flags = [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]
+    assert flags and all(a.help for a in flags), [a.dest for a in flags if not a.help]
+    text = sdpipe(command, "--help", timeout=60).stdout
+    assert " ".join(text.split()).count("(default: ") == len(flags), text
+
+
 def test_cli_simulate_prints_throughput():
     out = sdpipe("simulate", "--stages", "2", "--pipelines", "8", "--steps", "20", "--slowdown", "7=4")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -77,3 +100,37 @@ def test_cli_config_file_with_flags_winning_and_a_checkpoint(tmp_path, no_leaks)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "epoch 2/2: 100%" in resumed.stderr and "epoch 1/2" not in resumed.stderr
     assert "checkpoint: " + str(tmp_path / "ck" / "epoch-0002") in resumed.stdout
+
+
+SCRIPT = """\
+import sdpipe
+from sdpipe.data import digits, digits_mlp
+
+{indent_note}
+train_data, eval_data = digits()
+{body}
+"""
+
+TRAIN = ("run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=1, epochs=1)\n"
+         "print('accuracy', run.result().history[-1]['accuracy'])")
+
+
+def test_a_script_without_the_main_guard_gets_one_line(tmp_path):
+    script = tmp_path / "train_digits.py"
+    script.write_text(SCRIPT.format(indent_note="# as a user writes it: no main guard", body=TRAIN))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert lines == [lines[0]] and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert lines[0].startswith("sdpipe: train_digits.py line 6 trains at the top level of the script")
+    assert "if __name__ == \"__main__\":" in lines[0]
+
+
+@pytest.mark.cluster
+def test_a_script_with_the_main_guard_trains(tmp_path, no_leaks):
+    script = tmp_path / "train_digits.py"
+    body = "if __name__ == \"__main__\":\n" + "".join("    " + line + "\n" for line in TRAIN.splitlines())
+    script.write_text(SCRIPT.format(indent_note="", body=body))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "accuracy 0." in out.stdout
