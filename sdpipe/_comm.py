@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,12 +25,16 @@ CONNECT_TIMEOUT = 20.0
 
 
 def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout: float, host: str,
-               connect_timeout: float | None = None):
+               connect_timeout: float | None = None, give_up=None):
     """A process group of ``size`` members named ``name``; this worker is ``rank``.
 
     With gloo, ``connect_timeout`` (default ``timeout``) bounds building the
     group and is the default for its operations; pass an operation's own
     timeout (:func:`allreduce_mean_`'s ``timeout``) to wait longer.
+    ``give_up``: asked every 0.1 s while the rendezvous waits; a reason
+    (a string) ends the wait with :class:`RendezvousTimeout` (e.g. a member's
+    pipeline was lost). It must not use ``store``'s connection, which the
+    rendezvous holds while it waits.
     """
     prefixed = dist.PrefixStore(f"group/{name}/", store)
     td = datetime.timedelta(seconds=timeout)
@@ -42,7 +47,7 @@ def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout:
     opts._timeout = datetime.timedelta(seconds=seconds)
     # Bind gloo's listener to the configured address (loopback by default).
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return _bounded(lambda: dist.ProcessGroupGloo(prefixed, rank, size, opts), seconds + RENDEZVOUS_MARGIN, name)
+    return _bounded(lambda: dist.ProcessGroupGloo(prefixed, rank, size, opts), seconds + RENDEZVOUS_MARGIN, name, give_up)
 
 
 #: seconds past its own timeout that a gloo rendezvous may take before the caller gives up on it
@@ -50,10 +55,10 @@ RENDEZVOUS_MARGIN = 5.0
 
 
 class RendezvousTimeout(RuntimeError):
-    """A group's rendezvous did not end (neither connected nor failed) within its timeout."""
+    """A group's rendezvous did not end (neither connected nor failed) within its timeout, or was given up on."""
 
 
-def _bounded(build, seconds: float, name: str):
+def _bounded(build, seconds: float, name: str, give_up=None):
     """``build()`` in a helper thread, given up on after ``seconds``.
 
     gloo's rendezvous has its own timeout, but a peer that dies during the
@@ -73,7 +78,12 @@ def _bounded(build, seconds: float, name: str):
 
     t = threading.Thread(target=target, name=f"sdpipe-rendezvous-{name}", daemon=True)
     t.start()
-    t.join(seconds)
+    deadline = time.monotonic() + seconds
+    while t.is_alive() and time.monotonic() < deadline:
+        t.join(min(0.1, max(0.0, deadline - time.monotonic())))
+        reason = give_up() if give_up is not None and t.is_alive() else None
+        if reason:
+            raise RendezvousTimeout(f"group {name}: gave up the rendezvous: {reason}")
     if t.is_alive():
         raise RendezvousTimeout(f"group {name}: the rendezvous neither connected nor failed within {seconds:.0f}s")
     if "error" in box:
@@ -109,6 +119,23 @@ class Link:
 def lost_key(pipeline: int) -> str:
     """The run-store key the driver sets when ``pipeline`` was lost (its value says why)."""
     return f"lost/{pipeline}"
+
+
+#: run-store counter of the pipelines marked lost (one look answers "any?")
+LOST_COUNT_KEY = "lost/count"
+
+
+def mark_lost(store, pipeline: int, why: str) -> None:
+    """(Driver) mark ``pipeline`` lost in the run's store."""
+    store.set(lost_key(pipeline), why)
+    store.add(LOST_COUNT_KEY, 1)
+
+
+def first_lost(store, pipelines) -> int | None:
+    """The first of ``pipelines`` marked lost, or None (one store call while none is lost)."""
+    if store.add(LOST_COUNT_KEY, 0) == 0:
+        return None
+    return next((p for p in pipelines if pipeline_lost(store, p)), None)
 
 
 def pipeline_lost(store, pipeline: int) -> bool:

@@ -651,10 +651,10 @@ class Run:
         log.warning("sdpipe: %s; the run goes on with %d pipeline(s)", self._lost[p], cfg.pipelines - len(self._lost))
         if len(self._lost) == cfg.pipelines:
             return RunError(f"every pipeline was lost; last: {self._lost[p]}")
-        from ._comm import lost_key
+        from ._comm import mark_lost
 
         try:  # the others stop pairing with it, the scheduler takes it out of every stage
-            self._run_store.set(lost_key(p), why)
+            mark_lost(self._run_store, p, why)
             self._service("sdpipe_leave", stage=None, pipeline=p, token=self._token)
         except Exception as e:
             log.warning("sdpipe: could not tell the group service that pipeline %d was lost: %s", p, e)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._comm import TAG_ACT, TAG_CTRL, TAG_GRAD, Link, make_group, pipeline_lost
+from ._comm import TAG_ACT, TAG_CTRL, TAG_GRAD, Link, first_lost, make_group, pipeline_lost
 from .config import Heterogeneity
 from .data import TAIL_BATCHES_PER_PIPELINE, batch_indices, leaves_tail, smoothed_step_time
 from .policy import AllReduce, _state_tensors, make_policy
@@ -129,6 +129,7 @@ class Worker:
         self._groups: list = []
 
         self.store = _run_store(spec, self.timeout)
+        self._rendezvous_store = None
 
         self.module = spec["stage_modules"][self.stage].to(self.device)
         self.module.train()
@@ -144,7 +145,8 @@ class Worker:
         self.plan = spec["plan"][self.stage]
         self.link = None
         if self.stages > 1:
-            self.link = Link(self.group(f"pipe{self.pipeline}", self.stage, self.stages), self.device, self.backend)
+            self.link = Link(self.group(f"pipe{self.pipeline}", self.stage, self.stages, pipelines=[self.pipeline]),
+                             self.device, self.backend)
         self.steps_per_epoch = spec["steps_per_epoch"]
         self.batches_per_epoch = spec["batches_per_epoch"]
         self.run_id = spec["run_id"]
@@ -185,9 +187,20 @@ class Worker:
             return torch.device("cuda", index)
         return torch.device("cpu")
 
-    def group(self, name: str, rank: int, size: int, connect_timeout: float | None = None):
-        g = make_group(self.store, name, rank, size, backend=self.backend, timeout=self.timeout, host=self.host,
-                       connect_timeout=connect_timeout)
+    def group(self, name: str, rank: int, size: int, connect_timeout: float | None = None, pipelines=None):
+        """A process group of the workers of ``pipelines`` (default: every pipeline); its rendezvous is given up
+        on as soon as one of those pipelines is marked lost (a dead member never comes)."""
+        if self._rendezvous_store is None:
+            # the rendezvous waits on its own connection, so the wait can be watched on self.store meanwhile
+            self._rendezvous_store = _run_store(self.spec, self.timeout)
+        watched = list(range(self.pipelines)) if pipelines is None else list(pipelines)
+
+        def lost_member():
+            gone = first_lost(self.store, watched)
+            return None if gone is None else f"pipeline {gone} was lost"
+
+        g = make_group(self._rendezvous_store, name, rank, size, backend=self.backend, timeout=self.timeout,
+                       host=self.host, connect_timeout=connect_timeout, give_up=lost_member)
         self._groups.append(g)
         return g
 

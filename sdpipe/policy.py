@@ -213,7 +213,7 @@ class Scheduled(SyncPolicy):
                                 reason=answer["reason"], failed="a member's pipeline was lost before the group formed")
                     return False
                 pg = worker.group(f"avg/{answer['name']}/r{answer['round']}", members.index(worker.pipeline),
-                                  len(members), connect_timeout=CONNECT_TIMEOUT)
+                                  len(members), connect_timeout=CONNECT_TIMEOUT, pipelines=members)
                 self.groups[answer["name"]] = pg
             worker.delay_link()
             before = self.mass

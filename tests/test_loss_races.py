@@ -7,7 +7,9 @@ Two moments that a SIGKILL at a random time hits now and then (``benchmarks/faul
   the requests after it, and an epoch's end must not wait for the hole;
 * a lost pipeline's worker that is still alive reaches a new group after another member
   saw the loss: every member must take the same verdict (go or skip), or the ones that go
-  sit in a rendezvous the others never join.
+  sit in a rendezvous the others never join;
+* a worker waits in a group's rendezvous for a member that will never come (its worker was
+  killed while it was still starting): the wait ends once the driver marks that pipeline lost.
 """
 
 import datetime
@@ -18,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from sdpipe._comm import lost_key
+from sdpipe._comm import RendezvousTimeout, first_lost, make_group, mark_lost
 from sdpipe.policy import Scheduled, _Mailbox, _Server
 
 
@@ -81,7 +83,7 @@ def test_every_member_of_a_new_group_takes_the_same_verdict(store):
     for t in early:
         t.start()
     time.sleep(0.3)
-    store.set(lost_key(2), "its worker process died")
+    mark_lost(store, 2, "its worker process died")
     assert _wait(lambda: len(out) == 2)
     _member(store, 2, answer, out)
     for t in early:
@@ -100,7 +102,18 @@ def test_members_that_all_arrive_go_together(store):
         t.join(5)
     assert out == {0: True, 1: True, 3: True}
     # a mark that comes after the verdict changes nothing for a member that asks late
-    store.set(lost_key(3), "its worker process died")
+    mark_lost(store, 3, "its worker process died")
     out2 = {}
     _member(store, 0, answer, out2)
     assert out2 == {0: True}
+
+
+def test_a_rendezvous_gives_up_once_a_member_pipeline_is_marked_lost(store):
+    # the rendezvous waits on its own connection; the loss is watched on another
+    rendezvous = dist.TCPStore("127.0.0.1", store.port, 1, False, timeout=datetime.timedelta(seconds=30))
+    threading.Timer(0.5, mark_lost, args=(store, 1, "its worker process died")).start()
+    start = time.monotonic()
+    with pytest.raises(RendezvousTimeout, match="pipeline 1 was lost"):
+        make_group(rendezvous, "pipe1", 0, 2, backend="gloo", timeout=60.0, host="127.0.0.1",
+                   give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost")
+    assert time.monotonic() - start < 5.0  # not the 60 s timeout
