@@ -35,10 +35,32 @@ def cluster8():
     lc.close()
 
 
+def _warm():
+    import sdpipe._worker  # noqa: F401  (torch and sdpipe's worker code)
+
+
+def all_workers_ready(client):
+    """Eight running workers, each with torch imported (a rank on a fresh process would otherwise start
+    seconds after the others).
+
+    The worker a previous test killed is restarted by its nanny. Now and then (about 1 module run in 8
+    here) that restart never completes: the nanny logs "Restarting worker" and nothing after it, and the
+    cluster stays at 7 running workers. Not diagnosed; the cluster is topped up with a new worker then,
+    so the next test still has eight.
+    """
+    try:
+        client.wait_for_workers(8, timeout=60)
+    except TimeoutError:
+        cluster = client.cluster
+        cluster.scale(len(cluster.worker_spec) + 1)
+        client.wait_for_workers(8, timeout=120)
+    client.run(_warm)
+
+
 def kill_rank_when(run, client, rank, epoch, timeout=120):
     """SIGKILL the worker process of ``rank`` once some pipeline finished ``epoch``; returns when it was killed."""
     deadline = time.monotonic() + timeout
-    while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= epoch for e in run.events):
+    while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= epoch for e in list(run.events)):
         assert time.monotonic() < deadline and not run.done(), "the run did not reach the epoch"
         time.sleep(0.05)
     addr = run.workers[rank]
@@ -57,7 +79,7 @@ def test_sdpipe_goes_on_with_three_pipelines_after_a_worker_is_killed(data, clus
     common = dict(stages=2, pipelines=4, policy="sdpipe", epochs=8, batch_size=32, eval_data=eval_data, cluster=cluster8)
     reference = sdpipe.train(digits_mlp(), train_data, **common).result(timeout=600)
 
-    cluster8.wait_for_workers(8, timeout=60)
+    all_workers_ready(cluster8)
     run = sdpipe.train(digits_mlp(), train_data, **common)
     killed_at = kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
     result = run.result(timeout=600)
@@ -81,7 +103,7 @@ def test_sdpipe_goes_on_with_three_pipelines_after_a_worker_is_killed(data, clus
 
 def test_allreduce_stops_with_an_error_naming_the_killed_worker(data, cluster8):
     train_data, eval_data = data
-    cluster8.wait_for_workers(8, timeout=60)
+    all_workers_ready(cluster8)
     run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy="allreduce", epochs=50, batch_size=32,
                        cluster=cluster8)
     addr = run.workers[KILLED_RANK]
@@ -99,7 +121,7 @@ def test_allreduce_stops_with_an_error_naming_the_killed_worker(data, cluster8):
 def test_adpsgd_and_none_go_on_after_a_worker_is_killed(data, cluster8, policy):
     """Pipeline 2 is passive under adpsgd: the active workers stop pairing with it."""
     train_data, eval_data = data
-    cluster8.wait_for_workers(8, timeout=60)
+    all_workers_ready(cluster8)
     run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy=policy, epochs=5, batch_size=32,
                        eval_data=eval_data, cluster=cluster8)
     kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
