@@ -614,9 +614,7 @@ class GossipPairs(Scheduled):
                     if not all(self.store.check([f"{self.prefix}left/{p}"]) or pipeline_lost(self.store, p)
                                for p in self.actives):
                         return False
-                    upto = self.server.mailbox.issued()
-                    self.server.settle_to = max(self.server.settle_to, upto)
-                    return self.server.settled >= upto
+                    return self.server.settle(self.server.mailbox.issued(), 0.0)
                 self.server.finish(self.worker.timeout, done)
                 self.server.check()
             self.server = None
