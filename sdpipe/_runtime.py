@@ -172,6 +172,42 @@ def _connect(cluster, config: TrainConfig, security=None):
     raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
 
 
+def _count_workers(client, config: TrainConfig) -> None:
+    """A one-line error when an existing cluster has too few workers for the run (one call to the scheduler)."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    if config.device == "cuda":
+        info = {a: w for a, w in info.items() if w.get("resources", {}).get("GPU", 0) >= 1}
+    if len(info) < config.world_size:
+        what = "Dask workers with a 'GPU' resource" if config.device == "cuda" else "Dask workers"
+        raise ValueError(f"cluster: needs {config.world_size} {what} (stages x pipelines), found {len(info)}")
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _host_cores(client, workers: list) -> dict:
+    """host -> (workers of the run on it, its cores); cores None where a worker did not answer."""
+    from urllib.parse import urlparse
+
+    try:
+        cores = client.run(_cpu_count, workers=list(set(workers)), on_error="return")
+    except Exception:
+        cores = {}
+    hosts: dict = {}
+    for addr in workers:
+        host = urlparse(addr).hostname or addr
+        n, c = hosts.get(host, (0, None))
+        got = cores.get(addr)
+        hosts[host] = (n + 1, got if isinstance(got, int) else c)
+    return hosts
+
+
 def _free_threads(dask_worker) -> int:
     """(On a Dask worker) threads not running a task, cancelled ones included: a task whose client left
     keeps its thread until the function returns."""
@@ -239,16 +275,112 @@ class Run:
         self.steps_per_epoch = spec["steps_per_epoch"]
         #: Steps of all pipelines together in one epoch.
         self.updates_per_epoch = spec["steps_per_epoch"] * config.pipelines if config.policy == "allreduce" else spec["batches_per_epoch"]
-        self._launch(spec, data, cluster)
+        self.policy = config.policy
+        self.scheduler_policy = config.scheduler_policy()
+        self.heterogeneity = config.heterogeneity or Heterogeneity()
+        self._workers: list = []
+        self._futures: list = []
+        self._lost: dict = {}
+        self._client = self._cluster = None
+        self._own_client = False
+        self._store = self._run_store = None
+        self._launched = threading.Event()
+        self._ranks = {"started": 0, "ready": 0}
+        #: Cores of the hosts the workers run on (known once the workers are chosen).
+        self.cores: Optional[int] = None
+        self._hosts: dict = {}
+        self._startup = "connecting to the Dask cluster"
+        if cluster is not None:
+            # an existing cluster: reached (bounded) and checked here, so a wrong address or too few workers
+            # raises from train() itself; an embedded cluster starts in the background
+            self._client, self._cluster, self._own_client = _connect(cluster, config, security)
+            try:
+                _count_workers(self._client, config)
+            except BaseException:
+                self._cleanup()
+                raise
+        self._pending = [spec, data, cluster]  # handed to the starting thread, which drops them (see _start)
+        self._starter = threading.Thread(target=self._start, name=f"sdpipe-start-{self.run_id}", daemon=True)
+        self._starter.start()
+
+    # ------------------------------------------------------------ start-up
+    def _start(self) -> None:
+        """(Background) start the embedded cluster if any, choose the workers, launch the ranks.
+
+        The data (tensors on numpy buffers) is dropped before the run is marked
+        launched or done: this thread must not free them while the interpreter
+        finalizes (see _monitor).
+        """
+        try:
+            args, self._pending = self._pending, None
+            try:
+                self._launch(*args)
+            finally:
+                del args
+        except BaseException as e:  # the run ends with it: result() raises it, status says "error"
+            self._error = e if isinstance(e, Exception) else RunError(f"the run's start was interrupted ({type(e).__name__})")
+            self._cleanup()
+            self._done.set()
+            return
+        self._launched.set()
+        if self._stop_requested:
+            self._request_stop()
+
+    @property
+    def startup(self) -> Optional[str]:
+        """What the run is doing to start (None once every worker has joined, or after the run ended)."""
+        if self._done.is_set() or self._joined():
+            return None
+        if not self._launched.is_set():
+            return self._startup
+        r, n = self._ranks, self.config.world_size
+        if r["started"] < n:
+            return f"workers starting: {r['started']} of {n} running, {r['ready']} connected"
+        return f"workers connecting: {r['ready']} of {n} connected (rendezvous)"
+
+    @property
+    def launched(self) -> bool:
+        """Whether the run's workers were launched: from then on controls apply without waiting."""
+        return self._launched.is_set()
+
+    @property
+    def t0(self) -> float:
+        """The run's time origin (seconds since the epoch): event times count from it."""
+        return self._t0
+
+    def _joined(self) -> bool:
+        return self._launched.is_set() and (self._ranks["ready"] >= self.config.world_size or bool(self._lost))
+
+    def _wait_launched(self, what: str) -> None:
+        """Wait (at most the run's timeout) until the run's workers are launched."""
+        deadline = time.monotonic() + self.config.timeout
+        while not self._launched.wait(0.1):
+            if self._done.is_set():
+                raise RuntimeError(f"{what}: run {self.run_id} has already ended ({self.status})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: run {self.run_id} still starting after {self.config.timeout:.0f}s ({self.startup})")
+
+    @property
+    def contention(self) -> Optional[str]:
+        """One line when the run has more workers on a host than the host has cores (None otherwise)."""
+        over = [(h, n, c) for h, (n, c) in self._hosts.items() if c and n > c]
+        if not over:
+            return None
+        h, n, c = over[0]
+        where = f" on {h}" if len(self._hosts) > 1 else ""
+        return (f"{n} workers share {c} cores{where}: samples/s measure the machine's contention (a slowed or waiting "
+                f"worker's share goes to the others), not what each worker would do on its own core")
 
     # ------------------------------------------------------------ launch
     def _launch(self, spec, data, cluster) -> None:
         import torch.distributed as dist
 
         cfg = self.config
-        self._client, self._cluster, self._own_client = _connect(cluster, cfg, self._security)
-        self._store = None
         try:
+            if self._client is None:
+                self._startup = f"starting an embedded Dask cluster of {cfg.world_size} worker processes"
+                self._client, self._cluster, self._own_client = _connect(cluster, cfg, self._security)
+            self._startup = "opening the rendezvous store and the group service"
             self._store = _bound_store(cfg.host, cfg.timeout)
             self._run_store = dist.PrefixStore(f"sdpipe/{self.run_id}/", self._store)
             spec["store_host"], spec["store_port"] = cfg.host, self._store.port
@@ -258,8 +390,12 @@ class Run:
             self._client.subscribe_topic(self._topic, self._on_event)
             self._init_control(spec)
             S = cfg.stages
+            self._startup = "choosing the workers and copying the data to them (they load torch to take it)"
             workers, (fX, fY, fEX, fEY) = self._place_data(data)
             self._workers = workers
+            self._hosts = _host_cores(self._client, workers)
+            self.cores = sum(c for _, c in self._hosts.values() if c) or None
+            self._startup = "submitting the workers' tasks"
             from ._worker import worker_main
 
             resources = {"GPU": 1} if cfg.device == "cuda" else None
@@ -321,11 +457,7 @@ class Run:
         self._ctl_lock = threading.Lock()
         self._ctl = {"seq": 0, "stop": 0, "hetero": 0, "policy": 0, "pause": 0}
         self._mode = "scheduled" if cfg.policy == "sdpipe" else cfg.policy
-        self.policy = cfg.policy
-        self.scheduler_policy = cfg.scheduler_policy()
-        hetero = cfg.heterogeneity or Heterogeneity()
-        self.heterogeneity = hetero
-        self._run_store.set("hetero/0", json.dumps(hetero.to_dict()))
+        self._run_store.set("hetero/0", json.dumps(self.heterogeneity.to_dict()))
         self._run_store.set("policy/0", json.dumps({"mode": self._mode, "name": cfg.policy}))
         self._write_ctl()
         ensure_service(self._client)
@@ -355,8 +487,10 @@ class Run:
             self._events.append(rec)
 
     def _require_running(self, what: str) -> None:
+        if not self._done.is_set() and not self._launched.is_set():
+            self._wait_launched(what)
         if self._done.is_set() or self._store is None:
-            raise RuntimeError(f"{what}: run {self.run_id} has already ended")
+            raise RuntimeError(f"{what}: run {self.run_id} has already ended ({self.status})")
 
     def set_heterogeneity(self, heterogeneity: Optional[Heterogeneity] = None, **fields) -> None:
         """Replace the emulated heterogeneity; every worker takes it up at its next step boundary.
@@ -435,7 +569,9 @@ class Run:
     # ------------------------------------------------------------ public
     @property
     def workers(self) -> list:
-        """The Dask worker address of each rank (rank = pipeline x stages + stage)."""
+        """The Dask worker address of each rank (rank = pipeline x stages + stage); waits (bounded) for them to be chosen."""
+        if not self._launched.is_set() and not self._done.is_set():
+            self._wait_launched("workers")
         return list(self._workers)
 
     def events_since(self, cursor: int = 0) -> tuple[list, int]:
@@ -453,15 +589,24 @@ class Run:
         """Per-epoch, per-pipeline metrics received so far."""
         return _history(self.events)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """Ask every pipeline to stop at its next step boundary (pipelines that sync together stop together).
 
         Under ``sdpipe`` (and the live presets) the group service says so in
         its answers, the members of a round stop after it, and the stop ends
-        with a global sync, so every stage's replicas end identical.
+        with a global sync, so every stage's replicas end identical.  Returns
+        False when the run had already ended (nothing to stop), else True; a
+        run still starting stops at its first step.
         """
+        if self._done.is_set():
+            return False
+        self._request_stop()
+        self._record("stop")
+        return True
+
+    def _request_stop(self) -> None:
         self._stop_requested = True
-        if not self._done.is_set() and self._store is not None:
+        if not self._done.is_set() and self._launched.is_set() and self._store is not None:
             try:
                 # the group service first: pipelines under a group policy take the stop from their
                 # groups' answers (the store's flag is their fallback), so the members of a round stop together
@@ -505,9 +650,33 @@ class Run:
 
     @property
     def status(self) -> str:
+        """starting, running, paused, stopping, finished, stopped or error (see :attr:`startup` while starting)."""
         if not self._done.is_set():
-            return "stopping" if self._stop_requested else ("paused" if self.paused else "running")
+            if self._stop_requested:
+                return "stopping"
+            if not self._joined():
+                return "starting"
+            return "paused" if self.paused else "running"
         return "error" if self._error else ("stopped" if self._result and self._result.stopped else "finished")
+
+    async def wait_async(self, timeout: Optional[float] = None) -> RunResult:
+        """``await run.wait_async()`` (or ``await run``): the result, without holding the kernel.
+
+        In Jupyter a cell that awaits leaves the kernel free for widget
+        callbacks (the dashboard's controls answer while it waits), unlike a
+        cell blocked in :meth:`result`.
+        """
+        import asyncio
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"run {self.run_id} still running after {timeout}s")
+            await asyncio.sleep(0.1)
+        return self.result(0)
+
+    def __await__(self):
+        return self.wait_async().__await__()
 
     def result(self, timeout: Optional[float] = None) -> RunResult:
         """Block until the run ends; return its :class:`RunResult` or raise its error.
@@ -522,7 +691,7 @@ class Run:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"run {self.run_id} still running after {timeout}s")
         except KeyboardInterrupt:
-            self.stop()
+            self._request_stop()
             self._done.wait(self.config.timeout)
             raise
         if self._error is not None:
@@ -531,7 +700,11 @@ class Run:
 
     def __repr__(self) -> str:
         c = self.config
-        return f"<sdpipe.Run {self.run_id} {c.stages}x{c.pipelines} policy={c.policy} {self.status}>"
+        status = self.status
+        startup = self.startup if status == "starting" else None
+        note = self.contention
+        return (f"<sdpipe.Run {self.run_id} {c.stages}x{c.pipelines} policy={self.policy} {status}"
+                + (f" ({startup})" if startup else "") + (f"; note: {note}" if note else "") + ">")
 
     # ------------------------------------------------------------ monitor
     def _monitor(self) -> None:
@@ -540,12 +713,13 @@ class Run:
         error: Optional[BaseException] = None
         grace_until = None
         results = {}
-        self._lost: dict = {}
         lost_at = None
         comm_seen: dict = {}  # rank -> when its communication failure was first seen
         try:
             last_check = time.monotonic()
             while True:
+                if not self._joined():
+                    self._count_ranks()
                 statuses = [f.status for f in self._futures]
                 live = [r for r in range(len(statuses)) if r // S not in self._lost]
                 if all(statuses[r] == "finished" for r in live):
@@ -579,7 +753,7 @@ class Run:
                     if self._lost and lost_at is None:
                         lost_at = time.monotonic()
                     if error is not None:
-                        self.stop()
+                        self._request_stop()
                         grace_until = time.monotonic() + min(10.0, cfg.timeout)
                 elif all(s != "pending" for s in statuses) or time.monotonic() > grace_until:
                     break
@@ -597,9 +771,20 @@ class Run:
         except BaseException as e:  # keep the handle usable whatever happened
             error = error or e
         finally:
+            # the workers' weights (tensors on numpy buffers) are dropped here, before the run is done: a caller
+            # that exits right after result() must not leave this thread freeing them while the interpreter
+            # finalizes (freeing one takes the GIL there, which kills the thread and aborts the process)
+            results = None
             self._error = error
             self._cleanup()
             self._done.set()
+
+    def _count_ranks(self) -> None:
+        """How many ranks started and connected (counters the workers add to in the run's store)."""
+        try:
+            self._ranks = {k: self._run_store.add(f"ranks/{k}", 0) for k in ("started", "ready")}
+        except Exception:  # the store is closing: the run is ending
+            pass
 
     def _first_checkpoint(self, after: int) -> Optional[int]:
         every = self.config.checkpoint_every

@@ -129,6 +129,7 @@ class Worker:
         self._groups: list = []
 
         self.store = _run_store(spec, self.timeout)
+        self.store.add("ranks/started", 1)  # the driver shows the start-up: started, then connected (below)
         self._rendezvous_store = None
 
         self.module = spec["stage_modules"][self.stage].to(self.device)
@@ -165,6 +166,7 @@ class Worker:
         if self.first:
             self._ctl_watcher = _CtlWatcher(spec, self.timeout)
             self._ctl_watcher.start()
+        self.store.add("ranks/ready", 1)
 
     # ----------------------------------------------------------- helpers
     def _make_optimizer(self, cfg: dict):

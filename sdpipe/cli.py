@@ -205,8 +205,6 @@ def _check(args):
 
 
 def _train(args) -> int:
-    import os
-
     config, hetero = _check(args)
     where = f"the Dask cluster at {args.cluster}" if args.cluster else "an embedded Dask cluster on this machine"
     print(f"sdpipe: starting {config.world_size} workers ({args.stages} stages x {args.pipelines} pipelines, "
@@ -240,14 +238,26 @@ def _train(args) -> int:
         checkpoint_dir=args.checkpoint_dir,
         resume_from=args.resume_from,
     )
-    print(f"sdpipe: run {run.run_id} training on {len(run.workers)} Dask workers", flush=True)
     per_epoch = run.updates_per_epoch
     try:
-        _progress(run, args.epochs, args.pipelines, args.stages, per_epoch, run.start_epoch)
+        shown = None
+        while run.status == "starting":  # the start-up, one line per step of it
+            line = run.startup
+            if line and line != shown:
+                print(f"sdpipe: {line}", flush=True)
+                shown = line
+            time.sleep(0.1)
+        if run.status != "error":
+            print(f"sdpipe: run {run.run_id} training on {len(run.workers)} Dask workers", flush=True)
+            _progress(run, args.epochs, args.pipelines, args.stages, per_epoch, run.start_epoch)
     except KeyboardInterrupt:
         print("\nsdpipe: stopping at the next step boundary ...", file=sys.stderr)
         run.stop()
-    result = run.result()
+    try:
+        result = run.result()
+    except Exception as e:  # the run's error in one line (its workers' tracebacks are in the Dask logs)
+        print(f"sdpipe: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     last = max(h["epoch"] for h in result.history)
     rows = [h for h in result.history if h["epoch"] == last]
     samples = sum(h["samples"] for h in result.history)
@@ -265,10 +275,8 @@ def _train(args) -> int:
     accs = [h["accuracy"] for h in rows if "accuracy" in h]
     if accs:
         print(f"  held-out accuracy: min {min(accs):.4f} over {len(accs)} pipelines")
-    cores = os.cpu_count() or 1
-    if not args.cluster and config.world_size > cores:
-        print(f"  note: {config.world_size} workers shared {cores} cores, so samples/s measure this machine's contention "
-              f"(a slowed worker's share goes to the others), not what each worker would do on its own cores")
+    if run.contention:
+        print(f"  note: {run.contention}")
     for p, what in sorted(result.lost.items()):
         print(f"  pipeline {p} did not finish: {what}")
     for folder in run.checkpoints:

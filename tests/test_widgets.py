@@ -49,6 +49,31 @@ def test_view_keeps_recent_spans_and_totals_of_all():
     assert v.shares()["compute"] == pytest.approx([2.0, 2.0])  # every span counts in the totals
 
 
+def test_ratio_to_the_ideal_is_the_steps_without_their_synchronization():
+    from sdpipe.widgets import RunView
+
+    # 2 pipelines x 2 stages; each step lasts 1 s on pipeline 0 and 2 s on pipeline 1, of which stage 0 waits
+    # 0.25 s (pipeline 0) and 1.0 s (pipeline 1) for its group and averages 0.25 s; stage 1 is never held
+    v = RunView(2, 2, 10, steps=12)
+    events = []
+    for p, step_s, wait_s in ((0, 1.0, 0.25), (1, 2.0, 1.0)):
+        for k in range(13):
+            end = (k + 1) * step_s
+            for s in (0, 1):
+                if s == 0:
+                    events.append({"kind": "wait", "what": "group", "pipeline": p, "stage": s, "step": k,
+                                   "start": end - wait_s - 0.3, "end": end - 0.3})
+                    events.append({"kind": "sync", "pipeline": p, "stage": s, "step": k, "start": end - 0.3, "end": end - 0.05})
+                events.append({"kind": "optimizer", "pipeline": p, "stage": s, "step": k, "start": end - 0.05, "end": end})
+    v.add(sorted(events, key=lambda e: e["end"]))
+    tp = v.throughput()
+    # samples/s: 10/1 + 10/2; ideal: 10/(1 - 0.5) + 10/(2 - 1.25)
+    assert tp["samples_per_s"] == pytest.approx(15.0)
+    assert tp["ideal"] == pytest.approx(20.0 + 10 / 0.75)
+    assert tp["ratio"] == pytest.approx(15.0 / (20.0 + 10 / 0.75)) and tp["ratio"] <= 1.0
+    assert tp["spread"] == pytest.approx((tp["ratio"], tp["ratio"]))  # every block of steps alike
+
+
 @pytest.mark.cluster
 def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster):
     from sdpipe.widgets import Dashboard
@@ -68,7 +93,7 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     assert any(4 in row for row in z) and len(z) == 2  # global syncs shown, one row per pipeline
     bars = dash.trace("stragglers")
     flagged = [label for label, color in zip(bars.x, bars.marker.color) if color == "#E45756"]
-    assert flagged and all(label.startswith("pipeline 1") for label in flagged)
+    assert flagged and all(label.startswith("p1<br>") for label in flagged)
     assert len(dash.trace("loss/0").y) > 5 and list(dash.trace("accuracy/0").x) == [0, 1, 2]  # per step, per epoch
     assert "finished" in dash.header.value and "ideal" in dash.numbers.value
 
@@ -93,7 +118,7 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
         dash.w_slow[1].value = 3.0
         [apply_het] = [b for b in dash.controls.children[1].children if getattr(b, "description", "") == "apply slowdowns"]
         apply_het.click()
-        assert "done" in dash.message.value
+        assert "slowdowns applied at t = " in dash.message.value
         [pause] = [b for b in dash.controls.children[2].children if getattr(b, "description", "") == "pause"]
         pause.click()
         assert run.status == "paused"
@@ -106,7 +131,9 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
         dash.stop()
     assert result.stopped
     ctl = [e for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"]
-    assert [e["what"] for e in ctl] == ["heterogeneity", "pause"]
+    assert [e["what"] for e in ctl] == ["heterogeneity", "pause", "stop"]
     assert ctl[0]["heterogeneity"]["slowdown"] == {"1": 3.0}
     assert any("pause" in label for _, label in dash.view.controls)
     assert "stopped" in dash.header.value
+    stop.click()  # a finished run answers like the other controls
+    assert "stop not applied" in dash.message.value and "had already ended (stopped)" in dash.message.value

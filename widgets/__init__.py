@@ -6,6 +6,7 @@ package or its dependencies.
 """
 
 try:
+    import anywidget  # noqa: F401
     import ipywidgets  # noqa: F401
     import plotly  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment

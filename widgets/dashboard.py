@@ -4,15 +4,27 @@
 thread a few times a second (only trait values change there, inside
 ``batch_update``), while the kernel stays free for other cells.
 ``Dashboard(result)`` replays a finished run from its events.
+
+A browser that attaches late (a reload of the page, a second view of the
+output, a run that ended before the page drew) gets the figure as it is now:
+the figure widget opens with its full state and answers every state request
+with its current traces and layout (plotly's widget would otherwise hand out
+the state it was created with).  The figure follows the width of its output
+area: a small widget reports that width, and below ``NARROW`` pixels the
+panels stack in one column.
 """
 
 from __future__ import annotations
 
+import copy
+import html
 import threading
 import time
 
+import anywidget
 import ipywidgets as W
 import plotly.graph_objects as go
+import traitlets
 from plotly.subplots import make_subplots
 
 from sdpipe.config import LIVE_POLICIES
@@ -20,6 +32,11 @@ from sdpipe.config import LIVE_POLICIES
 from .view import CATEGORIES, RunView
 
 __all__ = ["Dashboard"]
+
+#: below this output width (pixels) the panels stack in one column
+NARROW = 900
+#: seconds a redraw waits at most for a browser to have drawn the previous one
+BEHIND = 2.0
 
 
 def r_list(xs):
@@ -39,12 +56,94 @@ STRIP = [[0.0, "#FFFFFF"], [0.2, "#FFFFFF"], [0.2, "#D8D8D8"], [0.4, "#D8D8D8"],
 PIPELINE_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC"]
 
 
+
+
+class _Figure(go.FigureWidget):
+    """plotly's FigureWidget, opened with its full state and answering state requests with its current one.
+
+    plotly syncs the traces and layout only when the widget is created and
+    later sends edits as one-off messages, so a front end that builds the
+    model late (or misses the creation's update) draws an empty figure.
+    """
+
+    def __init__(self, data, layout, lock):
+        self._deferred = True  # open the comm once the figure holds its data (see open)
+        self._state_lock = lock
+        #: set when a browser has drawn the figure's last edit (plotly's views answer every edit)
+        self._drawn = threading.Event()
+        self._drawn_at = None  # monotonic time of the last answer from a browser
+        super().__init__(data=data, layout=layout, _validate=False)  # built from checked parts (see Dashboard._build)
+        self._deferred = False
+        self.open()
+
+    @traitlets.observe("_js2py_traceDeltas")
+    def _handler_js2py_traceDeltas(self, change):
+        msg = change["new"]
+        with self._state_lock:  # plotly's handler reads the traces the dashboard's thread edits
+            super()._handler_js2py_traceDeltas(change)
+        if msg:
+            self._drawn_at = time.monotonic()
+            if msg.get("trace_edit_id") == self._last_trace_edit_id:
+                self._drawn.set()
+
+    def open(self):
+        if not getattr(self, "_deferred", False):
+            super().open()
+
+    def get_state(self, key=None, drop_defaults=False):
+        state = super().get_state(key=key, drop_defaults=drop_defaults)
+        if key is None or "_widget_data" in key or "_widget_layout" in key:
+            with self._state_lock:  # the dashboard's thread edits the figure under this lock
+                current = {"_widget_data": copy.deepcopy(self._data), "_widget_layout": copy.deepcopy(self._layout)}
+            for k, value in current.items():
+                if k in state:
+                    state[k] = self.trait_metadata(k, "to_json")(value, self)
+        return state
+
+
+class _Width(anywidget.AnyWidget):
+    """Reports the width (pixels) of the output area it is shown in, and again whenever it changes."""
+
+    _esm = """
+    export default {
+      render({ model, el }) {
+        el.style.width = "100%";
+        el.style.height = "0px";
+        el.dataset.sdpipeWidth = "";
+        // the output area (JupyterLab, Notebook 7) sets the width; elsewhere the widget's container
+        const area = () => el.closest(".jp-OutputArea-output") || el.parentElement || el;
+        let last = 0;
+        const send = () => {
+          // a custom message, as a button's click: state updates wait in the front end while the kernel runs a cell
+          const w = Math.round(area().clientWidth);
+          if (w > 0 && w !== last) { last = w; model.send({ width: w }); }
+        };
+        const observer = new ResizeObserver(() => send());
+        observer.observe(el);
+        requestAnimationFrame(() => { observer.observe(area()); send(); });
+        return () => observer.disconnect();
+      }
+    };
+    """
+    width = traitlets.Int(0)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.on_msg(self._on_width)
+
+    def _on_width(self, _, content, buffers):
+        if isinstance(content, dict) and isinstance(content.get("width"), int):
+            self.width = content["width"]
+
 class Dashboard:
     """Live (``Dashboard(run)``) or replayed (``Dashboard(result)``) view of a training run.
 
     ``interval`` is the seconds between redraws (default 0.25: four a
     second); ``window`` the seconds of the scrolling timeline.  Display it as
-    the last expression of a cell or with ``display(dashboard)``.
+    the last expression of a cell or with ``display(dashboard)``.  The
+    constructor only builds the widgets (well under a second, also while the
+    run's workers load the machine); the first data arrives with the first
+    redraw.
     """
 
     def __init__(self, source, *, interval: float = 0.25, window: float = 4.0, controls: bool = True, start: bool = True):
@@ -61,11 +160,14 @@ class Dashboard:
         self.interval = interval
         self.view = RunView(cfg.stages, cfg.pipelines, cfg.batch_size, window=window)
         self._cursor = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the figure's edits (this thread, the follow thread, width changes)
         self._thread = None
         self._stopping = threading.Event()
         self.redraws: list = []  # monotonic times of redraws (for measuring the rate)
         self.error = None
+        self.narrow = False
+        #: seconds the browser took to draw the last redraw (None: no browser answered within BEHIND)
+        self.lag = None
         self._build(controls and self.run is not None)
         if self.result is not None:
             self.view.add(self.result.events)
@@ -75,71 +177,128 @@ class Dashboard:
             self.start()
 
     # ------------------------------------------------------------ figures
+    def _grid(self, narrow: bool):
+        """(template figure, key -> (row, col), height) of the wide (3 columns) or the narrow (1 column) layout."""
+        cfg, n = self.config, len(self.view.workers)
+        S = cfg.stages
+        titles = {"timeline": "Stage timeline (recent seconds)",
+                  "stragglers": "Stragglers: compute per step (red: above 2x the median; p: pipeline, s: stage)",
+                  "loss": "training loss per step", "accuracy": "held-out accuracy per epoch",
+                  "shares": "Whole run: seconds by kind"}
+        for s in range(S):
+            titles[f"groups/{s}"] = f"stage {s}: who averaged together (blue: group, red: graph sync, green: global, grey: alone)"
+            titles[f"sizes/{s}"] = f"stage {s}: group sizes"
+        tall = {"timeline": 30 * n + 40, "shares": 22 * n + 30}
+        if narrow:
+            keys = ["timeline"] + sum(([f"groups/{s}", f"sizes/{s}"] for s in range(S)), []) + ["stragglers", "loss", "accuracy", "shares"]
+            pos = {k: (i + 1, 1) for i, k in enumerate(keys)}
+            specs = [[{}] for _ in keys]
+            heights = [tall.get(k, 150 if k.startswith(("groups", "sizes")) else 220) for k in keys]
+            ordered = keys
+            cols = 1
+        else:
+            pos = {"timeline": (1, 1), "stragglers": (S + 2, 1), "loss": (S + 2, 2), "accuracy": (S + 2, 3), "shares": (S + 3, 1)}
+            for s in range(S):
+                pos[f"groups/{s}"], pos[f"sizes/{s}"] = (2 + s, 1), (2 + s, 3)
+            specs = ([[{"colspan": 3}, None, None]] + [[{"colspan": 2}, None, {}] for _ in range(S)]
+                     + [[{}, {}, {}]] + [[{"colspan": 3}, None, None]])
+            heights = [tall["timeline"]] + [150] * S + [260] + [tall["shares"]]
+            ordered = sorted(pos, key=lambda k: pos[k])
+            cols = 3
+        gap = 70  # pixels between rows: room for a row's axis title and the next row's title
+        height = sum(heights) + gap * len(heights) + 80
+        fig = make_subplots(rows=len(heights), cols=cols, specs=specs, subplot_titles=[titles[k] for k in ordered],
+                            row_heights=heights, vertical_spacing=gap / height, horizontal_spacing=0.07 if cols > 1 else 0.0)
+        return fig, pos, height
+
     def _build(self, controls: bool) -> None:
         """One FigureWidget with every view as a subplot (the browser loads and draws one plot), plus widgets."""
         cfg, v = self.config, self.view
         labels = [v.label(w) for w in v.workers]
         S, n = cfg.stages, len(labels)
-        specs = ([[{"colspan": 3}, None, None]] + [[{"colspan": 2}, None, {}] for _ in range(S)]
-                 + [[{}, {}, {}]] + [[{"colspan": 3}, None, None]])
-        titles = (["Stage timeline (recent seconds)"]
-                  + sum(([f"stage {s}: who averaged together (blue: group, red: graph sync, green: global sync, grey: alone)",
-                          f"stage {s}: group sizes"] for s in range(S)), [])
-                  + ["Stragglers: compute per step (red: above 2x the median)", "training loss per step", "held-out accuracy per epoch",
-                     "Whole run: seconds by kind"])
-        heights = [30 * n + 40] + [150] * S + [260] + [22 * n + 30]
-        fig = make_subplots(rows=S + 3, cols=3, specs=specs, subplot_titles=titles, row_heights=heights,
-                            vertical_spacing=0.25 / (S + 3), horizontal_spacing=0.07)
+        fig, pos, height = self._grid(narrow=False)
+        self._pos = pos
         self._idx = {}
 
-        def add(key, trace, row, col):
-            self._idx[key] = len(fig.data)
-            fig.add_trace(trace, row=row, col=col)
+        data = []  # plain trace dicts: the figure widget takes them without checking each again (a third of the time)
+
+        def add(key, trace, at):
+            self._idx[key] = len(data)
+            sub = fig.get_subplot(*pos[at])
+            trace = trace.to_plotly_json()
+            trace.update(xaxis=sub.xaxis.plotly_name.replace("axis", ""), yaxis=sub.yaxis.plotly_name.replace("axis", ""))
+            data.append(trace)
+
+        def axes(at, **kw):
+            fig.update_xaxes(row=pos[at][0], col=pos[at][1], **{k[2:]: x for k, x in kw.items() if k.startswith("x_")})
+            fig.update_yaxes(row=pos[at][0], col=pos[at][1], **{k[2:]: x for k, x in kw.items() if k.startswith("y_")})
 
         for c in CATEGORIES:  # rows are worker indices (small messages); the axis shows their labels
             add(f"timeline/{c}", go.Bar(name=c, orientation="h", y=[], x=[], base=[], marker_color=COLORS[c], hoverinfo="name+x",
-                                        legendgroup="kinds"), 1, 1)
+                                        legendgroup="kinds"), "timeline")
         add("timeline/control", go.Scatter(name="control", mode="markers+text", x=[], y=[], text=[], textposition="top center",
-                                           marker=dict(symbol="triangle-down", size=11, color="black")), 1, 1)
-        fig.update_yaxes(tickvals=list(range(n)), ticktext=labels, autorange="reversed", row=1, col=1)
-        fig.update_xaxes(title_text="seconds since launch", row=1, col=1)
+                                           marker=dict(symbol="triangle-down", size=11, color="black")), "timeline")
+        axes("timeline", y_tickvals=list(range(n)), y_ticktext=labels, y_autorange="reversed", x_title_text="seconds since launch")
         for s in range(S):
             add(f"groups/{s}", go.Heatmap(z=[[0]], x=[0], y=list(range(cfg.pipelines)), zmin=0, zmax=4, colorscale=STRIP,
                                           showscale=False, xgap=1, ygap=1, hovertemplate="formation %{x}<br>pipeline %{y}<extra></extra>"),
-                2 + s, 1)
-            add(f"sizes/{s}", go.Bar(x=[], y=[], marker_color="#4C78A8", showlegend=False), 2 + s, 3)
-            fig.update_yaxes(title_text="pipeline", dtick=1, row=2 + s, col=1)
-            fig.update_xaxes(title_text="members", type="category", row=2 + s, col=3)
-        r = S + 2
-        add("stragglers", go.Bar(x=[], y=[], marker_color=[], showlegend=False, name="compute per step"), r, 1)
+                f"groups/{s}")
+            add(f"sizes/{s}", go.Bar(name=f"stage {s} group sizes", x=[], y=[], marker_color="#4C78A8", showlegend=False), f"sizes/{s}")
+            axes(f"groups/{s}", y_title_text="pipeline", y_dtick=1)
+            axes(f"sizes/{s}", x_title_text="members", x_type="category")
+        add("stragglers", go.Bar(x=[], y=[], marker_color=[], showlegend=False, name="compute per step"), "stragglers")
         add("stragglers/median", go.Scatter(x=[], y=[], mode="lines", line=dict(dash="dash", color="black"), showlegend=False,
-                                            name="median"), r, 1)
-        fig.update_yaxes(title_text="seconds", row=r, col=1)
+                                            name="median"), "stragglers")
+        axes("stragglers", y_title_text="seconds", x_tickangle=0, x_automargin=True)
         for p in range(cfg.pipelines):
             color = PIPELINE_COLORS[p % len(PIPELINE_COLORS)]
-            add(f"loss/{p}", go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)), r, 2)
+            add(f"loss/{p}", go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)), "loss")
             add(f"accuracy/{p}", go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines+markers", line_color=color,
-                                            legendgroup=str(p), showlegend=False), r, 3)
-        fig.update_xaxes(title_text="step", row=r, col=2)
-        fig.update_xaxes(title_text="epoch", row=r, col=3)
+                                            legendgroup=str(p), showlegend=False), "accuracy")
+        axes("loss", x_title_text="step")
+        axes("accuracy", x_title_text="epoch")
         for c in CATEGORIES:
-            add(f"shares/{c}", go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False), r + 1, 1)
-        fig.update_yaxes(tickvals=list(range(n)), ticktext=labels, autorange="reversed", row=r + 1, col=1)
-        fig.update_xaxes(title_text="seconds", row=r + 1, col=1)
-        fig.update_layout(height=sum(heights) + 60 * (S + 3) + 80, width=1150, barmode="overlay",
-                          margin=dict(l=130, r=20, t=40, b=40), legend=dict(orientation="h", y=1.0, yanchor="bottom"))
+            add(f"shares/{c}", go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False), "shares")
+        axes("shares", y_tickvals=list(range(n)), y_ticktext=labels, y_autorange="reversed", x_title_text="seconds")
+        fig.update_layout(height=height, barmode="overlay", margin=dict(l=130, r=20, t=40, b=40),
+                          legend=dict(orientation="h", y=1.0, yanchor="bottom"))
         fig.update_annotations(font_size=13)
-        self._timeline_xaxis = fig.get_subplot(1, 1).xaxis.plotly_name
-        self._shares_xaxis = fig.get_subplot(r + 1, 1).xaxis.plotly_name
-        self.figure = go.FigureWidget(fig)
-        self.header = W.HTML()
+        self._axes = {k: (fig.get_subplot(*rc).xaxis.plotly_name, fig.get_subplot(*rc).yaxis.plotly_name) for k, rc in pos.items()}
+        self._timeline_xaxis = self._axes["timeline"][0]
+        self._shares_xaxis = self._axes["shares"][0]
+        self.figure = _Figure(data, fig.layout.to_plotly_json(), self._lock)
+        self._width = _Width()
+        self._width.observe(lambda change: self.fit(change["new"]), "width")
+        # The header is one line (cut with an ellipsis where the output is narrow) and the lines whose length
+        # changes come after the controls, so the controls never move while the run goes on.
+        one_line = W.Layout(width="100%", height="1.7em", overflow="hidden")
+        self.header = W.HTML(layout=one_line)
+        self.note = W.HTML()
         self.numbers = W.HTML()
-        self.message = W.HTML()
-        parts = [self.header, self.numbers, self.figure]
+        #: the answer to the last control: what was applied and when, or why not
+        self.message = W.HTML(layout=W.Layout(min_height="1.7em", width="100%"))
+        parts = [self.header, self.numbers, self.note, self._width, self.figure]
         self.controls = self._controls() if controls else None
         if self.controls is not None:
-            parts.insert(1, self.controls)
-        self.widget = W.VBox(parts)
+            parts[1:1] = [self.controls, self.message]
+        self.widget = W.VBox(parts, layout=W.Layout(width="100%"))
+
+    def fit(self, width: int) -> None:
+        """Size the figure to an output area ``width`` pixels wide: three columns from ``NARROW`` up, else one."""
+        if not width or width < 200 or abs(width - 16 - (self.figure.layout.width or 0)) < 8:
+            return
+        narrow = width < NARROW
+        with self._lock, self.figure.batch_update():
+            if narrow != self.narrow:
+                fig, pos, height = self._grid(narrow)
+                for key, (xa, ya) in self._axes.items():
+                    sub = fig.get_subplot(*pos[key])
+                    self.figure.layout[xa].domain = sub.xaxis.domain
+                    self.figure.layout[ya].domain = sub.yaxis.domain
+                self.figure.layout.annotations = [dict(a.to_plotly_json(), font_size=13) for a in fig.layout.annotations]
+                self.figure.layout.height = height
+                self.narrow = narrow
+            self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
 
     def trace(self, key: str):
         """A trace of the dashboard's figure: "timeline/compute", "groups/0", "sizes/0", "stragglers",
@@ -149,13 +308,14 @@ class Dashboard:
     def _controls(self):
         run, cfg = self.run, self.config
         sp = run.scheduler_policy
+        fixed = lambda w: W.Layout(width=w, min_width=w, max_width=w)
         self.w_policy = W.Dropdown(options=list(LIVE_POLICIES), value=run.policy if run.policy in LIVE_POLICIES else None,
                                    description="policy", disabled=run.policy not in LIVE_POLICIES)
         self.w_staleness = W.BoundedIntText(value=min(sp.staleness, 1000), min=1, max=1000, description="P")
         self.w_max_group = W.BoundedIntText(value=sp.max_group or 0, min=0, max=cfg.pipelines, description="max group",
                                             tooltip="0: all pipelines")
         apply_policy = W.Button(description="apply policy", disabled=self.w_policy.disabled)
-        apply_policy.on_click(lambda _: self._act(lambda: run.set_policy(
+        apply_policy.on_click(lambda _: self._act("policy", lambda: run.set_policy(
             self.w_policy.value, staleness=self.w_staleness.value, max_group=self.w_max_group.value or None)))
         h = run.heterogeneity
         self.w_slow = [W.FloatSlider(value=h.slowdown_of(p, 0), min=1.0, max=8.0, step=0.5, description=f"pipeline {p}",
@@ -169,25 +329,39 @@ class Dashboard:
             run.set_heterogeneity(slowdown=slow, straggle_prob=self.w_prob.value, straggle_delay=self.w_delay.value,
                                   link_delay=dict(run.heterogeneity.link_delay))
 
-        apply_het.on_click(lambda _: self._act(set_het))
+        apply_het.on_click(lambda _: self._act("slowdowns", set_het))
         buttons = []
         for name, fn in (("pause", run.pause), ("resume", run.resume), ("stop", run.stop)):
             b = W.Button(description=name, button_style="danger" if name == "stop" else "")
-            b.on_click(lambda _, fn=fn: self._act(fn))
+            b.on_click(lambda _, name=name, fn=fn: self._act(name, fn))
             buttons.append(b)
         return W.HBox([
-            W.VBox([W.HTML("<b>policy</b>"), self.w_policy, self.w_staleness, self.w_max_group, apply_policy]),
-            W.VBox([W.HTML("<b>heterogeneity (slowdown per pipeline)</b>")] + self.w_slow + [self.w_prob, self.w_delay, apply_het]),
-            W.VBox([W.HTML("<b>run</b>")] + buttons + [self.message]),
-        ])
+            W.VBox([W.HTML("<b>policy</b>"), self.w_policy, self.w_staleness, self.w_max_group, apply_policy], layout=fixed("320px")),
+            W.VBox([W.HTML("<b>heterogeneity (slowdown per pipeline)</b>")] + self.w_slow + [self.w_prob, self.w_delay, apply_het],
+                   layout=fixed("340px")),
+            W.VBox([W.HTML("<b>run</b>")] + buttons, layout=fixed("160px")),
+        ], layout=W.Layout(flex_flow="row wrap"))
 
-    def _act(self, fn) -> None:
-        """Run a control call; show its error in one line instead of raising into the widget callback."""
+    def _act(self, what: str, fn) -> None:
+        """Run a control call; say in the message line what was applied and when, or why not (never raises)."""
+        clock = time.strftime("%H:%M:%S")
+        run = self.run
         try:
-            fn()
-            self.message.value = "<span style='color:green'>done</span>"
+            if run.status == "starting" and run.startup and not run.launched:
+                raise RuntimeError(f"the run is still starting ({run.startup}); try again in a moment")
+            answer = fn()
+            if what == "stop" and answer is False:
+                raise RuntimeError(f"run {run.run_id} had already ended ({run.status})")
+            t = time.time() - run.t0
+            text = (f"{clock} {what} applied at t = {t:.1f} s: "
+                    + ("the pipelines stop at their next step boundary" if what == "stop" else
+                       "every worker holds at its next step boundary" if what == "pause" else
+                       "the workers go on from where they held" if what == "resume" else
+                       "every worker takes it at its next step boundary"))
+            self.message.value = f"<span style='color:#1a7f37'>{html.escape(text)}</span>"
         except Exception as e:  # shown to the user, the run goes on
-            self.message.value = f"<span style='color:#b00'>{type(e).__name__}: {e}</span>"
+            text = f"{clock} {what} not applied: {type(e).__name__}: {e}"
+            self.message.value = f"<span style='color:#b00; overflow-wrap:anywhere'>{html.escape(text)}</span>"
 
     # ------------------------------------------------------------ updates
     def refresh(self, fetch: bool = True, full: bool = True) -> int:
@@ -206,46 +380,59 @@ class Dashboard:
             return new
 
     def _draw(self, full: bool = True) -> None:
-        """Redraw the timeline and header; with ``full`` also the slower-moving views."""
+        """Redraw the timeline and header; with ``full`` also the slower-moving views.
+
+        Each batch edits traces that all set the same properties: a batch
+        leaves the properties one trace does not set "undefined" for it,
+        which the browser's copy of the figure (what a view drawn later
+        starts from) takes as "delete" (colours would fall back to plotly's).
+        """
         v, T = self.view, self.trace
         tl = v.timeline(bins=120)
         row = {v.label(w): i for i, w in enumerate(v.workers)}
         r4 = lambda xs: [round(x, 4) for x in xs]
-        with self.figure.batch_update():
+        lo = v.now - v.window
+        with self.figure.batch_update():  # bars: x, y, base
             for c in CATEGORIES:
                 T(f"timeline/{c}").update(y=[row[y] for y in tl[c]["y"]], x=r4(tl[c]["x"]), base=r4(tl[c]["base"]))
-            lo = v.now - v.window
-            ctl = [(t, text) for t, text in v.controls if t >= lo]
-            T("timeline/control").update(x=[t for t, _ in ctl], y=[0] * len(ctl), text=[x for _, x in ctl])
+            if full:
+                sh = v.shares()
+                base = [0.0] * len(v.workers)  # stacked by hand: the figure's bar mode overlays (for the timeline)
+                for c in CATEGORIES:
+                    T(f"shares/{c}").update(y=list(range(len(v.workers))), x=r_list(sh[c]), base=r_list(base))
+                    base = [b + x for b, x in zip(base, sh[c])]
             self.figure.layout[self._timeline_xaxis].range = [max(0.0, lo), max(v.now, v.window)]
-            steps = self._draw_views() if full else None
+        ctl = [(t, text) for t, text in v.controls if t >= lo]
+        with self.figure.batch_update():  # x, y, text
+            T("timeline/control").update(x=[t for t, _ in ctl], y=[0] * len(ctl), text=[x for _, x in ctl])
+        steps = self._draw_views() if full else None
         self._draw_header()
         if full:
             self._draw_numbers(steps)
 
     def _draw_views(self) -> dict:
         v, T = self.view, self.trace
-        sh = v.shares()
-        base = [0.0] * len(v.workers)  # stacked by hand: the figure's bar mode overlays (for the timeline)
-        for c in CATEGORIES:
-            T(f"shares/{c}").update(y=list(range(len(v.workers))), x=r_list(sh[c]), base=r_list(base))
-            base = [b + x for b, x in zip(base, sh[c])]
-        for s in range(v.stages):
-            f = v.formations(s)
-            xs = list(range(len(f["keys"])))
-            T(f"groups/{s}").update(z=f["z"] if xs else [[0]], x=xs or [0])
-            sizes = v.sizes.get(s, {})
-            T(f"sizes/{s}").update(x=[str(k) for k in range(1, v.pipelines + 1)], y=[sizes.get(k, 0) for k in range(1, v.pipelines + 1)])
+        with self.figure.batch_update():  # heatmaps: z, x
+            for s in range(v.stages):
+                f = v.formations(s)
+                xs = list(range(len(f["keys"])))
+                T(f"groups/{s}").update(z=f["z"] if xs else [[0]], x=xs or [0])
         st = v.step_times()
-        labels = [v.label(w) for w in v.workers]
-        T("stragglers").update(x=labels, y=r_list([st["compute"][w] or 0 for w in v.workers]),
-                               marker_color=["#E45756" if st["flagged"][w] else "#4C78A8" for w in v.workers])
-        T("stragglers/median").update(x=labels, y=[round(st["median_compute"] or 0, 5)] * len(v.workers))
-        for p in range(v.pipelines):
-            losses = v.losses.get(p, [])
-            T(f"loss/{p}").update(x=[s for s, _ in losses], y=r_list([x for _, x in losses]))
-            ep = [m for m in v.epochs.get(p, []) if "accuracy" in m]
-            T(f"accuracy/{p}").update(x=[m["epoch"] for m in ep], y=[m["accuracy"] for m in ep])
+        short = [f"p{p}<br>s{s}" for p, s in v.workers]  # short, on two lines: level and apart in a third of the width
+        with self.figure.batch_update():  # x, y
+            for s in range(v.stages):
+                sizes = v.sizes.get(s, {})
+                T(f"sizes/{s}").update(x=[str(k) for k in range(1, v.pipelines + 1)],
+                                       y=[sizes.get(k, 0) for k in range(1, v.pipelines + 1)])
+            T("stragglers/median").update(x=short, y=[round(st["median_compute"] or 0, 5)] * len(v.workers))
+            for p in range(v.pipelines):
+                losses = v.losses.get(p, [])
+                T(f"loss/{p}").update(x=[s for s, _ in losses], y=r_list([x for _, x in losses]))
+                ep = [m for m in v.epochs.get(p, []) if "accuracy" in m]
+                T(f"accuracy/{p}").update(x=[m["epoch"] for m in ep], y=[m["accuracy"] for m in ep])
+        with self.figure.batch_update():  # x, y, marker colours
+            T("stragglers").update(x=short, y=r_list([st["compute"][w] or 0 for w in v.workers]),
+                                   marker_color=["#E45756" if st["flagged"][w] else "#4C78A8" for w in v.workers])
         return st
 
     def _draw_numbers(self, st: dict) -> None:
@@ -254,17 +441,29 @@ class Dashboard:
         tp = v.throughput()
         fmt = lambda x, f="{:.0f}": "-" if x is None else f.format(x)
         flagged = [v.label(w) for w in v.workers if st["flagged"][w]]
+        spread = tp["spread"]
+        ratio = fmt(tp["ratio"], "{:.2f}") + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
+        explain = ("the pipelines' last steps as they ran, against the same steps without the time spent synchronizing "
+                   "(averaging, group waits); in brackets the lowest and highest ratio over three blocks of those steps")
         self.numbers.value = (
-            f"<b>samples/s</b> {fmt(tp['samples_per_s'])} &nbsp; <b>ideal</b> (sum of the pipelines' own speeds) "
-            f"{fmt(tp['ideal'])} &nbsp; <b>ratio</b> {fmt(tp['ratio'], '{:.2f}')} &nbsp; "
+            f"<span title=\"{explain}\"><b>samples/s</b> {fmt(tp['samples_per_s'])} &nbsp; <b>ideal</b> (the same steps "
+            f"without synchronization) {fmt(tp['ideal'])} &nbsp; <b>ratio</b> {ratio}</span> &nbsp; "
             f"<b>graph syncs</b> {len(v.graph_syncs)} &nbsp; <b>stragglers</b> {', '.join(flagged) or 'none'}")
 
     def _draw_header(self) -> None:
-        v, cfg = self.view, self.config
-        source = "live" if self.run is not None else "replay"
-        policy = self.run.policy if self.run is not None else cfg.policy
-        self.header.value = (f"<b>sdpipe</b> {cfg.stages} stages x {cfg.pipelines} pipelines, policy <b>{policy}</b>, "
-                             f"status <b>{v.status}</b> ({source}, {v.count} events, t = {v.now:.1f} s)")
+        v, cfg, run = self.view, self.config, self.run
+        source = "live" if run is not None else "replay"
+        policy = run.policy if run is not None else cfg.policy
+        status = v.status or "-"
+        startup = run.startup if run is not None and status == "starting" else None
+        if startup:
+            status = f"{status}</b>: {html.escape(startup)}<b>"
+        text = (f"<b>sdpipe</b> {cfg.stages} stages x {cfg.pipelines} pipelines, policy <b>{policy}</b>, "
+                f"status <b>{status}</b> ({source}, {v.count} events, t = {v.now:.1f} s)")
+        self.header.value = f"<div style='white-space:nowrap; overflow:hidden; text-overflow:ellipsis'>{text}</div>"
+        note = run.contention if run is not None else None
+        if note and not self.note.value:
+            self.note.value = f"<span style='color:#666'>note: {html.escape(note)}</span>"
 
     # ------------------------------------------------------------ thread
     def start(self) -> None:
@@ -282,21 +481,41 @@ class Dashboard:
             self._thread.join(timeout)
 
     def _follow(self) -> None:
+        """Redraw every ``interval`` seconds, but never faster than a browser draws.
+
+        A browser that draws slower than the edits come (a small machine
+        whose cores the workers take) would queue them and fall ever further
+        behind: while a browser answers, the next edit waits (at most
+        ``BEHIND`` seconds) until one has drawn the last, and then as long
+        again.  Without a browser the figure stays current at the interval,
+        for one that attaches.
+        """
         try:
-            n = 0
+            last_full = 0.0
             while not self._stopping.is_set():
                 t = time.monotonic()
                 done = self.run.done()
                 # the timeline every time; the other views about once a second (they move slowly)
-                self.refresh(full=n % max(1, round(1.0 / self.interval)) == 0)
-                n += 1
+                full = t - last_full >= 1.0
+                self.figure._drawn.clear()
+                self.refresh(full=full)
+                last_full = t if full else last_full
                 if done:
                     self.refresh()  # the last records
                     break
-                self._stopping.wait(max(0.0, self.interval - (time.monotonic() - t)))
+                # wait for a browser to have drawn it (at most BEHIND), then as long again: a browser that
+                # needs longer than the interval to draw stays idle half the time (its page answers clicks)
+                sent = time.monotonic()
+                answered = self.figure._drawn_at
+                if answered is not None and sent - answered < 2 * BEHIND:  # a browser is drawing (none: no wait)
+                    while not self.figure._drawn.is_set() and not self._stopping.is_set() and time.monotonic() < sent + BEHIND:
+                        self.figure._drawn.wait(0.02)
+                self.lag = time.monotonic() - sent if self.figure._drawn.is_set() else None
+                pause = max(self.interval - (time.monotonic() - t), self.lag or 0.0)
+                self._stopping.wait(pause)
         except Exception as e:  # keep the kernel alive; show what went wrong
             self.error = e
-            self.header.value = f"<b>dashboard stopped</b>: {type(e).__name__}: {e}"
+            self.header.value = f"<b>dashboard stopped</b>: {html.escape(f'{type(e).__name__}: {e}')}"
 
     def wait(self, timeout: float = None) -> bool:
         """Block until the dashboard has drawn the run's end (live) ; True if it did within ``timeout``."""

@@ -7,9 +7,11 @@ all at once (a finished run's ``result.events``) and keeps, in bounded memory:
   per-worker totals by category, so long runs stay fast);
 * the recent group formations per stage, the distribution of group sizes and
   when graph syncs happened;
-* per-worker step and compute times for straggler detection, each pipeline's
-  own speed (its step time without synchronization and group waits) and the
-  run's samples/s against the ideal (the sum of the pipelines' own speeds);
+* per-worker step and compute times for straggler detection, and the run's
+  samples/s against the ideal: over each pipeline's last steps, the same
+  steps without the time any of its stages was held by synchronization
+  (averaging, group waits), so the ratio cannot exceed 1 and says what
+  synchronizing cost; its spread over blocks of those steps is shown with it;
 * loss per step and metrics per epoch per pipeline;
 * the control changes (policy, heterogeneity, pause) with their times.
 """
@@ -66,6 +68,7 @@ class RunView:
         self._held = defaultdict(float)  # (worker, step) -> sync and group-wait seconds
         self._compute = {w: deque(maxlen=steps) for w in self.workers}
         self._own = {w: deque(maxlen=steps) for w in self.workers}
+        self._steps = {w: {} for w in self.workers}  # step -> (duration, held): the recent steps of each worker
         self._stage0_steps: deque = deque()  # end times of stage-0 optimizer spans (one per pipeline step)
         self.losses = {p: [] for p in range(pipelines)}  # (step, loss)
         self.epochs = {p: [] for p in range(pipelines)}  # metric dicts
@@ -141,8 +144,14 @@ class RunView:
         ends = self._opt_end[w]
         if ends:
             duration = end - ends[-1]
+            held = min(self._held.pop((w, step), 0.0), duration)
             self._compute[w].append(self._busy.pop((w, step), 0.0))
-            self._own[w].append(max(duration - self._held.pop((w, step), 0.0), 1e-9))
+            self._own[w].append(max(duration - held, 1e-9))
+            recent = self._steps[w]
+            recent[step] = (duration, held)
+            if len(recent) > 4 * self.steps:
+                for old in sorted(recent)[: len(recent) - 2 * self.steps]:
+                    del recent[old]
         else:
             self._busy.pop((w, step), None)
             self._held.pop((w, step), None)
@@ -229,23 +238,51 @@ class RunView:
         flagged = {w: bool(med and compute[w] and compute[w] > self.flag_factor * med) for w in self.workers}
         return {"step": step, "compute": compute, "median_compute": med, "flagged": flagged}
 
-    def throughput(self) -> dict:
-        """The run's samples/s over the recent window, each pipeline's own speed and their sum (the ideal)."""
+    def throughput(self, blocks: int = 3) -> dict:
+        """Samples/s of the pipelines' recent steps against the ideal, with the ratio's spread.
+
+        For each pipeline, its last ``steps`` steps that every stage of it
+        finished: ``samples_per_s`` sums batch / mean step time (stage 0's
+        durations), ``ideal`` sums the same with each step shortened by the
+        time the most-held stage spent in synchronization (averaging, group
+        waits).  ``ratio`` = samples_per_s / ideal is at most 1: what
+        synchronizing left of the pipelines' own speed.  ``spread`` is the
+        (lowest, highest) ratio over ``blocks`` consecutive blocks of those
+        steps, and ``window_samples_per_s`` counts the pipelines' steps ended
+        in the last ``window`` seconds.
+        """
         q = self._stage0_steps
         lo = self.now - self.window
         while q and q[0] < lo:
             q.popleft()
         span = min(self.window, self.now) or None
-        run = len(q) * self.batch_size / span if span else None
-        speeds = {}
+        window_rate = len(q) * self.batch_size / span if span else None
+        per = []  # per pipeline: list of (duration, held) over its recent common steps
         for p in range(self.pipelines):
-            own = [_median(list(self._own[(p, s)])) for s in range(self.stages)]
-            own = [t for t in own if t]
-            speeds[p] = self.batch_size / max(own) if own else None
-        known = [v for v in speeds.values() if v]
-        ideal = sum(known) if len(known) == self.pipelines else None
-        return {"samples_per_s": run, "speeds": speeds, "ideal": ideal,
-                "ratio": (run / ideal) if run and ideal else None}
+            recents = [self._steps[(p, s)] for s in range(self.stages)]
+            common = sorted(set(recents[0]).intersection(*recents[1:]))[-self.steps:]
+            per.append([(recents[0][k][0], min(recents[0][k][0], max(r[k][1] for r in recents))) for k in common])
+        if not all(per):
+            return {"samples_per_s": None, "ideal": None, "ratio": None, "spread": None, "window_samples_per_s": window_rate}
+
+        def rates(rows):
+            run = ideal = 0.0
+            for steps in rows:
+                d = sum(x for x, _ in steps)
+                h = sum(y for _, y in steps)
+                run += self.batch_size * len(steps) / d
+                ideal += self.batch_size * len(steps) / max(d - h, 1e-9)
+            return run, ideal
+
+        run, ideal = rates(per)
+        ratios = []
+        for b in range(blocks):
+            rows = [steps[b * len(steps) // blocks:(b + 1) * len(steps) // blocks] for steps in per]
+            if all(rows):
+                r, i = rates(rows)
+                ratios.append(r / i)
+        return {"samples_per_s": run, "ideal": ideal, "ratio": run / ideal,
+                "spread": (min(ratios), max(ratios)) if len(ratios) > 1 else None, "window_samples_per_s": window_rate}
 
 
 def _median(values):
