@@ -128,7 +128,14 @@ def finish(page, timeout: float = 600) -> None:
 def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_path, no_leaks):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     copy_notebooks(ROOT / "notebooks", tmp_path, [NOTEBOOK])
-    with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=3000) as page:
+    # twice the epochs: on two cores the run's 8 workers leave the page little time, and the test must
+    # press pause while the run still trains
+    nb = tmp_path / NOTEBOOK
+    assert "epochs=20," in nb.read_text()
+    nb.write_text(nb.read_text().replace("epochs=20,", "epochs=40,"))
+    # a viewport of a screen's height while the run trains (a taller one makes the browser draw more each
+    # redraw), a tall one for the screenshots (a dashboard taller than the viewport photographs cut off)
+    with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
         run_notebook(page, url, token, NOTEBOOK)
         page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")  # the file browser open, as users have it
         # pause as soon as the run trains (a cheap look at the header: the run lasts under a minute)
@@ -137,6 +144,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         state = wait_live(page, "/status paused/.test(s.text) && s.markers.includes('pause') && /pause applied at t = /.test(s.text)",
                           60, "the run paused from the page, with its control event in the timeline")
         check_drawn(state)
+        page.set_viewport_size({"width": 1440, "height": 3000})
         shots = [screenshot(page, "live-1440-filebrowser.png")]
         page.set_viewport_size({"width": 1000, "height": 3000})
         state = wait_live(page, "s.svg_width <= s.area_width + 1 && s.drawn > 10", 30, "the figure fitted to 1000 px")
@@ -147,6 +155,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
                           "the figure fitted to 1000 px without the file browser")
         check_drawn(state)
         shots.append(screenshot(page, "live-1000.png"))
+        page.set_viewport_size({"width": 1000, "height": 1000})
         click(page, "resume")
         wait_live(page, "/status running/.test(s.text) && s.markers.includes('resume')", 60,
                   "the run resumed from the page, with its control event in the timeline")
@@ -160,7 +169,7 @@ def test_a_page_opened_after_the_run_finished_still_draws_the_live_figure(tmp_pa
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     copy_notebooks(ROOT / "notebooks", tmp_path, [NOTEBOOK])
     with jupyterlab(tmp_path) as (url, token):
-        with chromium_page(width=1440, height=3000) as page:
+        with chromium_page(width=1440, height=1000) as page:
             run_notebook(page, url, token, NOTEBOOK)
             finish(page)
             page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")

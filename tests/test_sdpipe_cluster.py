@@ -111,7 +111,7 @@ def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluste
     assert result.stopped
     ctl = [e for e in result.events if e["kind"] == "control"]
     # the driver recorded each change; every worker took the policy switch up at one step of its pipeline
-    assert [e["what"] for e in ctl if e["applied_by"] == "driver"] == ["policy", "heterogeneity", "policy"]
+    assert [e["what"] for e in ctl if e["applied_by"] == "driver"] == ["policy", "heterogeneity", "policy", "stop"]
     switch = [e for e in ctl if e.get("what") == "policy" and e["pipeline"] is not None]
     assert len(switch) == 4 and len({e["step"] for e in switch}) == 1  # allreduce couples both pipelines
     assert any(e.get("policy") == "allreduce" and e["applied_by"] == "scheduler" for e in ctl)
@@ -194,5 +194,5 @@ def test_pause_holds_every_pipeline_longer_than_the_timeout_and_resumes(data, sh
     assert {e["pipeline"] for e in pauses} == {0, 1} and all(e["end"] - e["start"] > 3.5 for e in pauses)
     if policy == "allreduce":  # coupled replicas paused at the same step
         assert len({e["step"] for e in pauses}) == 1
-    assert [e["what"] for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"] == ["pause", "resume"]
+    assert [e["what"] for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"] == ["pause", "resume", "stop"]
     assert live_process_groups(shared_cluster) == 0

@@ -37,6 +37,8 @@ __all__ = ["Dashboard"]
 NARROW = 900
 #: seconds a redraw waits at most for a browser to have drawn the previous one
 BEHIND = 2.0
+#: seconds between full resends of the figure while a run is followed (see Dashboard.resync)
+RESYNC = 10.0
 
 
 def r_list(xs):
@@ -66,13 +68,14 @@ class _Figure(go.FigureWidget):
     model late (or misses the creation's update) draws an empty figure.
     """
 
-    def __init__(self, data, layout, lock):
+    def __init__(self, figure, lock):
         self._deferred = True  # open the comm once the figure holds its data (see open)
         self._state_lock = lock
         #: set when a browser has drawn the figure's last edit (plotly's views answer every edit)
         self._drawn = threading.Event()
         self._drawn_at = None  # monotonic time of the last answer from a browser
-        super().__init__(data=data, layout=layout, _validate=False)  # built from checked parts (see Dashboard._build)
+        self._first_drawn = None  # called once, when a browser first answers (see resync)
+        super().__init__(figure)
         self._deferred = False
         self.open()
 
@@ -82,7 +85,10 @@ class _Figure(go.FigureWidget):
         with self._state_lock:  # plotly's handler reads the traces the dashboard's thread edits
             super()._handler_js2py_traceDeltas(change)
         if msg:
+            first = self._drawn_at is None
             self._drawn_at = time.monotonic()
+            if first and self._first_drawn is not None:
+                self._first_drawn()
             if msg.get("trace_edit_id") == self._last_trace_edit_id:
                 self._drawn.set()
 
@@ -220,14 +226,9 @@ class Dashboard:
         self._pos = pos
         self._idx = {}
 
-        data = []  # plain trace dicts: the figure widget takes them without checking each again (a third of the time)
-
         def add(key, trace, at):
-            self._idx[key] = len(data)
-            sub = fig.get_subplot(*pos[at])
-            trace = trace.to_plotly_json()
-            trace.update(xaxis=sub.xaxis.plotly_name.replace("axis", ""), yaxis=sub.yaxis.plotly_name.replace("axis", ""))
-            data.append(trace)
+            self._idx[key] = len(fig.data)
+            fig.add_trace(trace, row=pos[at][0], col=pos[at][1])
 
         def axes(at, **kw):
             fig.update_xaxes(row=pos[at][0], col=pos[at][1], **{k[2:]: x for k, x in kw.items() if k.startswith("x_")})
@@ -266,7 +267,8 @@ class Dashboard:
         self._axes = {k: (fig.get_subplot(*rc).xaxis.plotly_name, fig.get_subplot(*rc).yaxis.plotly_name) for k, rc in pos.items()}
         self._timeline_xaxis = self._axes["timeline"][0]
         self._shares_xaxis = self._axes["shares"][0]
-        self.figure = _Figure(data, fig.layout.to_plotly_json(), self._lock)
+        self.figure = _Figure(fig, self._lock)
+        self.figure._first_drawn = self.resync
         self._width = _Width()
         self._width.observe(lambda change: self.fit(change["new"]), "width")
         # The header is one line (cut with an ellipsis where the output is narrow) and the lines whose length
@@ -299,6 +301,26 @@ class Dashboard:
                 self.figure.layout.height = height
                 self.narrow = narrow
             self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
+
+    def resync(self) -> None:
+        """Send the whole figure to the browser again.
+
+        A browser builds its copy of the figure from the state it is sent when
+        the widget opens and applies later edits to it; edits that arrive while
+        it still loads the widget's code are lost, and a finished run's replay
+        sends none after.  This sends every trace (grouped by the properties
+        they set) and the layout again; it runs when a browser first answers
+        and every ``RESYNC`` seconds while the run is followed.
+        """
+        with self._lock:
+            fig = self.figure
+            groups: dict = {}
+            for i, t in enumerate(fig._data):
+                props = {k: v for k, v in t.items() if k not in ("type", "uid")}
+                groups.setdefault(tuple(sorted(props)), []).append((i, props))
+            for keys, members in groups.items():
+                fig._send_restyle_msg({k: [m[1][k] for m in members] for k in keys}, trace_indexes=[m[0] for m in members])
+            fig._send_relayout_msg({k: v for k, v in copy.deepcopy(fig._layout).items() if k != "template"})
 
     def trace(self, key: str):
         """A trace of the dashboard's figure: "timeline/compute", "groups/0", "sizes/0", "stragglers",
@@ -492,9 +514,13 @@ class Dashboard:
         """
         try:
             last_full = 0.0
+            last_resync = time.monotonic()
             while not self._stopping.is_set():
                 t = time.monotonic()
                 done = self.run.done()
+                if t - last_resync >= RESYNC:
+                    self.resync()
+                    last_resync = t
                 # the timeline every time; the other views about once a second (they move slowly)
                 full = t - last_full >= 1.0
                 self.figure._drawn.clear()
@@ -502,6 +528,7 @@ class Dashboard:
                 last_full = t if full else last_full
                 if done:
                     self.refresh()  # the last records
+                    self.resync()
                     break
                 # wait for a browser to have drawn it (at most BEHIND), then as long again: a browser that
                 # needs longer than the interval to draw stays idle half the time (its page answers clicks)
