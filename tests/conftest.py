@@ -65,6 +65,6 @@ def pytest_collection_modifyitems(session, config, items):
     With that cluster alive (after tests/test_baselines.py), pause pressed in
     the page during notebook 01's run went unanswered in 3 of 3 tries (the
     notebook kernel's main thread idle in its event loop, the click never
-    handled), while the same test alone passed 3 of 3; not understood yet.
+    handled), while the same test alone passed 2 of 2; not understood yet.
     """
     items.sort(key=lambda item: 0 if item.get_closest_marker("browser") else 1)
