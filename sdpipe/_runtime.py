@@ -63,6 +63,12 @@ _LOSS_TOLERANT = ("scheduled", "adpsgd", "none")
 _LOSS_GRACE = 10.0
 
 
+def stall_limit(timeout: float) -> float:
+    """Seconds a running worker may send no event before it counts as stalled: longer than any of its waits
+    (each is bounded by the run's ``timeout``) and a step or an evaluation on either side of one."""
+    return 2 * timeout + 60.0
+
+
 @dataclass
 class RunResult:
     """What a finished run returns."""
@@ -266,6 +272,7 @@ class Run:
         self._events: list = []
         self._lock = threading.Lock()
         self._received: dict = {}
+        self._heard: dict = {}  # rank -> monotonic time its last batch of events arrived
         self._done = threading.Event()
         self._result: Optional[RunResult] = None
         self._error: Optional[BaseException] = None
@@ -565,6 +572,7 @@ class Run:
         with self._lock:
             self._events.extend(batch)
             self._received[msg["rank"]] = self._received.get(msg["rank"], 0) + len(msg["events"])
+            self._heard[msg["rank"]] = time.monotonic()
 
     # ------------------------------------------------------------ public
     @property
@@ -750,6 +758,8 @@ class Run:
                         for rank in missing:
                             if error is None and rank // S not in self._lost:
                                 error = self._on_lost(rank, "its Dask worker left the cluster")
+                    if error is None:
+                        error = self._check_stalls(statuses, live)
                     if self._lost and lost_at is None:
                         lost_at = time.monotonic()
                     if error is not None:
@@ -778,6 +788,26 @@ class Run:
             self._error = error
             self._cleanup()
             self._done.set()
+
+    def _check_stalls(self, statuses: list, live: list) -> Optional[BaseException]:
+        """A live worker still running that sent no event for :func:`stall_limit` seconds since the launch (the
+        run not paused) is stalled: in a wait that neither ends nor fails.  It is treated as lost (its pipeline drops out where the
+        policy allows, else the run stops with an error naming it), so a run never waits for it for ever."""
+        now = time.monotonic()
+        # from the launch (a worker can stall while it starts: in its rendezvous, say); a paused pipeline
+        # records nothing while it holds
+        if not self._launched.is_set() or self._ctl.get("pause"):
+            self._stall_base = now
+            return None
+        base = getattr(self, "_stall_base", now)
+        self._stall_base = base
+        limit = stall_limit(self.config.timeout)
+        for rank in live:
+            last = max(self._heard.get(rank, 0.0), base)
+            if statuses[rank] == "pending" and now - last > limit:
+                return self._on_lost(rank, f"it sent nothing for {now - last:.0f}s, stalled in a wait that neither "
+                                           f"ended nor failed (each wait's bound is timeout={self.config.timeout:g}s)")
+        return None
 
     def _count_ranks(self) -> None:
         """How many ranks started and connected (counters the workers add to in the run's store)."""

@@ -3,7 +3,8 @@
 What a user sees is checked in the page itself: the live dashboard's figure
 (the one with controls, not the replay) holds its traces, its timeline bars
 are drawn in the fixed colour of their kind, it fits its output area, and
-pressing its controls in the page pauses and resumes the run.  A page that
+pressing its controls in the page pauses and resumes the run, and sliders moved
+in the page apply what they show while the notebook awaits the run.  A page that
 opens only after the run finished (a reload) still draws the figure.
 Screenshots go to ``artifacts/browser`` (``SDPIPE_ARTIFACTS`` moves it).
 """
@@ -104,11 +105,26 @@ def click(page, name: str) -> None:
     hold still over several frames) can take longer than the run lasts.
     """
     pressed = page.evaluate("""(name) => {
-        const b = Array.from(document.querySelectorAll('button.widget-button')).find(b => b.textContent.trim() === name);
+        const b = Array.from(document.querySelectorAll('button.sdpipe-button')).find(b => b.textContent.trim() === name);
         if (b) b.click();
         return !!b;
     }""", name)
     assert pressed, f"no {name!r} button in the page"
+
+
+def slide(page, label: str, value: float) -> None:
+    """Move the live dashboard's slider ``label`` to ``value`` as a user's drag does (the page's input events)."""
+    moved = page.evaluate("""([label, value]) => {
+        const row = Array.from(document.querySelectorAll('.sdpipe-controls label')).find(
+            r => r.querySelector('span').textContent.trim() === label && r.querySelector('input[type=range]'));
+        if (!row) return false;
+        const input = row.querySelector('input[type=range]');
+        input.value = String(value);
+        input.dispatchEvent(new Event('input', {bubbles: true}));
+        input.dispatchEvent(new Event('change', {bubbles: true}));
+        return true;
+    }""", [label, value])
+    assert moved, f"no slider {label!r} in the page"
 
 
 def screenshot(page, name: str) -> Path:
@@ -144,6 +160,17 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         state = wait_live(page, "/status paused/.test(s.text) && s.markers.includes('pause') && /pause applied at t = /.test(s.text)",
                           60, "the run paused from the page, with its control event in the timeline")
         check_drawn(state)
+        # sliders moved while the notebook's cell awaits the run reach the kernel with the press (twice: with
+        # ipywidgets' sliders the page held every change after the first until the cell ended)
+        slide(page, "pipeline 1", 3.0)
+        click(page, "slowdowns")
+        wait_live(page, "/slowdowns applied at t = [0-9.]+ s: pipeline 1 x3, straggle/.test(s.text)", 60,
+                  "the slowdown set in the page applied")
+        slide(page, "pipeline 1", 1.0)
+        slide(page, "pipeline 2", 2.5)
+        click(page, "slowdowns")
+        wait_live(page, "/slowdowns applied at t = [0-9.]+ s: pipeline 2 x2.5, straggle/.test(s.text)", 60,
+                  "the second slowdown set in the page applied")
         page.set_viewport_size({"width": 1440, "height": 3000})
         shots = [screenshot(page, "live-1440-filebrowser.png")]
         page.set_viewport_size({"width": 1000, "height": 3000})

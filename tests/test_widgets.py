@@ -74,6 +74,32 @@ def test_ratio_to_the_ideal_is_the_steps_without_their_synchronization():
     assert tp["spread"] == pytest.approx((tp["ratio"], tp["ratio"]))  # every block of steps alike
 
 
+def test_control_panel_applies_the_values_sent_with_a_press_and_refuses_bad_ones():
+    """A page's press carries every input's value (see widgets/controls.py); the kernel checks them first."""
+    from sdpipe.widgets.controls import ControlPanel
+
+    pressed = []
+    panel = ControlPanel(lambda action, error=None: pressed.append((action, error)), policies=["sdpipe", "ps"],
+                         policy="sdpipe", pipelines=2, slowdown=[1.0, 1.0], staleness=4)
+    page = {"policy": "ps", "staleness": 8, "max_group": 2, "slowdown": [1.0, 2.5], "straggle_prob": 0.1, "straggle_delay": 0.05}
+    panel._on_message(panel, {"action": "slowdowns", "values": page}, [])
+    assert pressed == [("slowdowns", None)]
+    assert (panel.policy, panel.staleness, panel.max_group, panel.slowdown) == ("ps", 8, 2, [1.0, 2.5])
+    for bad, field in (({"slowdown": [1.0, 9.0]}, "slowdown of pipeline 1: must be a number from 1 to 8"),
+                       ({"slowdown": [2.0]}, "slowdown: must be 2 numbers"),
+                       ({"staleness": 0.5}, "P (staleness): must be a whole number from 1 to 1000"),
+                       ({"policy": "allreduce"}, "policy: must be one of sdpipe, ps")):
+        pressed.clear()
+        panel._on_message(panel, {"action": "policy", "values": bad}, [])
+        [(action, error)] = pressed
+        assert action == "policy" and field in str(error), (bad, error)
+    assert panel.slowdown == [1.0, 2.5] and panel.staleness == 8  # nothing of a refused press was taken
+    panel._on_message(panel, {"action": "reboot"}, [])  # not a button of the panel
+    assert len(pressed) == 1
+    with pytest.raises(ValueError, match="action: must be one of policy, slowdowns, pause, resume, stop"):
+        panel.press("reboot")
+
+
 @pytest.mark.cluster
 def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster):
     from sdpipe.widgets import Dashboard
@@ -115,15 +141,11 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
         assert time.monotonic() - t < 1.0
         time.sleep(3.0)
         assert dash.redraw_rate(3.0) >= 2.0
-        dash.w_slow[1].value = 3.0
-        [apply_het] = [b for b in dash.controls.children[1].children if getattr(b, "description", "") == "apply slowdowns"]
-        apply_het.click()
-        assert "slowdowns applied at t = " in dash.message.value
-        [pause] = [b for b in dash.controls.children[2].children if getattr(b, "description", "") == "pause"]
-        pause.click()
+        dash.panel.press("slowdowns", slowdown=[1.0, 3.0])
+        assert "slowdowns applied at t = " in dash.message.value and "pipeline 1 x3," in dash.message.value
+        dash.panel.press("pause")
         assert run.status == "paused"
-        [stop] = [b for b in dash.controls.children[2].children if getattr(b, "description", "") == "stop"]
-        stop.click()
+        dash.panel.press("stop")
         assert dash.wait(60)
         result = run.result(timeout=60)
     finally:
@@ -135,5 +157,5 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
     assert ctl[0]["heterogeneity"]["slowdown"] == {"1": 3.0}
     assert any("pause" in label for _, label in dash.view.controls)
     assert "stopped" in dash.header.value
-    stop.click()  # a finished run answers like the other controls
+    dash.panel.press("stop")  # a finished run answers like the other controls
     assert "stop not applied" in dash.message.value and "had already ended (stopped)" in dash.message.value

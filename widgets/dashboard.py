@@ -29,6 +29,7 @@ from plotly.subplots import make_subplots
 
 from sdpipe.config import LIVE_POLICIES
 
+from .controls import MAX_STALENESS, ControlPanel
 from .view import CATEGORIES, RunView
 
 __all__ = ["Dashboard"]
@@ -55,9 +56,37 @@ COLORS = {
 #: membership strip: not in a group, alone, in a group, graph sync, global sync
 STRIP = [[0.0, "#FFFFFF"], [0.2, "#FFFFFF"], [0.2, "#D8D8D8"], [0.4, "#D8D8D8"], [0.4, "#4C78A8"], [0.6, "#4C78A8"],
          [0.6, "#E45756"], [0.8, "#E45756"], [0.8, "#54A24B"], [1.0, "#54A24B"]]
+#: the figure's look: plotly's default background and grid, without its per-trace-type defaults (building
+#: those is a third of a first Dashboard's time; every trace here sets its colours)
+TEMPLATE = {"layout": {
+    "plot_bgcolor": "#E5ECF6", "paper_bgcolor": "white", "font": {"color": "#2a3f5f"}, "hovermode": "closest",
+    "xaxis": {"gridcolor": "white", "linecolor": "white", "zerolinecolor": "white", "ticks": "", "automargin": True},
+    "yaxis": {"gridcolor": "white", "linecolor": "white", "zerolinecolor": "white", "ticks": "", "automargin": True},
+}}
 PIPELINE_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC"]
 
 
+
+
+def _load_plotly() -> None:
+    """Load the plotly classes and validators the dashboard's figure uses.
+
+    plotly imports each on first use; done here, at ``import sdpipe.widgets``
+    (before a run loads the machine), the first ``Dashboard(run)`` does not
+    pay for it while the workers train.
+    """
+    fig = make_subplots(rows=1, cols=2, figure=go.Figure(layout={"template": TEMPLATE}))
+    fig.add_trace(go.Bar(x=[0], y=[0], base=[0], orientation="h", marker_color="#000000", hoverinfo="name+x"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=[0], y=[0], mode="markers+text", text=[""], marker=dict(symbol="triangle-down"),
+                             line=dict(dash="dash")), row=1, col=1)
+    fig.add_trace(go.Heatmap(z=[[0]], colorscale=STRIP, hovertemplate="%{x}"), row=1, col=2)
+    fig.update_xaxes(title_text="x", tickangle=0, type="category")
+    fig.update_yaxes(tickvals=[0], ticktext=["a"], autorange="reversed", dtick=1)
+    fig.update_layout(legend=dict(orientation="h"), margin=dict(l=1))
+    fig.update_annotations(font_size=13)
+
+
+_load_plotly()
 
 
 class _Figure(go.FigureWidget):
@@ -214,7 +243,8 @@ class Dashboard:
         gap = 70  # pixels between rows: room for a row's axis title and the next row's title
         height = sum(heights) + gap * len(heights) + 80
         fig = make_subplots(rows=len(heights), cols=cols, specs=specs, subplot_titles=[titles[k] for k in ordered],
-                            row_heights=heights, vertical_spacing=gap / height, horizontal_spacing=0.07 if cols > 1 else 0.0)
+                            row_heights=heights, vertical_spacing=gap / height, horizontal_spacing=0.07 if cols > 1 else 0.0,
+                            figure=go.Figure(layout={"template": TEMPLATE}))
         return fig, pos, height
 
     def _build(self, controls: bool) -> None:
@@ -280,7 +310,8 @@ class Dashboard:
         #: the answer to the last control: what was applied and when, or why not
         self.message = W.HTML(layout=W.Layout(min_height="1.7em", width="100%"))
         parts = [self.header, self.numbers, self.note, self._width, self.figure]
-        self.controls = self._controls() if controls else None
+        #: the control panel (None for a replay or controls=False); ``panel.press(...)`` presses a button
+        self.panel = self.controls = self._controls() if controls else None
         if self.controls is not None:
             parts[1:1] = [self.controls, self.message]
         self.widget = W.VBox(parts, layout=W.Layout(width="100%"))
@@ -327,42 +358,33 @@ class Dashboard:
         "stragglers/median", "loss/0", "accuracy/0", "shares/compute", ..."""
         return self.figure.data[self._idx[key]]
 
-    def _controls(self):
+    def _controls(self) -> ControlPanel:
         run, cfg = self.run, self.config
-        sp = run.scheduler_policy
-        fixed = lambda w: W.Layout(width=w, min_width=w, max_width=w)
-        self.w_policy = W.Dropdown(options=list(LIVE_POLICIES), value=run.policy if run.policy in LIVE_POLICIES else None,
-                                   description="policy", disabled=run.policy not in LIVE_POLICIES)
-        self.w_staleness = W.BoundedIntText(value=min(sp.staleness, 1000), min=1, max=1000, description="P")
-        self.w_max_group = W.BoundedIntText(value=sp.max_group or 0, min=0, max=cfg.pipelines, description="max group",
-                                            tooltip="0: all pipelines")
-        apply_policy = W.Button(description="apply policy", disabled=self.w_policy.disabled)
-        apply_policy.on_click(lambda _: self._act("policy", lambda: run.set_policy(
-            self.w_policy.value, staleness=self.w_staleness.value, max_group=self.w_max_group.value or None)))
-        h = run.heterogeneity
-        self.w_slow = [W.FloatSlider(value=h.slowdown_of(p, 0), min=1.0, max=8.0, step=0.5, description=f"pipeline {p}",
-                                     continuous_update=False) for p in range(cfg.pipelines)]
-        self.w_prob = W.FloatSlider(value=h.straggle_prob, min=0.0, max=0.5, step=0.05, description="straggle p", continuous_update=False)
-        self.w_delay = W.FloatSlider(value=h.straggle_delay, min=0.0, max=0.5, step=0.01, description="delay (s)", continuous_update=False)
-        apply_het = W.Button(description="apply slowdowns")
+        sp, h = run.scheduler_policy, run.heterogeneity
+        switchable = run.policy in LIVE_POLICIES
+        return ControlPanel(
+            self._press, policies=list(LIVE_POLICIES), policy=run.policy if switchable else "", policy_enabled=switchable,
+            staleness=min(sp.staleness, MAX_STALENESS), max_group=sp.max_group or 0, pipelines=cfg.pipelines,
+            slowdown=[h.slowdown_of(p, 0) for p in range(cfg.pipelines)], straggle_prob=h.straggle_prob,
+            straggle_delay=h.straggle_delay)
 
-        def set_het():
-            slow = {p: w.value for p, w in enumerate(self.w_slow) if w.value > 1.0}
-            run.set_heterogeneity(slowdown=slow, straggle_prob=self.w_prob.value, straggle_delay=self.w_delay.value,
-                                  link_delay=dict(run.heterogeneity.link_delay))
-
-        apply_het.on_click(lambda _: self._act("slowdowns", set_het))
-        buttons = []
-        for name, fn in (("pause", run.pause), ("resume", run.resume), ("stop", run.stop)):
-            b = W.Button(description=name, button_style="danger" if name == "stop" else "")
-            b.on_click(lambda _, name=name, fn=fn: self._act(name, fn))
-            buttons.append(b)
-        return W.HBox([
-            W.VBox([W.HTML("<b>policy</b>"), self.w_policy, self.w_staleness, self.w_max_group, apply_policy], layout=fixed("320px")),
-            W.VBox([W.HTML("<b>heterogeneity (slowdown per pipeline)</b>")] + self.w_slow + [self.w_prob, self.w_delay, apply_het],
-                   layout=fixed("340px")),
-            W.VBox([W.HTML("<b>run</b>")] + buttons, layout=fixed("160px")),
-        ], layout=W.Layout(flex_flow="row wrap"))
+    def _press(self, action: str, error: Exception = None) -> None:
+        """A control panel button was pressed (its values are the panel's now)."""
+        run, panel = self.run, self.panel
+        if error is not None:
+            def refuse():
+                raise error
+            self._act(action, refuse)
+        elif action == "policy":
+            self._act("policy", lambda: run.set_policy(panel.policy, staleness=panel.staleness,
+                                                       max_group=panel.max_group or None))
+        elif action == "slowdowns":
+            slow = {p: x for p, x in enumerate(panel.slowdown) if x > 1.0}
+            self._act("slowdowns", lambda: run.set_heterogeneity(
+                slowdown=slow, straggle_prob=panel.straggle_prob, straggle_delay=panel.straggle_delay,
+                link_delay=dict(run.heterogeneity.link_delay)))
+        else:
+            self._act(action, {"pause": run.pause, "resume": run.resume, "stop": run.stop}[action])
 
     def _act(self, what: str, fn) -> None:
         """Run a control call; say in the message line what was applied and when, or why not (never raises)."""
@@ -379,11 +401,19 @@ class Dashboard:
                     + ("the pipelines stop at their next step boundary" if what == "stop" else
                        "every worker holds at its next step boundary" if what == "pause" else
                        "the workers go on from where they held" if what == "resume" else
-                       "every worker takes it at its next step boundary"))
+                       f"{self._applied(what)}; every worker takes it at its next step boundary"))
             self.message.value = f"<span style='color:#1a7f37'>{html.escape(text)}</span>"
         except Exception as e:  # shown to the user, the run goes on
             text = f"{clock} {what} not applied: {type(e).__name__}: {e}"
             self.message.value = f"<span style='color:#b00; overflow-wrap:anywhere'>{html.escape(text)}</span>"
+
+    def _applied(self, what: str) -> str:
+        """What a policy or slowdowns press applied, in a few words."""
+        p = self.panel
+        if what == "policy":
+            return f"{p.policy} (P = {p.staleness}, max group {p.max_group or 'all'})"
+        slow = ", ".join(f"pipeline {i} x{x:g}" for i, x in enumerate(p.slowdown) if x > 1.0) or "no slowdown"
+        return f"{slow}, straggle p {p.straggle_prob:g}, delay {p.straggle_delay:g} s"
 
     # ------------------------------------------------------------ updates
     def refresh(self, fetch: bool = True, full: bool = True) -> int:
