@@ -60,7 +60,8 @@ STRIP = [[0.0, "#FFFFFF"], [0.2, "#FFFFFF"], [0.2, "#D8D8D8"], [0.4, "#D8D8D8"],
 #: those is a third of a first Dashboard's time; every trace here sets its colours)
 TEMPLATE = {"layout": {
     "plot_bgcolor": "#E5ECF6", "paper_bgcolor": "white", "font": {"color": "#2a3f5f"}, "hovermode": "closest",
-    "xaxis": {"gridcolor": "white", "linecolor": "white", "zerolinecolor": "white", "ticks": "", "automargin": True},
+    "xaxis": {"gridcolor": "white", "linecolor": "white", "zerolinecolor": "white", "ticks": "", "automargin": True,
+              "title": {"standoff": 6}},
     "yaxis": {"gridcolor": "white", "linecolor": "white", "zerolinecolor": "white", "ticks": "", "automargin": True},
 }}
 PIPELINE_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC"]
@@ -240,7 +241,7 @@ class Dashboard:
             heights = [tall["timeline"]] + [150] * S + [260] + [tall["shares"]]
             ordered = sorted(pos, key=lambda k: pos[k])
             cols = 3
-        gap = 70  # pixels between rows: room for a row's axis title and the next row's title
+        gap = 90  # pixels between rows: room for a row's tick labels (two lines under the stragglers), axis title and the next row's title
         height = sum(heights) + gap * len(heights) + 80
         fig = make_subplots(rows=len(heights), cols=cols, specs=specs, subplot_titles=[titles[k] for k in ordered],
                             row_heights=heights, vertical_spacing=gap / height, horizontal_spacing=0.07 if cols > 1 else 0.0,
@@ -269,7 +270,9 @@ class Dashboard:
                                         legendgroup="kinds"), "timeline")
         add("timeline/control", go.Scatter(name="control", mode="markers+text", x=[], y=[], text=[], textposition="top center",
                                            marker=dict(symbol="triangle-down", size=11, color="black")), "timeline")
-        axes("timeline", y_tickvals=list(range(n)), y_ticktext=labels, y_autorange="reversed", x_title_text="seconds since launch")
+        # every worker's row always shown (a paused run's recent window has no bars in most rows)
+        rows = dict(y_tickvals=list(range(n)), y_ticktext=labels, y_range=[n - 0.5, -0.5], y_autorange=False)
+        axes("timeline", **rows, x_title_text="seconds since launch")
         for s in range(S):
             add(f"groups/{s}", go.Heatmap(z=[[0]], x=[0], y=list(range(cfg.pipelines)), zmin=0, zmax=4, colorscale=STRIP,
                                           showscale=False, xgap=1, ygap=1, hovertemplate="formation %{x}<br>pipeline %{y}<extra></extra>"),
@@ -290,7 +293,7 @@ class Dashboard:
         axes("accuracy", x_title_text="epoch")
         for c in CATEGORIES:
             add(f"shares/{c}", go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False), "shares")
-        axes("shares", y_tickvals=list(range(n)), y_ticktext=labels, y_autorange="reversed", x_title_text="seconds")
+        axes("shares", **rows, x_title_text="seconds")
         fig.update_layout(height=height, barmode="overlay", margin=dict(l=130, r=20, t=40, b=40),
                           legend=dict(orientation="h", y=1.0, yanchor="bottom"))
         fig.update_annotations(font_size=13)
