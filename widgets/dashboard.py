@@ -37,7 +37,9 @@ __all__ = ["Dashboard"]
 #: below this output width (pixels) the panels stack in one column
 NARROW = 900
 #: seconds a redraw waits at most for a browser to have drawn the previous one
-BEHIND = 2.0
+BEHIND = 20.0
+#: a browser that answered within this many seconds counts as attached (redraws wait for it)
+ATTACHED = 30.0
 #: seconds between full resends of the figure while a run is followed (see Dashboard.resync)
 RESYNC = 10.0
 
@@ -563,11 +565,12 @@ class Dashboard:
                     self.refresh()  # the last records
                     self.resync()
                     break
-                # wait for a browser to have drawn it (at most BEHIND), then as long again: a browser that
-                # needs longer than the interval to draw stays idle half the time (its page answers clicks)
+                # wait for a browser to have drawn it, then as long again: a browser that needs longer than the
+                # interval to draw stays idle half the time (its page answers clicks), and never has more than one
+                # redraw waiting (a page that fell behind for a minute and a half lost its connection to the kernel)
                 sent = time.monotonic()
                 answered = self.figure._drawn_at
-                if answered is not None and sent - answered < 2 * BEHIND:  # a browser is drawing (none: no wait)
+                if answered is not None and sent - answered < ATTACHED:  # a browser is drawing (none: no wait)
                     while not self.figure._drawn.is_set() and not self._stopping.is_set() and time.monotonic() < sent + BEHIND:
                         self.figure._drawn.wait(0.02)
                 self.lag = time.monotonic() - sent if self.figure._drawn.is_set() else None
