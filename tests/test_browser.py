@@ -127,6 +127,29 @@ def slide(page, label: str, value: float) -> None:
     assert moved, f"no slider {label!r} in the page"
 
 
+#: presses that had to be repeated, by button (written to live.json)
+REPEATED: dict = {}
+
+
+def press(page, name: str, test: str, what: str, tries: int = 3, wait: float = 20.0):
+    """Press ``name`` until the live dashboard shows ``test`` (at most ``tries`` presses, ``wait`` seconds each).
+
+    On this 2-core machine, with the run's 8 workers busy, a press in the page
+    now and then never reaches the kernel (see tests/conftest.py for what was
+    found); a user presses again, and so does this. Repeats are counted in
+    ``REPEATED`` and saved with the artifacts; a control that does not answer
+    ``tries`` presses fails the test.
+    """
+    for attempt in range(tries):
+        click(page, name)
+        try:
+            return wait_live(page, test, wait, what)
+        except TimeoutError:
+            if attempt == tries - 1:
+                raise
+            REPEATED[name] = REPEATED.get(name, 0) + 1
+
+
 def screenshot(page, name: str) -> Path:
     path = ARTIFACTS / name
     page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first.screenshot(path=str(path))
@@ -156,9 +179,8 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")  # the file browser open, as users have it
         # pause as soon as the run trains (a cheap look at the header: the run lasts under a minute)
         wait_js(page, HEADER_RUNNING, 240, "the live dashboard's header saying the run is running", poll=0.25)
-        click(page, "pause")
-        state = wait_live(page, "/status paused/.test(s.text) && s.markers.includes('pause') && /pause applied at t = /.test(s.text)",
-                          60, "the run paused from the page, with its control event in the timeline")
+        state = press(page, "pause", "/status paused/.test(s.text) && s.markers.includes('pause') && /pause applied at t = /.test(s.text)",
+                      "the run paused from the page, with its control event in the timeline")
         check_drawn(state)
         page.set_viewport_size({"width": 1440, "height": 3000})
         shots = [screenshot(page, "live-1440-filebrowser.png")]
@@ -175,19 +197,19 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         # sliders moved while the notebook's cell awaits the run reach the kernel with the press (twice: with
         # ipywidgets' sliders the page held every change after the first until the cell ended)
         slide(page, "pipeline 1", 3.0)
-        click(page, "slowdowns")
-        wait_live(page, "/slowdowns applied at t = [0-9.]+ s: pipeline 1 x3, /.test(s.text)", 60,
-                  "the slowdown set in the page applied")
+        press(page, "slowdowns", "/slowdowns applied at t = [0-9.]+ s: pipeline 1 x3, /.test(s.text)",
+              "the slowdown set in the page applied")
         slide(page, "pipeline 1", 1.0)
         slide(page, "pipeline 2", 2.5)
-        click(page, "slowdowns")
-        wait_live(page, "/slowdowns applied at t = [0-9.]+ s: pipeline 2 x2\\.5, /.test(s.text)", 60,
-                  "the second slowdown set in the page applied")
-        click(page, "resume")
-        wait_live(page, "/status running/.test(s.text) && s.markers.includes('resume')", 60,
-                  "the run resumed from the page, with its control event in the timeline")
+        press(page, "slowdowns", "/slowdowns applied at t = [0-9.]+ s: pipeline 2 x2\\.5, /.test(s.text)",
+              "the second slowdown set in the page applied")
+        press(page, "resume", "/status running/.test(s.text) && s.markers.includes('resume')",
+              "the run resumed from the page, with its control event in the timeline")
         finish(page)
-        (ARTIFACTS / "live.json").write_text(json.dumps({k: v for k, v in state.items() if k != "bars"}, indent=1))
+        (ARTIFACTS / "live.json").write_text(json.dumps({**{k: v for k, v in state.items() if k != "bars"},
+                                                         "repeated_presses": REPEATED}, indent=1))
+        if REPEATED:
+            print(f"presses repeated: {REPEATED}")
     for shot in shots:
         assert shot.stat().st_size > 20_000, shot
 
