@@ -193,7 +193,11 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         run_notebook(page, url, token, NOTEBOOK)
         page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")  # the file browser open, as users have it
         # pause as soon as the run trains (a cheap look at the header: the run lasts under a minute)
-        wait_js(page, HEADER_RUNNING, 240, "the live dashboard's header saying the run is running", poll=0.25)
+        try:
+            wait_js(page, HEADER_RUNNING, 240, "the live dashboard's header saying the run is running", poll=0.25)
+        except TimeoutError as e:
+            headers = page.evaluate("() => Array.from(document.querySelectorAll('.widget-html')).map(e => e.textContent).slice(0, 3)")
+            raise TimeoutError(f"{e}; the page showed {headers}; its kernel connection: {connection(page)}") from None
         state = press(page, "pause", "/status paused/.test(s.text) && s.markers.includes('pause') && /pause applied at t = /.test(s.text)",
                       "the run paused from the page, with its control event in the timeline")
         check_drawn(state)
