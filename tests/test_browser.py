@@ -204,11 +204,12 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         page.set_viewport_size({"width": 1440, "height": 3000})
         shots = [screenshot(page, "live-1440-filebrowser.png")]
         page.set_viewport_size({"width": 1000, "height": 3000})
-        state = wait_live(page, "s.svg_width <= s.area_width + 1 && s.area_width < 900", 30, "the figure fitted to 1000 px")
+        fitted = "s.svg_width <= s.area_width + 1 && s.svg_width >= s.area_width - 40"  # the figure takes the area's width
+        state = wait_live(page, f"{fitted} && s.area_width < 900", 30, "the figure fitted to 1000 px")
         check_drawn(state, bars=False)
         shots.append(screenshot(page, "live-1000-filebrowser.png"))
         page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
-        state = wait_live(page, "s.svg_width <= s.area_width + 1 && s.area_width > 700", 30,
+        state = wait_live(page, f"{fitted} && s.area_width > 700", 30,
                           "the figure fitted to 1000 px without the file browser")
         check_drawn(state, bars=False)
         shots.append(screenshot(page, "live-1000.png"))
