@@ -135,15 +135,16 @@ def _connect(cluster, config: TrainConfig, security=None):
 
     secure = {} if security is None else {"security": security}
     if cluster is None:
+        host = config.host or "127.0.0.1"
         kwargs = dict(
             n_workers=config.world_size,
             threads_per_worker=1,
             processes=True,
-            host=config.host,
+            host=host,
             dashboard_address=None,
             # the scheduler serves its HTTP routes (health, metrics) even without a dashboard, on 8787 unless told:
             # a random port on the cluster's host, so a second cluster on the machine starts without a warning
-            scheduler_kwargs={"dashboard_address": f"{config.host}:0"} if ":" not in config.host else {},
+            scheduler_kwargs={"dashboard_address": f"{host}:0"} if ":" not in host else {},
             silence_logs=logging.ERROR,
             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
@@ -173,6 +174,10 @@ def _connect(cluster, config: TrainConfig, security=None):
             ) from None
     if isinstance(cluster, Client):
         return cluster, None, False
+    from .hosts import EmulatedHosts
+
+    if isinstance(cluster, EmulatedHosts):
+        return Client(cluster.scheduler_address, timeout=CONNECT_TIMEOUT, set_as_default=False), None, True
     if hasattr(cluster, "scheduler_address"):
         return Client(cluster, set_as_default=False, **secure), None, True
     raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
@@ -388,9 +393,11 @@ class Run:
                 self._startup = f"starting an embedded Dask cluster of {cfg.world_size} worker processes"
                 self._client, self._cluster, self._own_client = _connect(cluster, cfg, self._security)
             self._startup = "opening the rendezvous store and the group service"
-            self._store = _bound_store(cfg.host, cfg.timeout)
+            #: Address the run's rendezvous store listens on (``host=``, else the one routing to the Dask scheduler).
+            self.store_host = cfg.host or route_address(self._client.scheduler.address)
+            self._store = _bound_store(self.store_host, cfg.timeout)
             self._run_store = dist.PrefixStore(f"sdpipe/{self.run_id}/", self._store)
-            spec["store_host"], spec["store_port"] = cfg.host, self._store.port
+            spec["store_host"], spec["store_port"] = self.store_host, self._store.port
             #: Port of the run's rendezvous store (closed when the run ends).
             self.store_port = self._store.port
             self._topic = spec["topic"]
@@ -982,6 +989,32 @@ class Run:
         self._store = None  # dropping the last reference shuts the store's listener
 
 
+def route_address(scheduler_address: str) -> str:
+    """This machine's address on the interface that routes to ``scheduler_address`` (127.0.0.1 for a loopback one).
+
+    Workers reach the driver the way the driver reaches their scheduler, so
+    the run's store listens there.  No packet is sent: a UDP socket's
+    ``connect`` only asks the kernel for the route.
+    """
+    import ipaddress
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(scheduler_address) if "://" in scheduler_address else None
+    host = parsed.hostname if parsed else None
+    if not host or host == "localhost":
+        return "127.0.0.1"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, parsed.port or 8786, type=socket.SOCK_DGRAM)[0]
+        if ipaddress.ip_address(addr[0]).is_loopback:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return "127.0.0.1"
+
+
 def _bound_store(host: str, timeout: float):
     """The run's rendezvous store, listening on ``host`` only.
 
@@ -1042,7 +1075,7 @@ def train(
     heterogeneity: Optional[Heterogeneity] = None,
     scheduler=None,
     timeout: float = 120.0,
-    host: str = "127.0.0.1",
+    host: Optional[str] = None,
     checkpoint_every: int = 0,
     checkpoint_dir=None,
     resume_from=None,
@@ -1062,10 +1095,16 @@ def train(
     checkpoint folder, or a checkpoint_dir for its latest) starts at that
     checkpoint's epoch with its weights, optimizer and random states.
 
+    ``host``: the address the run's rendezvous store listens on, which every
+    worker must reach.  By default it is this machine's address on the
+    interface that routes to the Dask scheduler (127.0.0.1 for an embedded or
+    loopback cluster).  Each worker binds its own tensors' sockets to its own
+    host's address (the host part of its Dask worker address).
+
     ``security`` (a ``distributed.Security``) connects to a TLS-secured
     scheduler address (``tls://...``).  Dask's TLS covers the control plane;
     tensors and the rendezvous store go over torch.distributed (plain TCP), so
-    ``host`` should stay on a trusted network (by default it is loopback).
+    the store and the workers should stay on a trusted network.
 
     Everything is checked before any worker starts; bad input raises a
     one-line ``ValueError`` naming the field.

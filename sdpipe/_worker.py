@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import random
 import threading
 import time
@@ -67,11 +68,63 @@ class EventSink:
         self._worker.log_event(self.topic, {"rank": self.rank, "seq": seq, "events": batch})
 
 
+#: seconds a worker may take to reach the run's rendezvous store (a live store answers in milliseconds)
+STORE_CONNECT_TIMEOUT = 20.0
+
+
 def _run_store(spec: dict, timeout: float):
-    """A new connection to the run's store (the driver's ``TCPStore``), under the run's key prefix."""
-    base = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout))
+    """A new connection to the run's store (the driver's ``TCPStore``), under the run's key prefix.
+
+    Connecting is bounded by :data:`STORE_CONNECT_TIMEOUT`, not the run's
+    timeout: a store this worker cannot reach is a setting to change, said
+    in one line.  Waits on the connection get the run's timeout.
+    """
+    host, port = spec["store_host"], spec["store_port"]
+    connect = min(timeout, STORE_CONNECT_TIMEOUT)
+    try:
+        base = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect))
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        raise ConnectionError(
+            f"cannot reach the run's rendezvous store at {host}:{port} from {own_address()} within {connect:.0f}s "
+            f"({type(e).__name__}); set host= in sdpipe.train to an address of the driver's machine that every "
+            f"worker can reach (and open its port between the machines)"
+        ) from None
+    base.set_timeout(datetime.timedelta(seconds=timeout))
     return dist.PrefixStore(f"sdpipe/{spec['run_id']}/", base)
+
+
+def own_address() -> str:
+    """The address of this worker's host: the host part of its Dask worker address (its tensors' sockets bind to it)."""
+    from urllib.parse import urlparse
+
+    from distributed import get_worker
+
+    try:
+        addr = get_worker().address
+    except ValueError:  # not inside a Dask worker (a test calling worker code directly)
+        return "127.0.0.1"
+    host = urlparse(addr).hostname if "://" in addr else None
+    return host or "127.0.0.1"
+
+
+def nccl_interface(address: str):
+    """The name of the network interface that holds ``address`` (NCCL's bootstrap binds to it), or None."""
+    import ipaddress
+
+    import psutil
+
+    try:
+        want = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            try:
+                if ipaddress.ip_address(a.address.split("%")[0]) == want:
+                    return name
+            except ValueError:
+                continue
+    return None
 
 
 class _CtlWatcher(threading.Thread):
@@ -121,7 +174,12 @@ class Worker:
         self.t0 = spec["t0"]
         self.backend = spec["backend"]
         self.timeout = cfg["timeout"]
-        self.host = cfg["host"]
+        #: this worker's own address: its gloo device binds to it (never to the driver's)
+        self.host = own_address()
+        if self.backend == "nccl" and "NCCL_SOCKET_IFNAME" not in os.environ:
+            iface = nccl_interface(self.host)
+            if iface:
+                os.environ["NCCL_SOCKET_IFNAME"] = f"={iface}"  # exact name: NCCL's bootstrap uses this host's address
         self.device = self._pick_device(cfg["device"])
         self.link_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self.hetero = Heterogeneity.from_dict(cfg["heterogeneity"]) if cfg["heterogeneity"] else Heterogeneity()
@@ -263,7 +321,8 @@ class Worker:
         if not self.last:
             activation_bytes = mb * math.prod(self.shapes.out) * torch.empty((), dtype=self.shapes.out_dtype).element_size()
         now = time.time()
-        self.span("stage", None, None, now, now, weight_bytes=int(weight_bytes), activation_bytes=int(activation_bytes))
+        self.span("stage", None, None, now, now, weight_bytes=int(weight_bytes), activation_bytes=int(activation_bytes),
+                  address=self.host)
 
     def delay_link(self) -> None:
         d = self.hetero.link_delay_of(self.pipeline, self.stage)

@@ -166,8 +166,9 @@ class TrainConfig:
     """Group-scheduler parameters for "sdpipe": a sdpipe.scheduler.SchedulerPolicy or a dict of its fields."""
     timeout: float = 120.0
     """Seconds any single wait (rendezvous, receive, collective) may take."""
-    host: str = "127.0.0.1"
-    """Address the run's rendezvous store listens on and workers reach it by."""
+    host: Optional[str] = None
+    """Address the run's rendezvous store listens on and workers reach it by; None: the driver's address on
+    the interface that routes to the Dask scheduler (127.0.0.1 for an embedded or loopback cluster)."""
     checkpoint_every: int = 0
     """Epochs between checkpoints (0: none); a multiple of sync_every, so every checkpoint follows a global sync."""
     checkpoint_dir: Optional[str] = None
@@ -216,8 +217,9 @@ class TrainConfig:
             elif not isinstance(self.scheduler, SchedulerPolicy):
                 raise ValueError(f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, got {type(self.scheduler).__name__}")
         _number("timeout", self.timeout, 0.0, lo_open=True)
-        if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"host: must be a non-empty address string, got {self.host!r}")
+        if self.host is not None and (not isinstance(self.host, str) or not self.host):
+            raise ValueError(f"host: must be a non-empty address string or None (the address that routes to the "
+                             f"Dask scheduler), got {self.host!r}")
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: must be an integer >= 0 (epochs; 0 = none), got {self.checkpoint_every!r}")
         if self.checkpoint_every and self.checkpoint_every % self.sync_every:
