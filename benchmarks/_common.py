@@ -49,6 +49,15 @@ def meta_lines(meta: dict) -> list:
     return [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
 
 
+def results_head(out, title: str, meta: dict):
+    """(the results file's path, its first lines): ``# title`` and the metadata; its folder is made."""
+    from pathlib import Path
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out, [f"# {title}", ""] + meta_lines(meta)
+
+
 def save_figure(fig, path, width: int = 900, height: int = 520) -> list:
     """Write a plotly figure as ``path.html`` (plotly.js from its CDN) and ``path.png``.
 

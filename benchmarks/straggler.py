@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import local_cluster, meta_lines, run_meta
+from _common import local_cluster, results_head, run_meta
 
 
 def throughput(result, skip_first=True) -> float:
@@ -143,10 +143,7 @@ def main(argv=None) -> int:
     meta = run_meta("straggler.py", argv, f"{model_txt}, S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches, "
                     f"adam lr 0.002, {args.epochs} epochs, global sync every {args.sync_every} epoch(s), P={args.staleness}, "
                     f"straggler: pipeline {args.slow} slowed {args.slowdown:g}x (compute), gloo on CPU, {args.repeats} repeats")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    L = [f"# Policies with and without a {args.slowdown:g}x straggler", ""]
-    L += meta_lines(meta)
+    out, L = results_head(args.out, f"Policies with and without a {args.slowdown:g}x straggler", meta)
     L += ["", "Samples/s are the median over the repeats (min-max in brackets); the ideal is the sum of the pipelines' speeds "
           "with none waiting for another (policy `none`, measured in the same cluster).", "",
           "| scenario | policy | samples/s | / allreduce | / ideal | held-out accuracy |", "|---|---|---|---|---|---|"]

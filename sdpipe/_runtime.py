@@ -132,6 +132,7 @@ def _connect(cluster, config: TrainConfig, security=None):
     """
     import dask
     from distributed import Client, LocalCluster
+    from distributed.security import Security
 
     secure = {} if security is None else {"security": security}
     if cluster is None:
@@ -161,26 +162,68 @@ def _connect(cluster, config: TrainConfig, security=None):
             lc.close()
             raise
     if isinstance(cluster, str):
-        try:
-            return Client(cluster, timeout=CONNECT_TIMEOUT, set_as_default=False, **secure), None, True
-        except TypeError:
-            if cluster.startswith("tls://"):
-                raise ValueError(f"security: {cluster!r} speaks TLS; pass security=distributed.Security(...) or set "
-                                 "distributed.comm.tls.* in Dask's configuration") from None
-            raise
-        except (OSError, TimeoutError, ValueError) as e:
-            raise ConnectionError(
-                f"cluster: cannot reach a Dask scheduler at {cluster!r} within {CONNECT_TIMEOUT:.0f}s ({type(e).__name__})"
-            ) from None
+        if cluster.startswith("tls://") and not (security or Security()).get_connection_args("client")["ssl_context"]:
+            raise ValueError(f"security: {cluster!r} speaks TLS; pass security=distributed.Security(...) or set "
+                             "distributed.comm.tls.* in Dask's configuration")
+        return _client(cluster, security), None, True
     if isinstance(cluster, Client):
         return cluster, None, False
     from .hosts import EmulatedHosts
 
     if isinstance(cluster, EmulatedHosts):
-        return Client(cluster.scheduler_address, timeout=CONNECT_TIMEOUT, set_as_default=False), None, True
+        return _client(cluster.scheduler_address, None), None, True
     if hasattr(cluster, "scheduler_address"):
         return Client(cluster, set_as_default=False, **secure), None, True
     raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
+
+
+def _client(address: str, security, attempts: int = 2):
+    """A Dask client of the scheduler at ``address``, or one line saying why not.
+
+    A client that failed to start still runs its IO thread; left to the
+    garbage collector, its close runs on whichever thread the collector
+    interrupts (once seen in CI right before the next client's IO thread
+    missed Dask's 10 s start window), so it is closed here.  Dask's bare
+    ``AssertionError`` for an IO thread that did not start in time is
+    retried once.
+    """
+    from distributed import Client
+
+    secure = {} if security is None else {"security": security}
+    for attempt in range(attempts):
+        try:
+            return Client(address, timeout=CONNECT_TIMEOUT, set_as_default=False, **secure)
+        except (OSError, TimeoutError, ValueError, AssertionError) as e:
+            _close_half_built(e)
+            if isinstance(e, AssertionError) and attempt + 1 < attempts:
+                continue
+            why = "its client's IO thread did not start" if isinstance(e, AssertionError) else type(e).__name__
+            raise ConnectionError(
+                f"cluster: cannot reach a Dask scheduler at {address!r} within {CONNECT_TIMEOUT:.0f}s ({why})"
+            ) from None
+        except TypeError as e:  # Dask: a plain connection to a TLS scheduler (or the other way round)
+            _close_half_built(e)
+            raise ValueError(f"security: {address!r} does not match the security given ({e})") from None
+
+
+def _close_half_built(error: BaseException) -> None:
+    """Close the ``distributed.Client`` whose constructor raised ``error`` (found in the traceback's frames)."""
+    from distributed import Client
+
+    tb = error.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, Client):
+            try:
+                obj.close(timeout=5)
+                # a client that closed itself on failing leaves its IO thread running: Dask's close skips it then
+                runner = getattr(obj, "_loop_runner", None)
+                if runner is not None and runner.is_started():
+                    runner.stop()
+            except Exception:  # closing what never started is best effort
+                pass
+            return
+        tb = tb.tb_next
 
 
 def _count_workers(client, config: TrainConfig) -> None:
@@ -290,6 +333,11 @@ class Run:
         self.policy = config.policy
         self.scheduler_policy = config.scheduler_policy()
         self.heterogeneity = config.heterogeneity or Heterogeneity()
+        from .hosts import EmulatedHosts
+
+        self._emulated = cluster if isinstance(cluster, EmulatedHosts) else None
+        #: Kernel-enforced limits set by :meth:`shape`: host address -> {"bandwidth", "cpu", "pipelines"}.
+        self.shaping: dict = {}
         self._workers: list = []
         self._futures: list = []
         self._lost: dict = {}
@@ -527,6 +575,42 @@ class Run:
             self._write_ctl()
             self.heterogeneity = heterogeneity
         self._record("heterogeneity", version=v, heterogeneity=heterogeneity.to_dict())
+
+    def shape(self, host: Optional[int] = None, *, pipeline: Optional[int] = None, bandwidth=..., cpu=...) -> dict:
+        """Limit a host's link and CPU by the kernel while the run goes on (runs on :class:`sdpipe.hosts.EmulatedHosts`).
+
+        The host is ``host`` (its index) or the one ``pipeline``'s workers run
+        on.  ``bandwidth``: bytes/s each way (a token bucket on its link);
+        ``cpu``: cores (a quota of its cgroup); None lifts a limit, an argument
+        left out keeps it.  Unlike :meth:`set_heterogeneity` (slept, per
+        worker) this shapes the host: every process on it, all its traffic.
+        Recorded as a ``control`` event (``what="shaped"``); returns the host's
+        shaping now.
+        """
+        hosts = self._emulated
+        if hosts is None:
+            raise ValueError("shape: needs a run on emulated hosts (cluster=sdpipe.hosts.EmulatedHosts(...)); "
+                             "use set_heterogeneity for slept slowdowns on any cluster")
+        if (host is None) == (pipeline is None):
+            raise ValueError("shape: pass one of host (an index) or pipeline (the host its workers run on)")
+        self._require_running("shape")
+        S = self.config.stages
+        on = {}  # host index -> pipelines with a worker there
+        for rank, addr in enumerate(self._workers):
+            on.setdefault(hosts.host_of(addr), set()).add(rank // S)
+        if pipeline is not None:
+            if isinstance(pipeline, bool) or not isinstance(pipeline, int) or not 0 <= pipeline < self.config.pipelines:
+                raise ValueError(f"pipeline: must be 0..{self.config.pipelines - 1}, got {pipeline!r}")
+            where = sorted(h for h, ps in on.items() if pipeline in ps)
+            if len(where) != 1:
+                raise ValueError(f"pipeline: pipeline {pipeline}'s workers run on hosts {where}; shape one host= at a time")
+            host = where[0]
+        now = hosts.shape(host, bandwidth=bandwidth, cpu=cpu)
+        address = hosts.addresses[host]
+        pipes = sorted(on.get(host, ()))
+        self.shaping[address] = dict(now, host=host, pipelines=pipes)
+        self._record("shaped", host=host, address=address, pipelines=pipes, bandwidth=now["bandwidth"], cpu=now["cpu"])
+        return now
 
     def set_policy(self, policy: Optional[str] = None, **params) -> None:
         """Switch the synchronization policy and/or change its parameters while training.

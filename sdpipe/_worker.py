@@ -188,7 +188,10 @@ class Worker:
 
         self.store = _run_store(spec, self.timeout)
         self.store.add("ranks/started", 1)  # the driver shows the start-up: started, then connected (below)
-        self._rendezvous_store = None
+        # rendezvous wait on their own connection, so the wait can be watched on self.store meanwhile; made now,
+        # next to the first (made at the first group, it could come after the run was stopped and then try a
+        # closed store for the whole connect timeout)
+        self._rendezvous_store = _run_store(spec, self.timeout)
 
         self.module = spec["stage_modules"][self.stage].to(self.device)
         self.module.train()
@@ -250,9 +253,6 @@ class Worker:
     def group(self, name: str, rank: int, size: int, connect_timeout: float | None = None, pipelines=None):
         """A process group of the workers of ``pipelines`` (default: every pipeline); its rendezvous is given up
         on as soon as one of those pipelines is marked lost (a dead member never comes)."""
-        if self._rendezvous_store is None:
-            # the rendezvous waits on its own connection, so the wait can be watched on self.store meanwhile
-            self._rendezvous_store = _run_store(self.spec, self.timeout)
         watched = list(range(self.pipelines)) if pipelines is None else list(pipelines)
 
         def lost_member():

@@ -166,7 +166,7 @@ class EmulatedHosts:
     def _save_state(self) -> None:
         os.makedirs(STATE_DIR, exist_ok=True)
         with open(os.path.join(STATE_DIR, f"{self.id}.json"), "w") as f:
-            json.dump({"pid": os.getpid(), "bridge": self.bridge, "namespaces": self.namespaces,
+            json.dump({"pid": os.getpid(), "bridge": self.bridge, "namespaces": self.namespaces, "links": self._outer,
                        "cgroups": [_cgroup_path(self.id, i) for i in range(len(self.addresses))]}, f)
 
     def _make_network(self) -> None:
@@ -196,17 +196,23 @@ class EmulatedHosts:
             os.makedirs(path, exist_ok=True)
             self.cgroups.append(path)
 
+    def popen(self, host: int, args: list, **kwargs) -> subprocess.Popen:
+        """Start ``args`` (a command line) on ``host``: in its network namespace and its cgroup, in a new session.
+
+        The process is the caller's to wait for; :meth:`close` kills it with the host if it still runs.
+        """
+        # the process joins its host's cgroup before it becomes the command, so all its children are in it too
+        procs = os.path.join(self.cgroups[host], "cgroup.procs") if self.cgroups else "/dev/null"
+        cmd = ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", "ip", "netns", "exec", self.namespaces[host], *args]
+        return subprocess.Popen(cmd, start_new_session=True, **kwargs)
+
     def _spawn(self, host: int, args: list, log: str) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
                    DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False", **self._env)
-        # the process joins its host's cgroup before it becomes the Dask process, so all its children are in it too
-        procs = os.path.join(self.cgroups[host], "cgroup.procs") if self.cgroups else "/dev/null"
-        cmd = ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh",
-               "ip", "netns", "exec", self.namespaces[host], sys.executable, *args]
         with open(log, "wb") as out:
-            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=env, start_new_session=True)
+            p = self.popen(host, [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, env=env)
         self._procs.append((host, p))
         return p
 
@@ -235,7 +241,8 @@ class EmulatedHosts:
                                        f"see {self.log_dir}")
             try:
                 with Client(self.scheduler_address, timeout=5, set_as_default=False) as c:
-                    c.wait_for_workers(n, timeout=max(1.0, deadline - time.monotonic()))
+                    if n:
+                        c.wait_for_workers(n, timeout=max(1.0, deadline - time.monotonic()))
                     return
             except (OSError, TimeoutError) as e:
                 seen += 1
@@ -323,7 +330,7 @@ class EmulatedHosts:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-        _remove(self.bridge, self.namespaces, [_cgroup_path(self.id, i) for i in range(len(self.addresses))])
+        _remove(self.bridge, self.namespaces, [_cgroup_path(self.id, i) for i in range(len(self.addresses))], self._outer)
         try:
             os.remove(os.path.join(STATE_DIR, f"{self.id}.json"))
         except FileNotFoundError:
@@ -374,7 +381,7 @@ def _set_quota(path: str, cores: Optional[float]) -> None:
             f.write(f"{'max' if cores is None else max(1000, int(cores * PERIOD_US))} {PERIOD_US}")
 
 
-def _remove(bridge: str, namespaces: list, cgroups: list) -> None:
+def _remove(bridge: str, namespaces: list, cgroups: list, links: list = ()) -> None:
     for ns in namespaces:
         for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
             try:
@@ -390,8 +397,10 @@ def _remove(bridge: str, namespaces: list, cgroups: list) -> None:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
+    for link in links:  # one end of a virtual cable takes the other with it
+        _run("ip", "link", "del", link, check=False)
     for ns in namespaces:
-        _run("ip", "netns", "del", ns, check=False)  # takes the host's end of its link, and so the link, with it
+        _run("ip", "netns", "del", ns, check=False)
     _run("ip", "link", "del", bridge, check=False)
 
 
@@ -411,7 +420,7 @@ def clean_stale() -> list:
             continue
         if _alive(state.get("pid", -1)):
             continue
-        _remove(state["bridge"], state["namespaces"], state.get("cgroups", []))
+        _remove(state["bridge"], state["namespaces"], state.get("cgroups", []), state.get("links", []))
         os.remove(path)
         shutil.rmtree(path[: -len(".json")], ignore_errors=True)
         removed.append(name[: -len(".json")])

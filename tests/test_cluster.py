@@ -122,11 +122,16 @@ def test_events_stream_while_running(data, shared_cluster):
 
 
 def test_unreachable_scheduler_fails_before_launch(data):
+    """One line, and the half-started Dask client is closed: no IO thread of it is left for the collector."""
+    import threading
+
     train_data, _ = data
+    loops = {t for t in threading.enumerate() if t.name == "IO loop"}
     t = time.monotonic()
     with pytest.raises(ConnectionError, match="cluster: cannot reach a Dask scheduler at 'tcp://127.0.0.1:9'"):
         sdpipe.train(digits_mlp(), train_data, cluster="tcp://127.0.0.1:9")
     assert time.monotonic() - t < 30
+    assert {t for t in threading.enumerate() if t.name == "IO loop" and t.is_alive()} <= loops
 
 
 @pytest.mark.parametrize(

@@ -312,9 +312,11 @@ class Dashboard:
         self.header = W.HTML(layout=one_line)
         self.note = W.HTML()
         self.numbers = W.HTML()
+        #: the heterogeneity in force: slept ("emulated") per worker, or "shaped" by the kernel per host
+        self.hetero = W.HTML()
         #: the answer to the last control: what was applied and when, or why not
         self.message = W.HTML(layout=W.Layout(min_height="1.7em", width="100%"))
-        parts = [self.header, self.numbers, self.note, self._width, self.figure]
+        parts = [self.header, self.numbers, self.hetero, self.note, self._width, self.figure]
         #: the control panel (None for a replay or controls=False); ``panel.press(...)`` presses a button
         self.panel = self.controls = self._controls() if controls else None
         if self.controls is not None:
@@ -506,6 +508,10 @@ class Dashboard:
             f"<span title=\"{explain}\"><b>samples/s</b> {fmt(tp['samples_per_s'])} &nbsp; <b>ideal</b> (the same steps "
             f"without synchronization) {fmt(tp['ideal'])} &nbsp; <b>ratio</b> {ratio}</span> &nbsp; "
             f"<b>graph syncs</b> {len(v.graph_syncs)} &nbsp; <b>stragglers</b> {', '.join(flagged) or 'none'}")
+        configured = self.config.heterogeneity.to_dict() if self.config.heterogeneity else None
+        hetero = f"<b>heterogeneity</b> {html.escape(v.heterogeneity(configured))}"
+        if self.hetero.value != hetero:
+            self.hetero.value = hetero
 
     def _draw_header(self) -> None:
         v, cfg, run = self.view, self.config, self.run

@@ -41,6 +41,31 @@ _KIND_CATEGORY = {
 }
 
 
+def shaping_text(limits: dict) -> str:
+    """A host's kernel-enforced limits in a few words: "link 1.0 MB/s, cpu 0.25 cores" (or "no limit")."""
+    parts = []
+    if limits.get("bandwidth"):
+        parts.append(f"link {limits['bandwidth'] / 1e6:.3g} MB/s")
+    if limits.get("cpu"):
+        parts.append(f"cpu {limits['cpu']:g} cores")
+    return ", ".join(parts) or "no limit"
+
+
+def emulated_text(h) -> str:
+    """The slept heterogeneity (a Heterogeneity's dict) in a few words, or "" when there is none."""
+    if not h:
+        return ""
+    def name(k) -> str:  # keys as Heterogeneity.to_dict writes them: "3" (a pipeline) or "3,1" (pipeline, stage)
+        p, _, st = str(k).partition(",")
+        return f"p{p} s{st}" if st else f"pipeline {p}"
+
+    parts = [f"{name(k)} x{x:g}" for k, x in (h.get("slowdown") or {}).items() if x > 1.0]
+    parts += [f"{name(k)} link +{d:g} s" for k, d in (h.get("link_delay") or {}).items() if d > 0]
+    if h.get("straggle_prob") and h.get("straggle_delay"):
+        parts.append(f"straggles p {h['straggle_prob']:g} of {h['straggle_delay']:g} s")
+    return ", ".join(parts)
+
+
 def category(kind: str):
     """The timeline category of an event kind (None for records that are not spans of work)."""
     return _KIND_CATEGORY.get(kind)
@@ -73,7 +98,24 @@ class RunView:
         self.losses = {p: [] for p in range(pipelines)}  # (step, loss)
         self.epochs = {p: [] for p in range(pipelines)}  # metric dicts
         self.controls: list = []  # (time, label)
+        self.emulated = None  # the slept heterogeneity last set live (a Heterogeneity's dict), None: the configured one
+        self.shaped: dict = {}  # host address -> its last "shaped" control record (kernel-enforced limits)
         self.status = None
+
+    def heterogeneity(self, configured=None) -> str:
+        """One line: the slept (emulated) heterogeneity and the kernel-shaped hosts, or "none".
+
+        ``configured``: the run's starting heterogeneity (a dict), used until a live change arrives.
+        """
+        parts = []
+        slept = emulated_text(self.emulated if self.emulated is not None else configured)
+        if slept:
+            parts.append(f"emulated (slept): {slept}")
+        shaped = [f"{a} (pipelines {', '.join(map(str, e.get('pipelines') or [])) or '-'}) {shaping_text(e)}"
+                  for a, e in self.shaped.items() if e.get("bandwidth") or e.get("cpu")]
+        if shaped:
+            parts.append("shaped by the kernel: " + "; ".join(shaped))
+        return " · ".join(parts) or "none"
 
     # ------------------------------------------------------------ input
     def add(self, events) -> None:
@@ -92,6 +134,11 @@ class RunView:
         if kind == "control":
             if e.get("applied_by") == "driver":
                 label = e["what"] + (f": {e['policy']}" if e.get("policy") else "")
+                if e["what"] == "heterogeneity":
+                    self.emulated = e.get("heterogeneity")
+                elif e["what"] == "shaped":
+                    self.shaped[e["address"]] = e
+                    label = f"shaped {e['address']}: {shaping_text(e)}"
                 self.controls.append((e["start"], label))
             return
         if kind == "epoch":
