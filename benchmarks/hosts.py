@@ -7,25 +7,28 @@ Emulated hosts (``sdpipe.hosts``, needs root): host 0 runs the Dask
 scheduler, hosts 1..D one pipeline each (its two stages, two single-threaded
 worker processes), so a stage's replicas talk between hosts and a pipeline's
 stages within one.  Pipeline ``--slow`` (default the last) lives on the slow
-host.  Four scenarios, each against the same base:
+host.  Every worker host's link is limited to B bytes/s each way (``tc``
+``tbf``) and its CPU to C cores (the cgroup ``cpu`` quota), so that CPU time
+is shared alike and the one slow host is the only difference.  Four
+scenarios on that base:
 
-- link, shaped: every worker host's link limited to B bytes/s each way
-  (``tc`` ``tbf``), the slow host's to B/10;
-- link, slept:  every link at B, and the slow pipeline's workers sleep
+- link, shaped: the slow host's link at B/10;
+- link, slept:  the slow pipeline's workers sleep
   ``9 x (their stage's parameter bytes) / B`` per synchronization
   (``Heterogeneity.link_delay``: the time one copy of the parameters
   takes longer at B/10 than at B);
-- cpu, shaped:  every worker host capped at C cores (the cgroup ``cpu``
-  quota), the slow host at C/4;
-- cpu, slept:   every host at C cores, and the slow pipeline's compute
-  stretched 4x (``Heterogeneity.slowdown``).
+- cpu, shaped:  the slow host's CPU at C/4;
+- cpu, slept:   the slow pipeline's compute stretched 4x
+  (``Heterogeneity.slowdown``).
 
 Scenarios and policies alternate (orders reversed every repeat) on one set
 of hosts, so drift of this noisy machine falls on all alike.  Samples/s is
 all pipelines' together per epoch (epochs after the first), the median of
 the epochs; the table shows the median over the repeats with min-max.  The
-ideal is the sum of the pipelines' own speeds, each measured under policy
-``none`` in the same scenario (no pipeline waits for another).
+ideal is the sum of the pipelines' own speeds, measured in the same scenario
+and repeat under policy ``none`` (no pipeline waits for another within an
+epoch): a pipeline's own speed is its batch over its median step time (the
+time between the ends of its last stage's consecutive optimizer spans).
 """
 
 from __future__ import annotations
@@ -48,6 +51,18 @@ def stage_param_bytes(model_fn, stages: int) -> list:
     import sdpipe
 
     return [sum(p.numel() * p.element_size() for p in m.parameters()) for m in sdpipe.partition(model_fn(), stages)]
+
+
+def own_speeds(result, pipelines: int, stages: int, batch: int) -> dict:
+    """Samples/s of each pipeline at its own pace: its batch over the median time between the ends of its last
+    stage's consecutive optimizer spans (a step; the few that hold an epoch's global sync do not move the median)."""
+    speeds = {}
+    for p in range(pipelines):
+        ends = sorted(e["end"] for e in result.events
+                      if e["kind"] == "optimizer" and e["pipeline"] == p and e["stage"] == stages - 1)
+        gaps = [b - a for a, b in zip(ends, ends[1:]) if b > a]
+        speeds[p] = batch / statistics.median(gaps) if gaps else 0.0
+    return speeds
 
 
 def main(argv=None) -> int:
@@ -76,12 +91,12 @@ def main(argv=None) -> int:
     D, S = args.pipelines, args.stages
     slow = D - 1 if args.slow is None else args.slow
     policies = args.policies.split(",")
+    if "none" not in policies:
+        policies.append("none")  # the ideal is measured from it
     scenarios = [s for s in args.scenarios.split(",") if s]
     for s in scenarios:
         if s not in SCENARIOS:
             sys.exit(f"--scenarios: {s!r} is not one of {', '.join(SCENARIOS)}")
-    if "none" not in policies:
-        policies.append("none")  # the ideal is measured from it
     train_data, eval_data = digits()
     make_model = lambda: digits_mlp(hidden=args.hidden)  # noqa: E731
     B, C = args.bandwidth, args.cpu
@@ -106,8 +121,7 @@ def main(argv=None) -> int:
             for h in range(1, D + 1):
                 link = B / args.link_factor if (scenario == "link shaped" and h == slow_host) else B
                 cpu = C / args.cpu_factor if (scenario == "cpu shaped" and h == slow_host) else C
-                hosts.shape(h, bandwidth=link if scenario.startswith("link") else None,
-                            cpu=cpu if scenario.startswith("cpu") else None)
+                hosts.shape(h, bandwidth=link, cpu=cpu)  # one base for all: every worker host at B and C
 
         def run(scenario: str, policy: str, rep: int) -> None:
             t = time.time()
@@ -118,8 +132,7 @@ def main(argv=None) -> int:
             if placed != {(p, p + 1) for p in range(D)}:
                 raise RuntimeError(f"pipelines ran on other hosts than one each, in order: {sorted(placed)}")
             last = max(h["epoch"] for h in r.history)
-            per = {p: statistics.median(h["samples_per_s"] for h in r.history if h["pipeline"] == p and h["epoch"] > 0)
-                   for p in range(D)}
+            per = own_speeds(r, D, S, args.batch_size)
             row = {"scenario": scenario, "policy": policy, "repeat": rep, "samples_per_s": throughput(r),
                    "per_pipeline": per, "accuracy": min(h.get("accuracy", 0) for h in r.history if h["epoch"] == last),
                    "wall_s": round(time.time() - t, 1)}
@@ -164,7 +177,8 @@ def main(argv=None) -> int:
     out, L = results_head(args.out, f"One slow host, shaped by the kernel or slept: link 1/{args.link_factor:g}, "
                                     f"CPU 1/{args.cpu_factor:g}", meta)
     L += ["", "Samples/s of all pipelines together, median over the repeats [min-max]; in brackets after it the share "
-          "of the ideal (the sum of the pipelines' own speeds under `none` in the same scenario).", ""]
+          "of the ideal (the sum of the pipelines' own speeds, each its batch over its median step time, under `none` "
+          "in the same scenario).", ""]
     L += ["| policy | " + " | ".join(scenarios) + " |", "|---" * (len(scenarios) + 1) + "|"]
     for p in ["ideal"] + policies:
         cells = []
@@ -174,7 +188,7 @@ def main(argv=None) -> int:
             cells.append(f"{x['samples_per_s']:.0f} [{x['spread'][0]:.0f}-{x['spread'][1]:.0f}]{share}")
         L.append(f"| {p} | " + " | ".join(cells) + " |")
     L += ["", "| per scenario | " + " | ".join(scenarios) + " |", "|---" * (len(scenarios) + 1) + "|"]
-    L.append("| slow pipeline's own speed / the others' (under none) | "
+    L.append("| slow pipeline's own speed / the others' median (under none) | "
              + " | ".join(f"{summary[s]['slow_pipeline_speed_ratio']:.2f}" for s in scenarios) + " |")
     if "sdpipe" in policies:
         L.append("| sdpipe: share of multi-member groups without the slow pipeline | "

@@ -1224,6 +1224,11 @@ def train(
         _check_main_guard()
     if config.device == "cuda" and cluster is None and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but this machine has no GPU; use device='cpu'")
+    if (config.device == "cuda" and cluster is None and config.resolved_backend == "nccl"
+            and torch.cuda.device_count() < config.world_size):
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), seen on a 1-GPU machine after 14 s
+        raise ValueError(f"device: NCCL needs one GPU per worker: {config.world_size} workers (stages x pipelines), "
+                         f"{torch.cuda.device_count()} GPU(s) here; pass backend='gloo' to share GPUs")
     stage_modules = [copy.deepcopy(m) for m in partition(model, stages, cuts)]
     X, Y = as_tensors(train_data, "train_data")
     EX = EY = None

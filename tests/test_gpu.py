@@ -30,3 +30,10 @@ def test_cuda_with_gloo_staging_2x2():
         digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, epochs=10, device="cuda", backend="gloo"
     ).result(timeout=300)
     assert result.max_param_diff() < 1e-6 and result.history[-1]["accuracy"] >= 0.95
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks a machine with fewer GPUs than 2 x 1 workers")
+def test_nccl_with_fewer_gpus_than_workers_is_refused_before_launch():
+    train_data, _ = digits()
+    with pytest.raises(ValueError, match=r"device: NCCL needs one GPU per worker: 2 workers .* pass backend='gloo'"):
+        sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=1, epochs=1, device="cuda")
