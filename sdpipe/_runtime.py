@@ -336,8 +336,6 @@ class Run:
         from .hosts import EmulatedHosts
 
         self._emulated = cluster if isinstance(cluster, EmulatedHosts) else None
-        #: Kernel-enforced limits set by :meth:`shape`: host address -> {"bandwidth", "cpu", "pipelines"}.
-        self.shaping: dict = {}
         self._workers: list = []
         self._futures: list = []
         self._lost: dict = {}
@@ -608,7 +606,6 @@ class Run:
         now = hosts.shape(host, bandwidth=bandwidth, cpu=cpu)
         address = hosts.addresses[host]
         pipes = sorted(on.get(host, ()))
-        self.shaping[address] = dict(now, host=host, pipelines=pipes)
         self._record("shaped", host=host, address=address, pipelines=pipes, bandwidth=now["bandwidth"], cpu=now["cpu"])
         return now
 

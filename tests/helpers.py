@@ -33,3 +33,14 @@ def server_threads(client) -> list:
         return [t.name for t in threading.enumerate() if t.name.startswith(("ps-server", "adpsgd-server"))]
 
     return [n for ns in client.run(names).values() for n in ns]
+
+
+def wait_for_epoch(run, epoch: int, timeout: float = 120) -> None:
+    """Return once some pipeline of ``run`` finished ``epoch``; fail if the run ends first or ``timeout`` passes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= epoch for e in list(run.events)):
+        assert not run.done(), f"the run ended before epoch {epoch}: {run.status}"
+        assert time.monotonic() < deadline, f"no epoch {epoch} within {timeout}s"
+        time.sleep(0.05)

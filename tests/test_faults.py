@@ -11,7 +11,7 @@ from distributed import Client, LocalCluster
 import sdpipe
 from sdpipe.data import digits, digits_mlp
 
-from helpers import live_process_groups, port_closed
+from helpers import live_process_groups, port_closed, wait_for_epoch
 
 pytestmark = pytest.mark.cluster
 
@@ -70,14 +70,6 @@ def all_workers_ready(client):
         time.sleep(1.0)
         if len(answered) >= 8 and set(client.scheduler_info()["workers"]) == set(answered):
             return
-
-
-def wait_for_epoch(run, epoch, timeout=120) -> None:
-    """Return once some pipeline of ``run`` finished ``epoch``."""
-    deadline = time.monotonic() + timeout
-    while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= epoch for e in list(run.events)):
-        assert time.monotonic() < deadline and not run.done(), "the run did not reach the epoch"
-        time.sleep(0.05)
 
 
 def pid_of(run, client, rank) -> int:

@@ -11,6 +11,8 @@ import sdpipe
 from sdpipe.data import digits, digits_mlp
 from sdpipe.hosts import EmulatedHosts, cpu_shaping_unavailable, leftovers, unavailable
 
+from helpers import wait_for_epoch
+
 WHY = unavailable()
 pytestmark = [pytest.mark.cluster, pytest.mark.hosts, pytest.mark.skipif(WHY is not None, reason=str(WHY))]
 
@@ -34,17 +36,6 @@ def assert_removed(h):
     left = [name for names in leftovers().values() for name in names if h.id in name]
     assert not left, left
     assert all(p.poll() is not None for _, p in h._procs)
-
-
-def wait_for_epoch(run, epoch, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= epoch for e in run.events_since(0)[0]):
-            return
-        if run.done():
-            raise AssertionError(f"the run ended before epoch {epoch}: {run.status}")
-        time.sleep(0.2)
-    raise AssertionError(f"no epoch {epoch} within {timeout}s")
 
 
 @pytest.mark.parametrize("policy", ["sdpipe", "allreduce"])
