@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         ap.error("--replay needs --runs")
 
     import sdpipe
-    from sdpipe._runtime import RunResult, _history
+    from sdpipe._result import RunResult, history as _history
     from sdpipe.data import digits, digits_cnn
 
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]

@@ -6,7 +6,8 @@ in ``sdpipe.widgets``.
 
 from .config import Heterogeneity, TrainConfig
 from .partition import partition
-from ._runtime import Run, RunError, RunResult, train
+from ._runtime import Run, RunError, RunResult
+from ._train import train
 from .simulation import Costs, Network, calibrate, simulate
 from .checkpoint import Checkpoint, load_checkpoint
 

@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .protocol import Keys
+
 TAG_CTRL, TAG_ACT, TAG_GRAD = 0, 1, 2
 
 
@@ -36,7 +38,7 @@ def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout:
     pipeline was lost). It must not use ``store``'s connection, which the
     rendezvous holds while it waits.
     """
-    prefixed = dist.PrefixStore(f"group/{name}/", store)
+    prefixed = dist.PrefixStore(Keys.group(name), store)
     td = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -116,31 +118,22 @@ class Link:
         return buf.to(self.device)
 
 
-def lost_key(pipeline: int) -> str:
-    """The run-store key the driver sets when ``pipeline`` was lost (its value says why)."""
-    return f"lost/{pipeline}"
-
-
-#: run-store counter of the pipelines marked lost (one look answers "any?")
-LOST_COUNT_KEY = "lost/count"
-
-
 def mark_lost(store, pipeline: int, why: str) -> None:
     """(Driver) mark ``pipeline`` lost in the run's store."""
-    store.set(lost_key(pipeline), why)
-    store.add(LOST_COUNT_KEY, 1)
+    store.set(Keys.lost(pipeline), why)
+    store.add(Keys.LOST_COUNT, 1)
 
 
 def first_lost(store, pipelines) -> int | None:
     """The first of ``pipelines`` marked lost, or None (one store call while none is lost)."""
-    if store.add(LOST_COUNT_KEY, 0) == 0:
+    if store.add(Keys.LOST_COUNT, 0) == 0:
         return None
     return next((p for p in pipelines if pipeline_lost(store, p)), None)
 
 
 def pipeline_lost(store, pipeline: int) -> bool:
     """Whether the driver marked ``pipeline`` lost in the run's store."""
-    return store.check([lost_key(pipeline)])
+    return store.check([Keys.lost(pipeline)])
 
 
 def flatten(tensors: list, device) -> torch.Tensor:

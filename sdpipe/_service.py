@@ -24,6 +24,13 @@ hosts one :class:`~sdpipe.scheduler.GroupScheduler` per run.  Its routes
 ``sdpipe_close(run_id, token)``
     forget a run (driver).
 
+Every route answers a dict on success and raises on failure: a
+:class:`~sdpipe.protocol.GroupServiceError` with a one-line reason (a run not
+scheduled, a snapshot that is not one, a pipeline already waiting, no group
+within the timeout, the run closed or the pipeline lost while waiting), or a
+``PermissionError`` for a control call without the run's token.  Callers go
+through :class:`~sdpipe.protocol.GroupServiceClient`.
+
 Handlers only touch in-memory state and futures: the scheduler's event loop
 never blocks.  Windows end through timers on that loop.  Every decision is
 logged to the run's event topic, which the driver subscribes to.
@@ -37,6 +44,8 @@ import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
+from . import events
+from .protocol import GroupServiceError
 from .scheduler import GroupScheduler, Ready, SchedulerPolicy
 
 log = logging.getLogger("sdpipe.service")
@@ -93,7 +102,7 @@ class GroupService(SchedulerPlugin):
     def _run(self, run_id: str) -> _RunState:
         st = self.runs.get(run_id)
         if st is None:
-            raise KeyError(f"run_id: no sdpipe run {run_id!r} is scheduled here")
+            raise GroupServiceError(f"run_id: no sdpipe run {run_id!r} is scheduled here")
         return st
 
     def _owned(self, run_id: str, token) -> _RunState:
@@ -129,23 +138,8 @@ class GroupService(SchedulerPlugin):
                 fut = st.waiters.pop((g.stage, m), None)
                 if fut is not None and not fut.done():
                     fut.set_result(answer)
-            records.append(
-                {
-                    "kind": "group",
-                    "pipeline": None,
-                    "stage": g.stage,
-                    "step": None,
-                    "microbatch": None,
-                    "start": g.opened,
-                    "end": g.closed,
-                    "round": g.round,
-                    "group": list(g.members),
-                    "reason": g.reason,
-                    "wait": g.wait,
-                    "connected": g.connected,
-                    "policy": st.policy_name,
-                }
-            )
+            records.append(events.group(g.stage, g.round, g.members, g.reason, g.opened, g.closed, g.wait,
+                                        g.connected, st.policy_name))
         self._log(st, records)
         self._arm_timer(run_id, st)
 
@@ -173,7 +167,7 @@ class GroupService(SchedulerPlugin):
             st.timer.cancel()
         for fut in st.waiters.values():
             if not fut.done():
-                fut.set_result({"error": "run closed"})
+                fut.set_result({"error": f"run {run_id!r} was closed"})
 
     # ------------------------------------------------------------- routes
     def open(self, run_id, token, stages, pipelines, policy, policy_name, topic, t0, state=None):
@@ -183,25 +177,33 @@ class GroupService(SchedulerPlugin):
             try:
                 st.core = GroupScheduler.restore(state)
             except (KeyError, TypeError, ValueError) as e:
-                return {"error": f"state: not a scheduler snapshot ({type(e).__name__}: {e})"}
+                raise GroupServiceError(f"state: not a scheduler snapshot ({type(e).__name__}: {e})") from None
         self.runs[run_id] = st
         return {"ok": True}
 
     async def ready(self, run_id, stage, pipeline, step, global_sync=False, timeout=60.0):
         st = self.runs.get(run_id)
         if st is None:
-            return {"error": f"run {run_id!r} is not scheduled (closed or never opened)"}
+            raise GroupServiceError(f"run {run_id!r} is not scheduled (closed or never opened)")
         key = (stage, pipeline)
         if key in st.waiters:
-            return {"error": f"pipeline {pipeline} of stage {stage} is already waiting for a group"}
+            raise GroupServiceError(f"pipeline {pipeline} of stage {stage} is already waiting for a group")
         fut = asyncio.get_running_loop().create_future()
         st.waiters[key] = fut
         try:
             decisions = st.core.handle(stage, Ready(pipeline, step, self._now(st), bool(global_sync)))
         except ValueError as e:
             st.waiters.pop(key, None)
-            return {"error": str(e)}
+            raise GroupServiceError(str(e)) from None
         self._dispatch(run_id, st, decisions)
+        answer = await self._answer(run_id, st, key, fut, timeout)
+        if "error" in answer:  # the run was closed or the pipeline lost while this worker waited
+            raise GroupServiceError(answer["error"])
+        return answer
+
+    async def _answer(self, run_id, st: _RunState, key: tuple, fut, timeout: float) -> dict:
+        """The waiter's answer; a pipeline nobody answered within ``timeout`` (the run not paused) is taken out."""
+        stage, pipeline = key
         try:
             while True:
                 try:
@@ -238,9 +240,8 @@ class GroupService(SchedulerPlugin):
         st.policy_name = policy_name
         st.version += 1
         decisions = st.core.set_policy(SchedulerPolicy(**policy), self._now(st))
-        now = self._now(st)
-        self._log(st, [{"kind": "control", "pipeline": None, "stage": None, "step": None, "microbatch": None,
-                        "start": now, "end": now, "what": "policy", "policy": policy_name, "params": _plain(policy), "applied_by": "scheduler"}])
+        self._log(st, [events.control("policy", self._now(st), applied_by="scheduler", policy=policy_name,
+                                      params=_plain(policy))])
         self._dispatch(run_id, st, decisions)
         return {"ok": True, "version": st.version}
 

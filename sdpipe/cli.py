@@ -13,8 +13,30 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import typing
+from dataclasses import fields
+from typing import Optional
 
-from .config import OPTIMIZERS, POLICIES, SCHEDULE_NAMES
+from .config import Heterogeneity, TrainConfig, field_docs
+
+#: the field types that one command-line word gives, and how to read it
+_SCALARS = {int: int, float: float, str: str, Optional[str]: str}
+
+
+def _flag_fields(cls) -> dict[str, type]:
+    """The fields of the dataclass ``cls`` that make sense as flags (numbers and strings), and their types."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: _SCALARS[hints[f.name]] for f in fields(cls) if f.init and hints[f.name] in _SCALARS}
+
+
+def _add_fields(group, cls, names=None) -> None:
+    """``--field-name`` flags for ``cls``'s fields ``names`` (default: all that make sense), written from the
+    dataclass: its type, its default, its docstring as the help."""
+    kinds, docs = _flag_fields(cls), field_docs(cls)
+    defaults = {f.name: f.default for f in fields(cls)}
+    for name in names or kinds:
+        group.add_argument(f"--{name.replace('_', '-')}", type=kinds[name], default=defaults[name],
+                           help=docs[name].replace("%", "%%") or name.replace("_", " "))
 
 
 def _slowdown(text: str):
@@ -23,7 +45,8 @@ def _slowdown(text: str):
         key = tuple(int(x) for x in who.split(",")) if "," in who else int(who)
         return key, float(factor)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--slowdown: {text!r} is not PIPELINE=FACTOR or PIPELINE,STAGE=FACTOR") from None
+        raise argparse.ArgumentTypeError(
+            f"--slowdown: {text!r} is not PIPELINE=FACTOR or PIPELINE,STAGE=FACTOR") from None
 
 
 class _Help(argparse.HelpFormatter):
@@ -36,6 +59,13 @@ class _Help(argparse.HelpFormatter):
         return f"{action.help} (default: {default})"
 
 
+def _add_slowdowns(parser) -> None:
+    group = parser.add_argument_group("heterogeneity", "emulated stragglers (the fields of sdpipe.Heterogeneity)")
+    group.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K",
+                       help="slow pipeline P (or P,S) by factor K; repeat for more")
+    _add_fields(group, Heterogeneity, ["straggle_prob", "straggle_delay"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = _Help
     parser = argparse.ArgumentParser(prog="sdpipe", description="Heterogeneity-aware pipeline-parallel training.")
@@ -44,49 +74,31 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the built-in example on an embedded Dask LocalCluster (or --cluster) and "
                                    "print a progress bar per epoch and a summary.")
     t.add_argument("--example", choices=["digits"], default="digits", help="built-in model and data")
-    t.add_argument("--stages", type=int, default=2, help="stages S the model is cut into")
-    t.add_argument("--pipelines", type=int, default=2, help="pipelines D trained at once")
-    t.add_argument("--policy", default="allreduce", help=f"how a stage's replicas synchronize: one of {', '.join(POLICIES)}")
-    t.add_argument("--schedule", default="1f1b", help=f"micro-batch schedule inside a step: one of {', '.join(SCHEDULE_NAMES)}")
-    t.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (must divide --batch-size)")
-    t.add_argument("--batch-size", type=int, default=32, help="samples per step per pipeline")
-    t.add_argument("--epochs", type=int, default=10, help="passes over the training data")
-    t.add_argument("--sync-every", type=int, default=1, help="epochs between global syncs (sdpipe, ps, adpsgd)")
-    t.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="the digits MLP or a small CNN (more compute per weight)")
-    t.add_argument("--optimizer", default="adam", help=f"every worker's local optimizer: one of {', '.join(OPTIMIZERS)}")
-    t.add_argument("--lr", type=float, default=0.002, help="learning rate")
+    t.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                   help="the digits MLP or a small CNN (more compute per weight)")
     t.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
-    t.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights, the data order and the split")
-    t.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per worker, NCCL)")
-    t.add_argument("--cluster", default=None, help="address of an existing Dask scheduler; none starts an embedded LocalCluster on this machine")
-    t.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K",
-                   help="slow pipeline P (or P,S) by factor K; repeat for more")
-    t.add_argument("--straggle-prob", type=float, default=0.0, help="per-step probability of a transient straggle")
-    t.add_argument("--straggle-delay", type=float, default=0.0, help="seconds a transient straggle lasts")
-    t.add_argument("--checkpoint-every", type=int, default=0, help="epochs between checkpoints (0: none)")
-    t.add_argument("--checkpoint-dir", default=None, help="folder for checkpoints (every worker must reach it)")
+    t.add_argument("--cluster", default=None,
+                   help="address of an existing Dask scheduler; none starts an embedded LocalCluster on this machine")
     t.add_argument("--resume-from", default=None, help="a checkpoint folder, or a checkpoint dir for its latest")
     t.add_argument("--config", default=None, metavar="FILE",
                    help="a .toml or .json file of these options (names with - or _); flags given here win")
+    _add_fields(t.add_argument_group("run", "the fields of sdpipe.TrainConfig (--seed also seeds the example's "
+                                            "initial weights and its train/held-out split)"), TrainConfig)
+    _add_slowdowns(t)
     m = sub.add_parser("simulate", help="simulate a run in simulated time on the scheduler core", formatter_class=fmt,
                        description="Simulate a run with uniform per-stage costs and print its throughput.")
     m.add_argument("--stages", type=int, default=4, help="stages S")
     m.add_argument("--pipelines", type=int, default=64, help="pipelines D")
     m.add_argument("--policy", default="sdpipe", help="sdpipe, allreduce or none")
-    m.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)}")
-    m.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
-    m.add_argument("--batch-size", type=int, default=32, help="samples per step per pipeline")
+    _add_fields(m, TrainConfig, ["schedule", "microbatches", "batch_size"])
     m.add_argument("--steps", type=int, default=200, help="steps' worth of batches per pipeline")
     m.add_argument("--forward", type=float, default=0.002, help="seconds of forward per micro-batch and stage")
     m.add_argument("--backward", type=float, default=0.004, help="seconds of backward per micro-batch and stage")
     m.add_argument("--weight-bytes", type=float, default=4e5, help="bytes of a stage's weights")
     m.add_argument("--activation-bytes", type=float, default=4e4, help="bytes of a micro-batch's activation")
     m.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s of a link")
-    m.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K",
-                   help="slow pipeline P (or P,S) by factor K; repeat for more")
-    m.add_argument("--straggle-prob", type=float, default=0.0, help="per-step probability of a transient straggle")
-    m.add_argument("--straggle-delay", type=float, default=0.0, help="seconds a transient straggle lasts")
     m.add_argument("--seed", type=int, default=0, help="seed of the simulated jitter and straggles")
+    _add_slowdowns(m)
     return parser
 
 
@@ -116,19 +128,22 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
             raise ValueError(f"config: {path}: unknown field {key!r}; allowed: {', '.join(sorted(actions))}")
         action = actions[dest]
         if action.choices is not None and value not in action.choices:
-            raise ValueError(f"config: {path}: field {key!r} is {value!r}; allowed: {', '.join(map(str, action.choices))}")
+            raise ValueError(
+                f"config: {path}: field {key!r} is {value!r}; allowed: {', '.join(map(str, action.choices))}")
         if dest == "slowdown":
             if not isinstance(value, dict):
-                raise ValueError(f"config: {path}: field 'slowdown' must be a table pipeline -> factor, got {type(value).__name__}")
+                raise ValueError(f"config: {path}: field 'slowdown' must be a table pipeline -> factor, "
+                                 f"got {type(value).__name__}")
             try:
                 value = [_slowdown(f"{k}={v}") for k, v in value.items()]
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"config: {path}: field 'slowdown': {e}") from None
         elif action.type in (int, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (action.type is float or isinstance(value, int))
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and (action.type is float or isinstance(value, int)))
             if not ok:
-                raise ValueError(f"config: {path}: field {key!r} must be {'an integer' if action.type is int else 'a number'}, "
-                                 f"got {value!r}")
+                kind = "an integer" if action.type is int else "a number"
+                raise ValueError(f"config: {path}: field {key!r} must be {kind}, got {value!r}")
             value = action.type(value)
         elif value is not None and not isinstance(value, str):
             raise ValueError(f"config: {path}: field {key!r} must be a string, got {value!r}")
@@ -137,19 +152,22 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
 
 
 def _simulate(args) -> int:
-    from . import Costs, Heterogeneity, Network, simulate
+    from . import Costs, Network, simulate
 
     S = args.stages
     costs = Costs(forward=[args.forward] * S, backward=[args.backward] * S, weight_bytes=[args.weight_bytes] * S,
                   activation_bytes=[args.activation_bytes] * (S - 1))
-    hetero = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay)
+    hetero = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob,
+                           straggle_delay=args.straggle_delay)
     t = time.time()
-    result = simulate(S, args.pipelines, costs=costs, policy=args.policy, schedule=args.schedule, microbatches=args.microbatches,
-                      batch_size=args.batch_size, steps=args.steps, heterogeneity=hetero, network=Network(bandwidth=args.bandwidth),
+    result = simulate(S, args.pipelines, costs=costs, policy=args.policy, schedule=args.schedule,
+                      microbatches=args.microbatches, batch_size=args.batch_size, steps=args.steps,
+                      heterogeneity=hetero, network=Network(bandwidth=args.bandwidth),
                       seed=args.seed, record=False)
     samples = sum(h["samples"] for h in result.history)
     shares = sorted(h["share"] for h in result.history)
-    print(f"simulated {S} stages x {args.pipelines} pipelines, policy={args.policy}: {result.wall_time:.3f} simulated s, "
+    print(f"simulated {S} stages x {args.pipelines} pipelines, policy={args.policy}: "
+          f"{result.wall_time:.3f} simulated s, "
           f"{samples / result.wall_time:.0f} samples/s, pipeline shares {shares[0]:.3f}..{shares[-1]:.3f}, "
           f"worst proxy loss {max(h['loss'] for h in result.history):.4f} ({time.time() - t:.1f} s to simulate)")
     return 0
@@ -190,22 +208,20 @@ def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int, fir
         bar.close()
 
 
-def _check(args):
-    """The options' one-line errors, before torch, the data or any worker load (well under a second)."""
-    from .config import Heterogeneity, TrainConfig
-
-    config = TrainConfig(stages=args.stages, pipelines=args.pipelines, policy=args.policy, schedule=args.schedule,
-                         microbatches=args.microbatches, batch_size=args.batch_size, epochs=args.epochs,
-                         sync_every=args.sync_every, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-                         device=args.device, checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir)
-    hetero = None
+def _check(args) -> tuple[TrainConfig, dict]:
+    """The run's options from the flags and their one-line errors, before torch, the data or any worker load
+    (well under a second)."""
+    options = {name: getattr(args, name) for name in _flag_fields(TrainConfig)}
     if args.slowdown or args.straggle_prob:
-        hetero = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay)
-    return config, hetero
+        options["heterogeneity"] = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob,
+                                                 straggle_delay=args.straggle_delay)
+    if args.model == "cnn" and args.stages == 2:
+        options["cuts"] = (6,)  # balanced by compute, not by weights
+    return TrainConfig(**options), options
 
 
 def _train(args) -> int:
-    config, hetero = _check(args)
+    config, options = _check(args)
     where = f"the Dask cluster at {args.cluster}" if args.cluster else "an embedded Dask cluster on this machine"
     print(f"sdpipe: starting {config.world_size} workers ({args.stages} stages x {args.pipelines} pipelines, "
           f"policy {args.policy}) on {where} ...", flush=True)
@@ -215,29 +231,7 @@ def _train(args) -> int:
 
     train_data, eval_data = digits(seed=args.seed)
     model = digits_cnn(seed=args.seed) if args.model == "cnn" else digits_mlp(hidden=args.hidden, seed=args.seed)
-    run = train(
-        model,
-        train_data,
-        eval_data=eval_data,
-        stages=args.stages,
-        cuts=(6,) if args.model == "cnn" and args.stages == 2 else None,  # balanced by compute, not by weights
-        pipelines=args.pipelines,
-        policy=args.policy,
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        sync_every=args.sync_every,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        seed=args.seed,
-        device=args.device,
-        heterogeneity=hetero,
-        cluster=args.cluster,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_dir=args.checkpoint_dir,
-        resume_from=args.resume_from,
-    )
+    run = train(model, train_data, eval_data=eval_data, cluster=args.cluster, resume_from=args.resume_from, **options)
     per_epoch = run.updates_per_epoch
     try:
         shown = None
@@ -262,7 +256,8 @@ def _train(args) -> int:
     rows = [h for h in result.history if h["epoch"] == last]
     samples = sum(h["samples"] for h in result.history)
     epochs = len({h["epoch"] for h in result.history})
-    print(f"\nsummary: {args.stages} stages x {args.pipelines} pipelines, policy={args.policy}, schedule={args.schedule}")
+    print(f"\nsummary: {args.stages} stages x {args.pipelines} pipelines, policy={args.policy}, "
+          f"schedule={args.schedule}")
     began = min((e["start"] for e in result.events if e["kind"] == "forward"), default=0.0)
     trained = max(result.wall_time - began, 1e-9)
     print(f"  trained {epochs} epoch(s): {samples} samples over all pipelines in {trained:.1f} s from the first step "
@@ -270,7 +265,8 @@ def _train(args) -> int:
     print(f"  last epoch ({last + 1}), per pipeline:")
     for h in rows:
         acc = f"{h['accuracy']:.4f}" if "accuracy" in h else "-"
-        print(f"  pipeline {h['pipeline']}: loss {h['loss']:.4f}  held-out accuracy {acc}  {h['samples_per_s']:.0f} samples/s")
+        print(f"  pipeline {h['pipeline']}: loss {h['loss']:.4f}  held-out accuracy {acc}  "
+              f"{h['samples_per_s']:.0f} samples/s")
     print(f"  max parameter difference between pipelines: {result.max_param_diff():.3g}")
     accs = [h["accuracy"] for h in rows if "accuracy" in h]
     if accs:

@@ -15,13 +15,23 @@ one-line ``ValueError`` that names the field and what is allowed.
 
 from __future__ import annotations
 
-import os
-
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
 import math
+import os
+import re
+import textwrap
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
-__all__ = ["Heterogeneity", "TrainConfig", "POLICIES", "SCHEDULE_NAMES", "OPTIMIZERS", "DEVICES"]
+from .scheduler import POLICY_PRESETS, SchedulerPolicy
+
+__all__ = ["Heterogeneity", "TrainConfig", "POLICIES", "SCHEDULE_NAMES", "OPTIMIZERS", "DEVICES", "field_docs",
+           "config_keywords"]
 
 POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 #: policies a running run can switch between with Run.set_policy
@@ -37,14 +47,23 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
-def _number(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name}: must be a number, got {value!r}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        hi_s = "" if hi == math.inf else f" and <= {hi}"
-        raise ValueError(f"{name}: must be {lo_s}{hi_s}, got {value!r}")
-    return float(value)
+def _number(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False,
+            whole: bool = False) -> float:
+    """``value`` as a float (an int if ``whole``) if it is a number in the range, else a one-line ``ValueError``.
+
+    A closed range reads "must be a number from 1 to 8", an open-ended one "must be >= 1.0" (or "> 0.0").
+    """
+    kind = "a whole number" if whole else "a number"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    inside = number and (value > lo if lo_open else value >= lo) and value <= hi and not (whole and value % 1)
+    if inside:
+        return int(value) if whole else float(value)
+    if hi < math.inf:
+        lo_s = f"> {lo:g} and <= {hi:g}" if lo_open else f"from {lo:g} to {hi:g}"
+        raise ValueError(f"{name}: must be {kind} {lo_s}, got {value!r}")
+    if not number or whole and value % 1:
+        raise ValueError(f"{name}: must be {kind}, got {value!r}")
+    raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {value!r}")
 
 
 WorkerKey = Union[int, tuple]
@@ -76,7 +95,8 @@ class Heterogeneity:
                 if not (isinstance(key, int) and not isinstance(key, bool)) and not (
                     isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)
                 ):
-                    raise ValueError(f"heterogeneity.{name}: key {key!r} must be a pipeline id or a (pipeline, stage) pair")
+                    raise ValueError(
+                        f"heterogeneity.{name}: key {key!r} must be a pipeline id or a (pipeline, stage) pair")
                 _number(f"heterogeneity.{name}[{key!r}]", value, lo)
         _number("heterogeneity.straggle_prob", self.straggle_prob, 0.0, 1.0)
         _number("heterogeneity.straggle_delay", self.straggle_delay, 0.0)
@@ -88,7 +108,8 @@ class Heterogeneity:
                 p, s = key if isinstance(key, tuple) else (key, 0)
                 if not 0 <= p < pipelines or not 0 <= s < stages:
                     raise ValueError(
-                        f"heterogeneity.{name}: key {key!r} names no worker; pipelines are 0..{pipelines - 1}, stages 0..{stages - 1}"
+                        f"heterogeneity.{name}: key {key!r} names no worker; "
+                        f"pipelines are 0..{pipelines - 1}, stages 0..{stages - 1}"
                     )
 
     def _lookup(self, table: Mapping, pipeline: int, stage: int, default: float) -> float:
@@ -114,7 +135,8 @@ class Heterogeneity:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Heterogeneity":
-        dec = lambda t: {(tuple(int(x) for x in k.split(",")) if "," in str(k) else int(k)): v for k, v in (t or {}).items()}
+        dec = lambda t: {(tuple(int(x) for x in k.split(",")) if "," in str(k) else int(k)): v
+                         for k, v in (t or {}).items()}
         return cls(
             slowdown=dec(d.get("slowdown")),
             straggle_prob=d.get("straggle_prob", 0.0),
@@ -207,23 +229,25 @@ class TrainConfig:
             raise ValueError(f"seed: must be an integer >= 0, got {self.seed!r}")
         if self.heterogeneity is not None:
             if not isinstance(self.heterogeneity, Heterogeneity):
-                raise ValueError(f"heterogeneity: must be a sdpipe.Heterogeneity or None, got {type(self.heterogeneity).__name__}")
+                raise ValueError(f"heterogeneity: must be a sdpipe.Heterogeneity or None, "
+                                 f"got {type(self.heterogeneity).__name__}")
             self.heterogeneity.check_workers(self.pipelines, self.stages)
         if self.scheduler is not None:
-            from .scheduler import SchedulerPolicy
-
             if isinstance(self.scheduler, dict):
                 object.__setattr__(self, "scheduler", SchedulerPolicy().updated(**self.scheduler))
             elif not isinstance(self.scheduler, SchedulerPolicy):
-                raise ValueError(f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, got {type(self.scheduler).__name__}")
+                raise ValueError(f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, "
+                                 f"got {type(self.scheduler).__name__}")
         _number("timeout", self.timeout, 0.0, lo_open=True)
         if self.host is not None and (not isinstance(self.host, str) or not self.host):
             raise ValueError(f"host: must be a non-empty address string or None (the address that routes to the "
                              f"Dask scheduler), got {self.host!r}")
-        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every: must be an integer >= 0 (epochs; 0 = none), got {self.checkpoint_every!r}")
+        every = self.checkpoint_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"checkpoint_every: must be an integer >= 0 (epochs; 0 = none), got {every!r}")
         if self.checkpoint_every and self.checkpoint_every % self.sync_every:
-            raise ValueError(f"checkpoint_every: {self.checkpoint_every} is not a multiple of sync_every={self.sync_every}; "
+            raise ValueError(f"checkpoint_every: {self.checkpoint_every} is not a multiple of "
+                             f"sync_every={self.sync_every}; "
                              "checkpoints follow global syncs")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_dir: needed when checkpoint_every > 0 (a folder every worker can write)")
@@ -253,8 +277,107 @@ class TrainConfig:
 
     def scheduler_policy(self):
         """The group scheduler's parameters for this run's policy."""
-        from .scheduler import POLICY_PRESETS
-
         if self.scheduler is not None:
             return self.scheduler
         return POLICY_PRESETS.get(self.policy, POLICY_PRESETS["sdpipe"])
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field of the dataclass ``cls`` and the string literal written under it in the class body, on one line.
+
+    A tuple of allowed values that a docstring names (``one of POLICIES``) is written out
+    (``one of POLICIES (sdpipe, allreduce, ps, adpsgd, none)``); a field without a docstring, or a class
+    whose source is not shipped, maps to "".
+    """
+    return dict(_field_docs(cls))
+
+
+@functools.cache
+def _field_docs(cls) -> tuple[tuple[str, str], ...]:
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):  # a subclass's docstring wins over its base's
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError, IndexError, AttributeError):  # no source (a frozen or compiled-only install)
+            continue
+        names = vars(inspect.getmodule(klass) or object)
+        for node, under in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(under, ast.Expr)
+                    and isinstance(under.value, ast.Constant) and isinstance(under.value.value, str)):
+                docs[node.target.id] = _written_out(" ".join(under.value.value.split()), names)
+    return tuple((f.name, docs.get(f.name, "")) for f in fields(cls))
+
+
+def _written_out(doc: str, names: Mapping[str, Any]) -> str:
+    def expand(m):
+        value = names.get(m.group(0))
+        if isinstance(value, tuple) and value and all(isinstance(v, str) for v in value):
+            return f"{m.group(0)} ({', '.join(value)})"
+        return m.group(0)
+
+    return re.sub(r"\b[A-Z][A-Z0-9_]+\b", expand, doc)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def config_keywords(func):
+    """Give ``func(..., **options)`` every :class:`TrainConfig` field as a keyword-only parameter.
+
+    ``options`` only ever holds TrainConfig fields: an unknown keyword raises Python's own one-line
+    ``TypeError`` with the allowed names.  ``inspect.signature(func)`` and ``help(func)`` list the fields with
+    their defaults after ``func``'s own keyword-only parameters, and ``func.__doc__`` ends with each field's
+    docstring::
+
+        @config_keywords
+        def train(model, train_data, *, eval_data=None, **options):
+            config = TrainConfig(**options)
+
+        train(model, data, stages=4)    # options == {"stages": 4}
+        train(model, data, stagez=4)    # TypeError: train() got an unexpected keyword argument 'stagez'; ...
+    """
+    sig = inspect.signature(func)
+    params = list(sig.parameters.values())
+    var = [p for p in params if p.kind is p.VAR_KEYWORD]
+    if not var:
+        raise TypeError(f"config_keywords: {func.__qualname__}() needs a **options parameter "
+                        "for the TrainConfig fields")
+    own = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    config_fields = [f for f in fields(TrainConfig) if f.init]
+    clash = sorted({p.name for p in own} & {f.name for f in config_fields})
+    if clash:
+        raise TypeError(f"config_keywords: {func.__qualname__}() has parameters that are TrainConfig fields: "
+                        f"{', '.join(clash)}")
+    hints = typing.get_type_hints(TrainConfig)
+    added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f), annotation=hints[f.name])
+             for f in config_fields]
+    own_keywords = [p.name for p in own if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    allowed = set(own_keywords) | {f.name for f in config_fields}
+    listed = ", ".join([*(p.name for p in own if p.kind is p.KEYWORD_ONLY), *(f.name for f in config_fields)])
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        for name in kwargs:
+            if name not in allowed:
+                near = difflib.get_close_matches(name, sorted(allowed), n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise TypeError(f"{func.__qualname__}() got an unexpected keyword argument {name!r}{hint}; "
+                                f"keywords are {listed}")
+        return func(*args, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=[*own, *added])
+    wrapper.__doc__ = (inspect.cleandoc(func.__doc__ or "") + "\n\n" + _options_section(config_fields, hints)).lstrip()
+    return wrapper
+
+
+def _options_section(config_fields: list, hints: Mapping[str, Any]) -> str:
+    title = "Options (TrainConfig fields)"
+    lines = [title, "-" * len(title)]
+    docs = field_docs(TrainConfig)
+    for f in config_fields:
+        lines.append(f"{f.name} : {inspect.formatannotation(hints[f.name])} = {_default(f)!r}")
+        lines.append(textwrap.fill(docs[f.name], width=100, initial_indent="    ", subsequent_indent="    "))
+    return "\n".join(lines)

@@ -1,18 +1,27 @@
 """Synchronization policies in the worker: how the D replicas of a stage stay in step.
 
-A policy object lives in each worker.  The worker calls its hooks at fixed
-points::
+A policy object lives in each worker.  The worker loop calls it at fixed points, and nothing else of
+it (see :class:`SyncPolicy`)::
 
-    batch = policy.next_batch(worker, epoch, j)           # stage 0: None ends the epoch
+    policy.setup(worker)                              # once, or when a live switch brings this policy in
+    each step boundary, at stage 0:
+        stop = policy.decide_stop(store_stop)         # not coupled: the driver's stop read from the store
+        batch = policy.next_batch(worker, epoch, j)   # None ends the epoch
     forward/backward of all micro-batches
-    stop, version = policy.after_backward(worker, step, stop, version)   # gradient sync
+    stop, version, pause = policy.after_backward(worker, step, stop, version, pause)   # gradient sync
     optimizer.step()
-    policy.after_step(worker, step)                       # model averaging
+    policy.after_step(worker, step)                   # model averaging
     ...
-    policy.epoch_end(worker, step)                        # global sync
-    policy.leave(worker)                                  # on stop or failure
+    policy.epoch_end(worker, step)                    # at an epoch's end (every sync_every epochs): global sync
+    policy.stopping(worker, step)                     # the run stops at this step boundary, then
+    policy.leave(worker)                              # ... leave; on a failure only leave
+    policy.close(failed)                              # once: at a switch away, or when the worker closes
 
-Three kinds of worker-side behaviour cover the policies:
+A *coupled* policy (:attr:`SyncPolicy.coupled`, only ``allreduce``) moves its replicas in lock step:
+stage 0 acts on the stop, pause and policy version that :meth:`~SyncPolicy.after_backward` returned
+(agreed in the step's collective) instead of asking :meth:`~SyncPolicy.decide_stop`.
+
+Five kinds of worker-side behaviour cover the policies:
 
 * :class:`AllReduce` -- ``allreduce``: gradients averaged over all D replicas
   every step in one static group; pipelines read fixed shards in lock step.
@@ -30,13 +39,18 @@ Three kinds of worker-side behaviour cover the policies:
   such requests from a background thread while it trains, so it never waits
   for the active side and the active side never waits for the passive one's
   step.  The epoch ends with a global sync through the group service.
-* :class:`ParameterServer` -- ``ps``: a parameter server per stage, hosted by
-  the stage's worker of pipeline 0 in a background thread (HetPipe-like).
-  After each step a worker pushes its update (weights minus the weights it
-  last pulled) and pulls the global weights; a pull waits while the worker is
-  more than ``staleness`` steps ahead of the slowest worker of its stage
-  (stale synchronous parallel).  The epoch ends with every worker pulling the
-  same global weights.
+* :class:`ParameterServer` -- ``ps``: a parameter server per stage
+  (:class:`_PsServer`), hosted by the stage's worker of pipeline 0 in a
+  background thread (HetPipe-like).  After each step a worker pushes its
+  update (weights minus the weights it last pulled) and pulls the global
+  weights; a pull waits while the worker is more than ``staleness`` steps
+  ahead of the slowest worker of its stage (stale synchronous parallel).  The
+  epoch ends with every worker pulling the same global weights.
+
+``Scheduled`` and ``GossipPairs`` share the group service's side (ask, average with a group, the global
+sync) through :class:`_GroupPolicy`.  The decisions themselves (who the server answers, who pairs with
+whom, the masses, the stop) are pure functions in :mod:`sdpipe.sync_rules`; the store keys come from
+:class:`sdpipe.protocol.Keys`.
 
 Every policy except ``allreduce`` hands out batches from a shared counter, so
 a fast pipeline trains on more of each epoch than a slow one (work follows
@@ -49,41 +63,82 @@ run, so they are chosen when the run starts; live switches move between
 
 from __future__ import annotations
 
+import abc
 import datetime
 import threading
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 
-from ._comm import pipeline_lost
+from . import sync_rules as rules
+from ._comm import CONNECT_TIMEOUT, allreduce_mean_, flatten, pipeline_lost, unflatten_
+from .protocol import Keys
 
-__all__ = ["SyncPolicy", "AllReduce", "NoSync", "Scheduled", "GossipPairs", "ParameterServer", "make_policy", "WORKER_MODES"]
+__all__ = ["SyncPolicy", "AllReduce", "NoSync", "Scheduled", "GossipPairs", "ParameterServer", "make_policy",
+           "WORKER_MODES"]
 
 TAG_SERVE = 7  # point-to-point traffic of the gossip and parameter-server exchanges
 #: seconds after stage 0 first read the driver's stop before a group policy takes it without its group's word
 STOP_GRACE = 5.0
 
 
-class SyncPolicy:
-    """Base class: no synchronization, batches from the shared counter."""
+class SyncPolicy(abc.ABC):
+    """How the replicas of a stage meet: the whole interface between the worker loop and a policy.
+
+    **What the worker loop may use** (nothing else): the class attributes :attr:`name` and
+    :attr:`coupled`, and the methods :meth:`setup`, :meth:`decide_stop`, :meth:`next_batch`,
+    :meth:`after_backward`, :meth:`after_step`, :meth:`epoch_end`, :meth:`stopping`, :meth:`leave`,
+    :meth:`close`; plus :func:`make_policy`, :data:`WORKER_MODES` and :func:`_state_tensors` of this module.
+
+    **What a policy may use of the worker** (nothing else):
+
+    * ``worker.span(kind, step, microbatch, start, end, **fields)``: record an event (``time.time()`` values);
+    * ``worker.ask_group(step, global_sync=...)``: the group service's answer, a dict with ``round``,
+      ``members``, ``reason``, ``name``, ``policy``, ``version``, ``weighting``, ``stop``;
+    * ``worker.leave_service()``; ``worker.read_ctl()``: the driver's :class:`sdpipe.protocol.Command`;
+    * ``worker.group(name, rank, size, connect_timeout=None, pipelines=None)``, ``worker.drop_group(g)``;
+    * ``worker.delay_link()``: the emulated link's delay before a transfer; ``worker.dispense(epoch)``;
+    * attributes ``store``, ``timeout``, ``stage``, ``pipeline``, ``pipelines``, ``module``,
+      ``link_device``, ``rng``, ``cfg`` (the ``TrainConfig`` as a dict), ``steps_per_epoch``.
+
+    Every policy says what its replicas do after a step and at an epoch's end (:meth:`after_step`,
+    :meth:`epoch_end`, abstract), even when the answer is "nothing".
+    """
 
     name = "base"
+    #: the replicas move in lock step: fixed shards of each epoch, and stop / pause / policy version agreed
+    #: in the step's collective (what :meth:`after_backward` returns), not through :meth:`decide_stop`
+    coupled = False
 
     def setup(self, worker) -> None:
         """Called once in the worker (or at a switch) before its first step."""
+
+    def decide_stop(self, store_stop: bool) -> bool:
+        """Stage 0 at a step boundary, for a policy that is not :attr:`coupled`: whether to stop now.
+
+        ``store_stop``: the driver's stop flag as read from the run's store; the base takes it as it is.
+        """
+        return store_stop
 
     def next_batch(self, worker, epoch: int, j: int):
         """Stage 0: the batch id of the ``j``-th step of ``epoch`` for this pipeline, or None at the epoch's end."""
         return worker.dispense(epoch)
 
     def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
-        """After the backward of all micro-batches; returns the agreed (stop, policy version, pause)."""
+        """After the backward of all micro-batches; returns the agreed ``(stop, policy version, pause)``.
+
+        Stage 0 of a :attr:`coupled` policy passes its own reading of the driver's command (the others
+        ``False, 0, False``) and acts at the next step boundary on what comes back.
+        """
         return stop, version, pause
 
+    @abc.abstractmethod
     def after_step(self, worker, step: int) -> None:
         """After the local optimizer step."""
 
+    @abc.abstractmethod
     def epoch_end(self, worker, step: int) -> None:
         """When the pipeline's epoch ends (all workers of a pipeline call it at the same step)."""
 
@@ -102,6 +157,12 @@ class NoSync(SyncPolicy):
 
     name = "none"
 
+    def after_step(self, worker, step: int) -> None:
+        """Nothing: the replicas drift apart."""
+
+    def epoch_end(self, worker, step: int) -> None:
+        """Nothing: the replicas drift apart."""
+
 
 class AllReduce(SyncPolicy):
     """``allreduce``: average the gradients of all D replicas every step.
@@ -113,6 +174,7 @@ class AllReduce(SyncPolicy):
     """
 
     name = "allreduce"
+    coupled = True
 
     def setup(self, worker) -> None:
         self.group = None
@@ -126,8 +188,6 @@ class AllReduce(SyncPolicy):
     def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
         if self.group is None:
             return stop, version, pause
-        from ._comm import allreduce_mean_
-
         grads = []
         for p in worker.module.parameters():
             if p.grad is None:
@@ -141,6 +201,12 @@ class AllReduce(SyncPolicy):
         worker.span("sync", step, None, start, time.time(), group=self.members)
         return votes[0] > 0.5, int(round(votes[1])), votes[2] > 0.5
 
+    def after_step(self, worker, step: int) -> None:
+        """Nothing: the averaged gradients kept the replicas identical."""
+
+    def epoch_end(self, worker, step: int) -> None:
+        """Nothing: the replicas are identical already."""
+
     def close(self, failed: bool = False) -> None:
         self.group = None
 
@@ -150,67 +216,86 @@ def _state_tensors(worker) -> list:
     return [p.data for p in worker.module.parameters()] + [b for b in worker.module.buffers() if b.is_floating_point()]
 
 
-class Scheduled(SyncPolicy):
-    """Partial-reduce with groups decided by the central group service (SDPipe).
+def _failure(e: BaseException) -> str:
+    """An exchange's failure as an event field."""
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _all_arrive(worker, answer: dict) -> bool:
+    """Before a new group's rendezvous: whether every member came; every member gets the same verdict.
+
+    A rendezvous cannot be interrupted, and a member that died right
+    after the service answered it would hold the others for the whole
+    timeout; this wait can give up. The verdict is one atomic
+    compare-and-set in the run's store, "go" once every member arrived or
+    "skip" once a member's pipeline is marked lost, whichever comes first:
+    a member of a lost pipeline that is still alive (its other stage died)
+    may arrive after another member saw the mark, and deciding each for
+    itself would send some members into a rendezvous the others skip. A
+    member that dies after a "go", during the rendezvous, holds the others
+    for ``CONNECT_TIMEOUT`` at most (the rendezvous then fails, and the
+    group is skipped like a broken one).
+    """
+    members, store = answer["members"], worker.store
+    key = Keys.arrivals(worker.stage, answer["round"], answer["name"])
+    verdict = Keys.verdict(worker.stage, answer["round"], answer["name"])
+    store.add(key, 1)
+    deadline = time.monotonic() + worker.timeout
+    while True:
+        if store.check([verdict]):
+            return store.get(verdict) == b"go"
+        if store.add(key, 0) >= len(members):
+            proposal = "go"
+        elif any(pipeline_lost(store, m) for m in members if m != worker.pipeline):
+            proposal = "skip"
+        elif time.monotonic() > deadline:
+            raise TimeoutError(f"group {answer['name']}: not every member arrived within {worker.timeout:.0f}s")
+        else:
+            time.sleep(0.002)
+            continue
+        return store.compare_set(verdict, "", proposal) == b"go"
+
+
+class _GroupPolicy(SyncPolicy):
+    """What the policies that average through the group service share: asking it, and averaging with a group.
 
     The members of a group average their stage's weights (and floating
     buffers) with a collective among the members only; groups of one skip it.
     Under the scheduler's ``weighting="progress"`` each member counts with its
     mass (1 + its optimizer steps since the last global sync; a group leaves
     each member the mean mass of the group), so a replica that fell behind
-    pulls the average back less; ``"uniform"`` is the plain mean.
+    pulls the average back less; ``"uniform"`` is the plain mean
+    (:func:`sdpipe.sync_rules.member_weight` and the ``mass_after_*`` rules).
+
+    A subclass decides when to ask (its :meth:`after_step`, :meth:`epoch_end`); nothing here is switched off.
     """
 
-    name = "scheduled"
-
-    #: the stop comes with the group service's answers (see :meth:`stop_now`)
-    carries_stop = True
+    _all_arrive = staticmethod(_all_arrive)
 
     def setup(self, worker) -> None:
-        self.groups: dict = {}
+        self.groups: dict = {}  # group name -> its process group
         self.mass = 1.0
-        self.stop_answered = False  # an answer of the group service said the run is stopping
-        self.stop_seen_at = None  # when stage 0 first read the driver's stop from the store
 
-    def stop_now(self, store_stop: bool) -> bool:
-        """Stage 0, at a step boundary: whether to stop.
-
-        The group service says so in every answer decided after ``run.stop()``,
-        and the members of a round get the same answer, so pipelines that
-        average together stop after the same round (under the ``allreduce``
-        preset: at the same step, and the replicas end identical).  The
-        driver's flag in the run's store is the fallback, taken
-        ``STOP_GRACE`` seconds after this worker first read it.
-        """
-        if self.stop_answered:
-            return True
-        if not store_stop:
-            return False
-        now = time.monotonic()
-        if self.stop_seen_at is None:
-            self.stop_seen_at = now
-        return now - self.stop_seen_at > STOP_GRACE
-
-    def _reset_after(self, answer: dict) -> None:
-        if answer["reason"] == "global":
-            self.mass = 1.0  # every replica holds the same model again
+    def _ask(self, worker, step: int, global_sync: bool) -> dict:
+        """The group service's answer for this worker at ``step``."""
+        return worker.ask_group(step, global_sync=global_sync)
 
     def _average(self, worker, answer: dict, step: int) -> bool:
-        """Average with the answer's group; False when the group was skipped because a member's pipeline was lost first."""
+        """Average with the answer's group; False when the group was skipped because a member's pipeline was
+        lost first."""
         members, weighting = answer["members"], answer.get("weighting", "uniform")
         if len(members) < 2:
-            self._reset_after(answer)
+            self.mass = rules.mass_after_round(self.mass, answer["reason"])
             return True
-        from ._comm import CONNECT_TIMEOUT, allreduce_mean_
-
         start = time.time()
         tensors = _state_tensors(worker)
+        fields = dict(group=members, round=answer["round"], reason=answer["reason"])
         try:
             pg = self.groups.get(answer["name"])
             if pg is None:
                 if not self._all_arrive(worker, answer):
-                    worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
-                                reason=answer["reason"], failed="a member's pipeline was lost before the group formed")
+                    worker.span("sync", step, None, start, time.time(), **fields,
+                                failed="a member's pipeline was lost before the group formed")
                     return False
                 pg = worker.group(f"avg/{answer['name']}/r{answer['round']}", members.index(worker.pipeline),
                                   len(members), connect_timeout=CONNECT_TIMEOUT, pipelines=members)
@@ -219,9 +304,8 @@ class Scheduled(SyncPolicy):
             before = self.mass
             # the masses travel as an extra under either weighting; "uniform" weights every member 1
             total = allreduce_mean_(tensors, pg, len(members), extras=(self.mass,), comm_device=worker.link_device,
-                                    timeout=worker.timeout, weight=self.mass if weighting == "progress" else 1.0)[0]
-            self.mass = total / len(members)
-            self._reset_after(answer)
+                                    timeout=worker.timeout, weight=rules.member_weight(self.mass, weighting))[0]
+            self.mass = rules.mass_after_round(rules.mass_after_group(total, len(members)), answer["reason"])
         except RuntimeError as e:
             # a member died during the collective (its pipeline is being lost): this worker keeps its own
             # weights (allreduce_mean_ writes them back only after the collective returned), forgets the
@@ -232,11 +316,9 @@ class Scheduled(SyncPolicy):
                 worker.drop_group(broken)
                 del broken
             pg = None
-            worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"],
-                        reason=answer["reason"], failed=f"{type(e).__name__}: {str(e)[:200]}")
+            worker.span("sync", step, None, start, time.time(), **fields, failed=_failure(e))
             return True  # not retried: some members may have completed the collective
-        worker.span("sync", step, None, start, time.time(), group=members, round=answer["round"], reason=answer["reason"],
-                    mass=round(before, 4), weighting=weighting)
+        worker.span("sync", step, None, start, time.time(), **fields, mass=round(before, 4), weighting=weighting)
         return True
 
     def _global_sync(self, worker, step: int, answer: dict) -> None:
@@ -247,48 +329,49 @@ class Scheduled(SyncPolicy):
                 return
             answer = self._ask(worker, step, True)
 
-    @staticmethod
-    def _all_arrive(worker, answer: dict) -> bool:
-        """Before a new group's rendezvous: whether every member came; every member gets the same verdict.
+    def leave(self, worker) -> None:
+        worker.leave_service()
 
-        A rendezvous cannot be interrupted, and a member that died right
-        after the service answered it would hold the others for the whole
-        timeout; this wait can give up. The verdict is one atomic
-        compare-and-set in the run's store, "go" once every member arrived or
-        "skip" once a member's pipeline is marked lost, whichever comes first:
-        a member of a lost pipeline that is still alive (its other stage died)
-        may arrive after another member saw the mark, and deciding each for
-        itself would send some members into a rendezvous the others skip. A
-        member that dies after a "go", during the rendezvous, holds the others
-        for ``CONNECT_TIMEOUT`` at most (the rendezvous then fails, and the
-        group is skipped like a broken one).
+    def close(self, failed: bool = False) -> None:
+        self.groups.clear()
+
+
+class Scheduled(_GroupPolicy):
+    """Partial-reduce with groups decided by the central group service (SDPipe).
+
+    After each optimizer step a worker asks for its group and averages with it (see :class:`_GroupPolicy`);
+    an epoch's end, and a stop, end with a global sync.  The stop comes with the service's answers
+    (:meth:`decide_stop`).
+    """
+
+    name = "scheduled"
+
+    def setup(self, worker) -> None:
+        super().setup(worker)
+        self.stop_answered = False  # an answer of the group service said the run is stopping
+        self.stop_seen_at = None  # when stage 0 first read the driver's stop from the store (monotonic)
+
+    def decide_stop(self, store_stop: bool) -> bool:
+        """Stage 0, at a step boundary: whether to stop (:func:`sdpipe.sync_rules.group_stop`).
+
+        The group service says so in every answer decided after ``run.stop()``,
+        and the members of a round get the same answer, so pipelines that
+        average together stop after the same round (under the ``allreduce``
+        preset: at the same step, and the replicas end identical).  The
+        driver's flag in the run's store is the fallback, taken
+        ``STOP_GRACE`` seconds after this worker first read it.
         """
-        members, store = answer["members"], worker.store
-        key = f"arrive/s{worker.stage}/r{answer['round']}/{answer['name']}"
-        verdict = key + "/verdict"
-        store.add(key, 1)
-        deadline = time.monotonic() + worker.timeout
-        while True:
-            if store.check([verdict]):
-                return store.get(verdict) == b"go"
-            if store.add(key, 0) >= len(members):
-                proposal = "go"
-            elif any(pipeline_lost(store, m) for m in members if m != worker.pipeline):
-                proposal = "skip"
-            elif time.monotonic() > deadline:
-                raise TimeoutError(f"group {answer['name']}: not every member arrived within {worker.timeout:.0f}s")
-            else:
-                time.sleep(0.002)
-                continue
-            return store.compare_set(verdict, "", proposal) == b"go"
+        stop, self.stop_seen_at = rules.group_stop(self.stop_answered, store_stop, self.stop_seen_at,
+                                                   time.monotonic(), STOP_GRACE)
+        return stop
 
     def _ask(self, worker, step: int, global_sync: bool) -> dict:
-        answer = worker.ask_group(step, global_sync=global_sync)
+        answer = super()._ask(worker, step, global_sync)
         self.stop_answered = self.stop_answered or bool(answer.get("stop"))
         return answer
 
     def after_step(self, worker, step: int) -> None:
-        self.mass += 1.0
+        self.mass = rules.mass_after_step(self.mass)
         self._average(worker, self._ask(worker, step, False), step)
 
     def epoch_end(self, worker, step: int) -> None:
@@ -300,14 +383,8 @@ class Scheduled(SyncPolicy):
         Skipped when no step reached this replica since the last global sync: its mass is still 1
         (a step adds 1, a group leaves the mean of masses of at least 1, a global sync restarts it).
         """
-        if self.carries_stop and self.mass != 1.0:
+        if self.mass != 1.0:
             self.epoch_end(worker, step)
-
-    def leave(self, worker) -> None:
-        worker.leave_service()
-
-    def close(self, failed: bool = False) -> None:
-        self.groups.clear()
 
 
 # ---------------------------------------------------------------- servers
@@ -323,17 +400,17 @@ class _Mailbox:
         self.store, self.prefix = store, prefix
 
     def put(self, text: str) -> int:
-        i = self.store.add(self.prefix + "n", 1) - 1
-        self.store.set(f"{self.prefix}req/{i}", text)
+        i = self.store.add(Keys.mailbox_count(self.prefix), 1) - 1
+        self.store.set(Keys.mailbox_slot(self.prefix, i), text)
         return i
 
     def issued(self) -> int:
         """Slots claimed so far (filled or not)."""
-        return self.store.add(self.prefix + "n", 0)
+        return self.store.add(Keys.mailbox_count(self.prefix), 0)
 
     def get(self, i: int, timeout: float):
         """Slot ``i``'s request once it is filled (waiting at most ``timeout`` seconds), or None."""
-        key = f"{self.prefix}req/{i}"
+        key = Keys.mailbox_slot(self.prefix, i)
         try:
             self.store.wait([key], datetime.timedelta(seconds=timeout))
         except dist.DistStoreError:  # not there yet (a closed store raises DistNetworkError: the run is over)
@@ -342,7 +419,7 @@ class _Mailbox:
 
     def take(self, i: int):
         """Slot ``i``'s request if it is filled now, else None (no wait)."""
-        key = f"{self.prefix}req/{i}"
+        key = Keys.mailbox_slot(self.prefix, i)
         return self._pop(key) if self.store.check([key]) else None
 
     def _pop(self, key: str) -> str:
@@ -457,19 +534,21 @@ class _Server(threading.Thread):
         self.join(max(0.0, deadline - time.monotonic()) + 1.0)
 
 
-class GossipPairs(Scheduled):
+
+
+class GossipPairs(_GroupPolicy):
     """``adpsgd``: random pairs, no central view (AD-PSGD, Lian et al. 2018).
 
-    Pipeline ``p`` is active when ``p`` is even.  An active worker, after its
-    optimizer step, picks a passive worker of its stage at random and the two
-    set their weights to the pair's mean: the active one in its main thread,
-    the passive one by adding ``(x_active - x_passive) / 2`` at its next step
+    Pipeline ``p`` is active when ``p`` is even (:func:`sdpipe.sync_rules.gossip_roles`).  An active worker,
+    after its optimizer step, picks a passive worker of its stage at random
+    (:func:`sdpipe.sync_rules.choose_peer`) and the two set their weights to the pair's mean: the active one
+    in its main thread, the passive one by adding ``(x_active - x_passive) / 2`` at its next step
     boundary (so autograd never sees weights change under it and the sum over
-    the replicas is conserved).  The epoch ends with a global sync.
+    the replicas is conserved).  The epoch ends with a global sync through the group service
+    (:class:`_GroupPolicy`), the only time it asks the service: the stop is the driver's flag.
     """
 
     name = "adpsgd"
-    carries_stop = False  # it asks the group service only at global syncs
 
     def setup(self, worker) -> None:
         super().setup(worker)
@@ -477,9 +556,7 @@ class GossipPairs(Scheduled):
         self.tensors = _state_tensors(worker)
         self.device = worker.link_device
         self.active = worker.pipeline % 2 == 0
-        self.passives = [p for p in range(D) if p % 2 == 1]
-        self.actives = [p for p in range(D) if p % 2 == 0]
-        self.prefix = f"adpsgd/{stage}/"
+        self.actives, self.passives = rules.gossip_roles(D)
         self.store = worker.store
         self.pg = worker.group(f"adpsgd-stage{stage}", worker.pipeline, D) if D > 1 else None
         self.lock = threading.Lock()
@@ -489,35 +566,30 @@ class GossipPairs(Scheduled):
         self.server = None
         self.worker = worker
         if self.pg is not None and not self.active:
-            self.server = _Server(f"adpsgd-server-{stage}-{worker.pipeline}", _Mailbox(self.store, f"{self.prefix}{worker.pipeline}/"), self._serve)
+            mailbox = _Mailbox(self.store, Keys.gossip_mailbox(stage, worker.pipeline))
+            self.server = _Server(f"adpsgd-server-{stage}-{worker.pipeline}", mailbox, self._serve)
             self.server.start()
 
     def _serve(self, text: str) -> None:
-        import torch
-
-        from ._comm import flatten
-
         active, step = (int(x) for x in text.split(","))
         start = time.time()
         with self.lock:
             mine = flatten(self.tensors, self.device)
         theirs = torch.empty_like(mine)
+        w = self.worker
+        pair = sorted((active, w.pipeline))
         try:
             self.pg.recv([theirs], active, TAG_SERVE).wait()
             self.pg.send([mine], active, TAG_SERVE).wait()
         except RuntimeError as e:  # the active worker died: nothing to fold in
-            self.worker.span("sync", None, None, start, time.time(), group=sorted((active, self.worker.pipeline)),
-                             reason="pair", served=True, failed=f"{type(e).__name__}: {str(e)[:200]}")
+            w.span("sync", None, None, start, time.time(), group=pair, reason="pair", served=True, failed=_failure(e))
             return
         delta = (theirs - mine).div_(2)
         with self.lock:
             self.pending = delta if self.pending is None else self.pending.add_(delta)
-        w = self.worker
-        w.span("sync", None, None, start, time.time(), group=sorted((active, w.pipeline)), reason="pair", served=True)
+        w.span("sync", None, None, start, time.time(), group=pair, reason="pair", served=True)
 
     def _apply_pending(self) -> None:
-        from ._comm import flatten, unflatten_
-
         if self.server is None:
             return
         self.server.check()
@@ -534,10 +606,6 @@ class GossipPairs(Scheduled):
         return stop, version, pause
 
     def after_step(self, worker, step: int) -> None:
-        import torch
-
-        from ._comm import flatten, unflatten_
-
         if self.server is not None:
             self.held = False
             self.lock.release()
@@ -545,26 +613,26 @@ class GossipPairs(Scheduled):
             return
         if self.pg is None or not self.passives:
             return
-        peer = worker.rng.choice(self.passives)
-        if pipeline_lost(self.store, peer):  # its pipeline was lost: pair with the others from now on
-            self.passives.remove(peer)
-            return self.after_step(worker, step)
+        # a peer whose pipeline was lost is dropped: pair with the others from now on
+        peer, self.passives = rules.choose_peer(self.passives, lambda p: pipeline_lost(self.store, p), worker.rng)
+        if peer is None:
+            return
         start = time.time()
         worker.delay_link()
-        _Mailbox(self.store, f"{self.prefix}{peer}/").put(f"{worker.pipeline},{step}")
+        _Mailbox(self.store, Keys.gossip_mailbox(worker.stage, peer)).put(f"{worker.pipeline},{step}")
         mine = flatten(self.tensors, self.device)
         theirs = torch.empty_like(mine)
+        pair = sorted((worker.pipeline, peer))
         try:
             work = self.pg.send([mine], peer, TAG_SERVE)
             self.pg.recv([theirs], peer, TAG_SERVE).wait()
             work.wait()
         except RuntimeError as e:  # the passive worker died mid-exchange: keep our weights, drop the peer
             self.passives.remove(peer)
-            worker.span("sync", step, None, start, time.time(), group=sorted((worker.pipeline, peer)), reason="pair",
-                        failed=f"{type(e).__name__}: {str(e)[:200]}")
+            worker.span("sync", step, None, start, time.time(), group=pair, reason="pair", failed=_failure(e))
             return
         unflatten_(self.tensors, mine.add_(theirs).div_(2).to(self.tensors[0].device))
-        worker.span("sync", step, None, start, time.time(), group=sorted((worker.pipeline, peer)), reason="pair")
+        worker.span("sync", step, None, start, time.time(), group=pair, reason="pair")
 
     def epoch_end(self, worker, step: int) -> None:
         answer = self._ask(worker, step, True)
@@ -574,15 +642,15 @@ class GossipPairs(Scheduled):
             issued = self.server.mailbox.issued()
             if not self.server.settle(issued, worker.timeout):
                 self.server.check()
-                raise TimeoutError(f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served {self.server.served} "
-                                   f"of {issued} exchanges within {worker.timeout:.0f}s")
+                raise TimeoutError(f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served "
+                                   f"{self.server.served} of {issued} exchanges within {worker.timeout:.0f}s")
             self._apply_pending()
         self._global_sync(worker, step, answer)
 
     def _leave_pairs(self) -> None:
         if self.active and self.pg is not None and not self.left:
             self.left = True
-            self.store.set(f"{self.prefix}left/{self.worker.pipeline}", "1")
+            self.store.set(Keys.gossip_left(self.worker.stage, self.worker.pipeline), "1")
 
     def leave(self, worker) -> None:
         self._leave_pairs()
@@ -610,8 +678,10 @@ class GossipPairs(Scheduled):
             else:
                 # serve until every active worker of the stage has left (or its pipeline was lost) and every
                 # request is answered (a lost one's hole given up on)
+                stage = self.worker.stage
+
                 def done():
-                    if not all(self.store.check([f"{self.prefix}left/{p}"]) or pipeline_lost(self.store, p)
+                    if not all(self.store.check([Keys.gossip_left(stage, p)]) or pipeline_lost(self.store, p)
                                for p in self.actives):
                         return False
                     return self.server.settle(self.server.mailbox.issued(), 0.0)
@@ -620,49 +690,31 @@ class GossipPairs(Scheduled):
             self.server = None
 
 
-class ParameterServer(SyncPolicy):
-    """``ps``: one parameter server per stage with a staleness bound (HetPipe-like).
+class _PsServer:
+    """The parameter server of a stage (``ps``), hosted in a thread of the stage's pipeline-0 worker.
 
-    The server (a thread in the stage's pipeline-0 worker) keeps the global
-    weights ``w``.  Worker ``c`` sends ``x_c - x_c^pulled`` after each step;
-    the server adds it to ``w`` and answers with ``w`` once ``c`` is at most
-    ``staleness`` steps ahead of the slowest live worker of the stage that
-    still trains this epoch.  At the epoch end every worker pushes and they
-    all pull the same ``w`` (the global sync); step counts restart.
+    It keeps the global weights ``w`` and, per client (pipeline), its clock (pushes since the last global
+    sync).  A request in its mailbox is ``"kind,client,step"`` (``kind``: ``step`` or ``global``) or
+    ``"leave,client"``; a push's delta comes over the stage's process group (the host's own in memory, see
+    :meth:`exchange_local`).  After each request, :func:`sdpipe.sync_rules.ps_release` decides which
+    waiting pulls are answered.  Owned by that worker's :class:`ParameterServer`.
     """
 
-    name = "ps"
+    def __init__(self, worker, pg, mailbox: "_Mailbox", w, staleness: int):
+        D = worker.pipelines
+        self.worker, self.pg, self.mailbox, self.staleness = worker, pg, mailbox, staleness
+        self.w = w
+        self.clock = {c: 0 for c in range(D)}
+        self.live = set(range(D))
+        self.at_global: set = set()
+        self.waiting: dict = {}  # client -> kind of its pending pull
+        self.local_reply = None
+        self.local_event = threading.Event()
+        self.local_delta = None
+        self.thread = _Server(f"ps-server-{worker.stage}", mailbox, self._serve, idle=self._idle)
+        self.thread.start()
 
-    def setup(self, worker) -> None:
-        from ._comm import flatten
-
-        D, stage = worker.pipelines, worker.stage
-        self.worker = worker
-        self.tensors = _state_tensors(worker)
-        self.device = worker.link_device
-        self.pulled = flatten(self.tensors, self.device).clone()
-        self.staleness = int(worker.cfg["scheduler"]["staleness"])
-        self.pg = worker.group(f"ps-stage{stage}", worker.pipeline, D) if D > 1 else None
-        self.mailbox = _Mailbox(worker.store, f"ps/{stage}/")
-        self.host = worker.pipeline == 0
-        self.left = False
-        self.server = None
-        if self.pg is not None and self.host:
-            self.w = self.pulled.clone()
-            self.clock = {c: 0 for c in range(D)}
-            self.live = set(range(D))
-            self.at_global: set = set()
-            self.waiting: dict = {}  # client -> kind of its pending pull
-            self.local_reply = None
-            self.local_event = threading.Event()
-            self.local_delta = None
-            self.server = _Server(f"ps-server-{stage}", self.mailbox, self._serve, idle=self._idle)
-            self.server.start()
-
-    # ------------------------------------------------ server side (host only)
     def _serve(self, text: str) -> None:
-        import torch
-
         kind, client = text.split(",")[:2]
         client = int(client)
         if kind == "leave":
@@ -676,7 +728,7 @@ class ParameterServer(SyncPolicy):
                 delta = torch.empty_like(self.w)
                 self.pg.recv([delta], client, TAG_SERVE).wait()
             self.w.add_(delta)
-            if kind == "global":
+            if kind == rules.GLOBAL:
                 self.at_global.add(client)
             else:
                 self.clock[client] += 1
@@ -685,11 +737,10 @@ class ParameterServer(SyncPolicy):
 
     def _idle(self) -> None:
         """While the run is paused, pulls held by the staleness bound are answered: paused workers do not catch up."""
-        if any(k == "step" for k in self.waiting.values()) and self.worker.read_ctl()[3]:
-            for c, kind in list(self.waiting.items()):
-                if kind == "step":
-                    del self.waiting[c]
-                    self._reply(c)
+        if rules.held_step_pulls(self.waiting) and self.worker.read_ctl().pause:
+            for c in rules.held_step_pulls(self.waiting):
+                del self.waiting[c]
+                self._reply(c)
 
     def _reply(self, client: int) -> None:
         if client == 0:
@@ -699,41 +750,72 @@ class ParameterServer(SyncPolicy):
             self.pg.send([self.w], client, TAG_SERVE).wait()
 
     def _release(self) -> None:
-        if self.at_global and self.at_global >= self.live:
-            # the global sync: everyone still training pulls the same weights, clocks restart
-            for c in sorted(self.at_global):
-                self.waiting.pop(c, None)
-                self._reply(c)
+        release = rules.ps_release(self.clock, self.live, self.at_global, self.waiting, self.staleness)
+        for c in release.replies:
+            self.waiting.pop(c, None)
+            self._reply(c)
+        if release.global_sync:
+            # everyone still training pulled the same weights: clocks restart
             self.at_global.clear()
-            self.clock = {c: 0 for c in self.clock}
-            return
-        running = [self.clock[c] for c in self.live if c not in self.at_global]
-        slowest = min(running) if running else 0
-        for c, kind in list(self.waiting.items()):
-            if kind == "step" and self.clock[c] - slowest <= self.staleness:
-                del self.waiting[c]
-                self._reply(c)
+        self.clock = release.clock
 
-    # ------------------------------------------------ client side
+    def exchange_local(self, delta, request: str, timeout: float):
+        """The host worker's own push and pull: the delta in memory, the request in the mailbox (in order
+        with the others' requests); the global weights once the server answers."""
+        self.thread.check()
+        self.local_event.clear()
+        self.local_delta = delta
+        self.mailbox.put(request)
+        if not self.local_event.wait(timeout):
+            self.thread.check()
+            raise TimeoutError(f"ps: stage {self.worker.stage} got no reply from its server within {timeout} s")
+        return self.local_reply
+
+    def finish(self, failed: bool, timeout: float) -> None:
+        """Stop serving: at once after a failure, else once every client has left (at most ``timeout`` s)."""
+        if failed:
+            self.thread.finish(0.0)
+        else:
+            self.thread.finish(timeout, lambda: not self.live)
+            self.thread.check()
+
+
+class ParameterServer(SyncPolicy):
+    """``ps``: one parameter server per stage with a staleness bound (HetPipe-like), the client side.
+
+    The server (:class:`_PsServer`, a thread in the stage's pipeline-0 worker, owned by that worker's
+    client) keeps the global weights ``w``.  Worker ``c`` sends ``x_c - x_c^pulled`` after each step;
+    the server adds it to ``w`` and answers with ``w`` once ``c`` is at most
+    ``staleness`` steps ahead of the slowest live worker of the stage that
+    still trains this epoch.  At the epoch end every worker pushes and they
+    all pull the same ``w`` (the global sync); step counts restart.
+    """
+
+    name = "ps"
+
+    def setup(self, worker) -> None:
+        D, stage = worker.pipelines, worker.stage
+        self.worker = worker
+        self.tensors = _state_tensors(worker)
+        self.device = worker.link_device
+        self.pulled = flatten(self.tensors, self.device).clone()
+        self.staleness = int(worker.cfg["scheduler"]["staleness"])
+        self.pg = worker.group(f"ps-stage{stage}", worker.pipeline, D) if D > 1 else None
+        self.mailbox = _Mailbox(worker.store, Keys.ps_mailbox(stage))
+        self.host = worker.pipeline == 0
+        self.left = False
+        self.server = None
+        if self.pg is not None and self.host:
+            self.server = _PsServer(worker, self.pg, self.mailbox, self.pulled.clone(), self.staleness)
+
     def _exchange(self, worker, step: int, kind: str) -> None:
-        import torch
-
-        from ._comm import flatten, unflatten_
-
         if self.pg is None:
             return
         start = time.time()
         worker.delay_link()
         delta = flatten(self.tensors, self.device).sub_(self.pulled)
         if self.host:
-            self.server.check()
-            self.local_event.clear()
-            self.local_delta = delta
-            self.mailbox.put(f"{kind},0,{step}")
-            if not self.local_event.wait(worker.timeout):
-                self.server.check()
-                raise TimeoutError(f"ps: stage {worker.stage} got no reply from its server within {worker.timeout} s")
-            w = self.local_reply
+            w = self.server.exchange_local(delta, f"{kind},0,{step}", worker.timeout)
         else:
             self.mailbox.put(f"{kind},{worker.pipeline},{step}")
             self.pg.send([delta], 0, TAG_SERVE).wait()
@@ -741,14 +823,15 @@ class ParameterServer(SyncPolicy):
             self.pg.recv([w], 0, TAG_SERVE).wait()
         unflatten_(self.tensors, w.to(self.tensors[0].device))
         self.pulled = w
-        members = list(range(worker.pipelines)) if kind == "global" else [worker.pipeline]
-        worker.span("sync", step, None, start, time.time(), group=members, reason=kind if kind == "global" else "ps", server=0)
+        members = list(range(worker.pipelines)) if kind == rules.GLOBAL else [worker.pipeline]
+        worker.span("sync", step, None, start, time.time(), group=members,
+                    reason=kind if kind == rules.GLOBAL else "ps", server=0)
 
     def after_step(self, worker, step: int) -> None:
-        self._exchange(worker, step, "step")
+        self._exchange(worker, step, rules.STEP)
 
     def epoch_end(self, worker, step: int) -> None:
-        self._exchange(worker, step, "global")
+        self._exchange(worker, step, rules.GLOBAL)
 
     def leave(self, worker) -> None:
         if self.pg is not None and not self.left:
@@ -762,11 +845,7 @@ class ParameterServer(SyncPolicy):
             pass
         try:
             if self.server is not None:
-                if failed:
-                    self.server.finish(0.0)
-                else:
-                    self.server.finish(self.worker.timeout, lambda: not self.live)
-                    self.server.check()
+                self.server.finish(failed, self.worker.timeout)
                 self.server = None
         finally:
             self.pg = None
@@ -778,6 +857,7 @@ WORKER_MODES = {"allreduce": AllReduce, "none": NoSync, "sdpipe": Scheduled, "sc
 
 
 def make_policy(name: str) -> SyncPolicy:
+    """The worker-side policy object for policy ``name`` (a key of :data:`WORKER_MODES`), before its setup."""
     if name not in WORKER_MODES:
         raise ValueError(f"policy: {name!r} is not one of {', '.join(WORKER_MODES)}")
     return WORKER_MODES[name]()

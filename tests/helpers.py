@@ -44,3 +44,11 @@ def wait_for_epoch(run, epoch: int, timeout: float = 120) -> None:
         assert not run.done(), f"the run ended before epoch {epoch}: {run.status}"
         assert time.monotonic() < deadline, f"no epoch {epoch} within {timeout}s"
         time.sleep(0.05)
+
+
+def assert_records_valid(events: list) -> None:
+    """Every record fits ``sdpipe.events.SCHEMA`` (whoever produced it: worker, service, driver, simulator)."""
+    from sdpipe.events import problems
+
+    bad = [(e, problems(e)) for e in events if problems(e)]
+    assert not bad, f"{len(bad)} of {len(events)} records do not fit the schema; first: {bad[0]}"

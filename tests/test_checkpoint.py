@@ -8,6 +8,8 @@ import pytest
 import sdpipe
 from sdpipe.data import digits, digits_mlp
 
+from helpers import assert_records_valid
+
 pytestmark = pytest.mark.cluster
 
 
@@ -28,6 +30,7 @@ def test_allreduce_resumed_from_a_checkpoint_equals_the_uninterrupted_run(data, 
                   cluster=shared_cluster)
     whole = sdpipe.train(digits_mlp(), train_data, checkpoint_every=2, checkpoint_dir=tmp_path, **common)
     uninterrupted = whole.result(timeout=300)
+    assert_records_valid(uninterrupted.events)  # checkpoint and save records among them
     assert [os.path.basename(p) for p in whole.checkpoints] == ["epoch-0002", "epoch-0004"]
     assert sorted(os.listdir(tmp_path)) == ["epoch-0002", "epoch-0004", "latest"]  # no staging folder left
     assert (tmp_path / "latest").read_text().strip() == "epoch-0004"

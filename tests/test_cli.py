@@ -13,7 +13,8 @@ def sdpipe(*args, timeout=300):
 @pytest.mark.cluster
 @pytest.mark.parametrize("policy", ["none", "sdpipe"])
 def test_cli_train_prints_progress_and_summary(policy, no_leaks):
-    out = sdpipe("train", "--epochs", "2", "--pipelines", "2", "--stages", "2", "--policy", policy, "--schedule", "gpipe")
+    out = sdpipe("train", "--epochs", "2", "--pipelines", "2", "--stages", "2", "--policy", policy,
+                 "--schedule", "gpipe")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "epoch 2/2: 100%" in out.stderr  # tqdm writes its bars to stderr
     assert f"summary: 2 stages x 2 pipelines, policy={policy}, schedule=gpipe" in out.stdout
@@ -60,6 +61,32 @@ def test_cli_help_gives_every_flag_a_sentence_and_its_default(command):
     assert " ".join(text.split()).count("(default: ") == len(flags), text
 
 
+def test_cli_train_flags_are_the_train_config_fields():
+    """Every TrainConfig field of a number or a string is a flag with the field's type, default and docstring;
+    the flags given reach TrainConfig (and so train) under the field's name."""
+    from dataclasses import fields
+
+    from sdpipe.cli import _check, build_parser
+    from sdpipe.config import TrainConfig, field_docs
+
+    parser = build_parser()
+    flags = {a.dest: a for a in parser._subparsers._group_actions[0].choices["train"]._actions}
+    docs = field_docs(TrainConfig)
+    scalar = [f for f in fields(TrainConfig) if f.name not in ("cuts", "heterogeneity", "scheduler")]
+    for f in scalar:
+        action = flags[f.name]
+        assert action.option_strings == [f"--{f.name.replace('_', '-')}"] and action.default == f.default, f.name
+        assert action.type is {"int": int, "float": float}.get(f.type, str) and action.help == docs[f.name], f.name
+    args = parser.parse_args(["train", "--weight-decay", "0.01", "--host", "10.0.0.2", "--timeout", "30",
+                              "--batch-size", "64", "--slowdown", "1=2", "--model", "cnn"])
+    config, options = _check(args)
+    assert config == TrainConfig(**options)
+    assert (config.weight_decay, config.host, config.timeout, config.batch_size) == (0.01, "10.0.0.2", 30.0, 64)
+    assert config.heterogeneity.slowdown == {1: 2.0} and config.cuts == (6,)
+    assert {k: v for k, v in config.to_dict().items() if k not in ("heterogeneity", "scheduler", "cuts")} == \
+        {f.name: getattr(args, f.name) for f in scalar}
+
+
 def test_cli_simulate_prints_throughput():
     out = sdpipe("simulate", "--stages", "2", "--pipelines", "8", "--steps", "20", "--slowdown", "7=4")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -69,13 +96,15 @@ def test_cli_simulate_prints_throughput():
 
 
 @pytest.mark.parametrize("name, text, message", [
-    ("run.toml", "epoch = 3\n", "config: {path}: unknown field 'epoch'; allowed: batch_size,"),
+    ("run.toml", "epoch = 3\n", "config: {path}: unknown field 'epoch'; allowed: backend, batch_size,"),
     ("run.toml", 'epochs = "ten"\n', "config: {path}: field 'epochs' must be an integer, got 'ten'"),
     ("run.toml", "epochs = 2\n[nested\n", "config: {path} is not valid TOML"),
     ("run.json", '{"model": "rnn"}', "config: {path}: field 'model' is 'rnn'; allowed: mlp, cnn"),
-    ("run.json", '{"slowdown": {"x": 2}}', "config: {path}: field 'slowdown': --slowdown: 'x=2' is not PIPELINE=FACTOR"),
+    ("run.json", '{"slowdown": {"x": 2}}',
+     "config: {path}: field 'slowdown': --slowdown: 'x=2' is not PIPELINE=FACTOR"),
     ("run.json", '[1, 2]', "config: {path} must hold a table of options, got list"),
     ("run.json", '{"pipelines": 0}', "pipelines: must be an integer >= 1, got 0"),
+    ("run.json", '{"timeout": "soon"}', "config: {path}: field 'timeout' must be a number, got 'soon'"),
 ])
 def test_cli_config_file_errors_name_the_field(tmp_path, name, text, message):
     path = tmp_path / name

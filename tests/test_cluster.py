@@ -8,7 +8,7 @@ import torch
 import sdpipe
 from sdpipe.data import batch_indices, digits, digits_mlp, steps_per_epoch
 
-from helpers import live_process_groups, port_closed
+from helpers import assert_records_valid, live_process_groups, port_closed
 
 pytestmark = pytest.mark.cluster
 
@@ -40,6 +40,7 @@ def test_allreduce_demo_accuracy_identical_models(data, no_leaks):
     (train_data, eval_data) = data
     run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="allreduce", epochs=10)
     result = run.result(timeout=300)
+    assert_records_valid(result.events)
     final = [h for h in result.history if h["epoch"] == 9]
     assert len(final) == 2 and all(h["accuracy"] >= 0.95 for h in final), final
     assert result.max_param_diff() < 1e-6
@@ -68,6 +69,7 @@ def test_allreduce_demo_accuracy_identical_models(data, no_leaks):
 def test_none_policy_models_differ(data, shared_cluster, no_leaks):
     train_data, _ = data
     result = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="none", epochs=1, cluster=shared_cluster).result(timeout=300)
+    assert_records_valid(result.events)
     assert result.max_param_diff() > 1e-3
     assert not any(e["kind"] == "sync" for e in result.events)
     assert live_process_groups(shared_cluster) == 0

@@ -11,7 +11,7 @@ from distributed import Client, LocalCluster
 import sdpipe
 from sdpipe.data import digits, digits_mlp
 
-from helpers import live_process_groups, port_closed, wait_for_epoch
+from helpers import assert_records_valid, live_process_groups, port_closed, wait_for_epoch
 
 pytestmark = pytest.mark.cluster
 
@@ -99,6 +99,7 @@ def test_sdpipe_goes_on_with_three_pipelines_after_a_worker_is_killed(data, clus
     run = sdpipe.train(digits_mlp(), train_data, **common)
     killed_at = kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
     result = run.result(timeout=600)
+    assert_records_valid(result.events)  # the driver's worker-lost record among them
 
     assert set(result.lost) == {2} and "pipeline 2 stage 1" in result.lost[2]
     assert result.finished_pipelines == [0, 1, 3] and result.models[2] is None
@@ -157,7 +158,7 @@ def test_adpsgd_and_none_go_on_after_a_worker_is_killed(data, cluster8, policy):
 def test_a_pipeline_whose_workers_stall_is_dropped_after_the_stall_limit(data, cluster8):
     """Both workers of pipeline 2 frozen (SIGSTOP: no error, no closed connection, nothing recorded): under
     ``none`` nobody waits for them, so only the run's stall limit can end the wait for their tasks."""
-    from sdpipe._runtime import stall_limit
+    from sdpipe._watch import stall_limit
 
     train_data, _ = data
     all_workers_ready(cluster8)

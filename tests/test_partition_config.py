@@ -1,8 +1,11 @@
 """Partitioning and configuration checks: no torch.distributed, no Dask."""
 
+import inspect
+from dataclasses import fields
+
 import pytest
 
-from sdpipe.config import Heterogeneity, TrainConfig
+from sdpipe.config import Heterogeneity, TrainConfig, config_keywords, field_docs
 from sdpipe.partition import balanced_cuts, check_cuts, stage_bounds
 
 
@@ -74,7 +77,10 @@ def test_partition_sequential_and_list():
         (dict(backend="nccl"), "backend: 'nccl' needs device='cuda'"),
         (dict(timeout=-1), "timeout: must be > 0.0"),
         (dict(heterogeneity=Heterogeneity(slowdown={5: 2.0})), r"heterogeneity.slowdown: key 5 names no worker"),
-        (dict(scheduler={"weighting": "by-speed"}), r"policy.weighting: 'by-speed' is not allowed; use one of 'progress', 'uniform'"),
+        (dict(scheduler={"weighting": "by-speed"}),
+         r"policy.weighting: 'by-speed' is not allowed; use one of 'progress', 'uniform'"),
+        (dict(momentum=1.5), r"momentum: must be a number from 0 to 1, got 1.5"),
+        (dict(lr="fast"), r"lr: must be a number, got 'fast'"),
     ],
 )
 def test_config_rejects_bad_input_with_one_line(kwargs, message):
@@ -86,9 +92,49 @@ def test_config_rejects_bad_input_with_one_line(kwargs, message):
 def test_heterogeneity_checks_and_round_trip():
     with pytest.raises(ValueError, match=r"heterogeneity.slowdown\[1\]: must be >= 1.0"):
         Heterogeneity(slowdown={1: 0.5})
-    with pytest.raises(ValueError, match="straggle_prob: must be >= 0.0 and <= 1.0"):
+    with pytest.raises(ValueError, match="straggle_prob: must be a number from 0 to 1, got 2"):
         Heterogeneity(straggle_prob=2)
     h = Heterogeneity(slowdown={1: 4.0, (0, 1): 2.0}, straggle_prob=0.1, straggle_delay=0.05, link_delay={2: 0.01})
     assert Heterogeneity.from_dict(h.to_dict()) == h
     assert h.slowdown_of(1, 0) == 4.0 and h.slowdown_of(0, 1) == 2.0 and h.slowdown_of(0, 0) == 1.0
     assert h.link_delay_of(2, 1) == 0.01
+
+
+def test_field_docs_are_the_strings_under_the_fields():
+    docs = field_docs(TrainConfig)
+    assert list(docs) == [f.name for f in fields(TrainConfig)] and all(docs.values())
+    assert docs["stages"] == "Number of stages S the model is cut into."
+    assert docs["sync_every"].startswith("Epochs between global syncs (every pipeline stops at one step and the "
+                                         "replicas are averaged) under")  # two source lines, one line here
+    assert docs["policy"] == ("How the D replicas of a stage synchronize: "
+                              "one of POLICIES (sdpipe, allreduce, ps, adpsgd, none).")
+    assert field_docs(Heterogeneity)["straggle_delay"] == "Seconds a transient straggle adds to the step."
+
+
+@config_keywords
+def _train(model, data, *, eval_data=None, loss_fn=None, **options):
+    """Train a dummy."""
+    return model, data, eval_data, options
+
+
+def test_config_keywords_lists_the_fields_and_passes_only_them():
+    params = list(inspect.signature(_train).parameters.values())
+    assert [p.name for p in params] == ["model", "data", "eval_data", "loss_fn", *(f.name for f in fields(TrainConfig))]
+    for p, f in zip(params[4:], fields(TrainConfig)):
+        assert p.kind is p.KEYWORD_ONLY and p.default == f.default, p
+    assert str(params[4]) == "stages: int = 2" and str(params[-1]) == "checkpoint_dir: Optional[str] = None"
+    doc = " ".join(_train.__doc__.split())
+    assert doc.startswith("Train a dummy. Options (TrainConfig fields)")
+    assert all(f"{name} : " in doc and text in doc for name, text in field_docs(TrainConfig).items())
+    assert _train(1, 2, eval_data=3, stages=4, lr=0.1) == (1, 2, 3, {"stages": 4, "lr": 0.1})
+    with pytest.raises(TypeError) as err:
+        _train(1, 2, stagez=4)
+    assert str(err.value).startswith("_train() got an unexpected keyword argument 'stagez' (did you mean 'stages'?); "
+                                     "keywords are eval_data, loss_fn, stages, pipelines, policy,")
+    assert "\n" not in str(err.value)
+    with pytest.raises(TypeError, match=r"^_train\(\) got an unexpected keyword argument 'xyz'; keywords are "):
+        _train(1, 2, xyz=4)
+    with pytest.raises(TypeError, match="has parameters that are TrainConfig fields: stages"):
+        config_keywords(lambda *, stages=2, **options: None)
+    with pytest.raises(TypeError, match=r"needs a \*\*options parameter"):
+        config_keywords(lambda *, eval_data=None: None)

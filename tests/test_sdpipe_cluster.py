@@ -8,7 +8,7 @@ import pytest
 import sdpipe
 from sdpipe.data import digits, digits_mlp
 
-from helpers import live_process_groups
+from helpers import assert_records_valid, live_process_groups
 
 pytestmark = pytest.mark.cluster
 
@@ -31,6 +31,7 @@ def test_sdpipe_trains_with_partial_groups_and_global_sync(data, shared_cluster)
     run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="sdpipe",
                        epochs=6, cluster=shared_cluster)
     result = run.result(timeout=300)
+    assert_records_valid(result.events)
     final = [h for h in result.history if h["epoch"] == 5]
     assert all(h["accuracy"] >= 0.9 for h in final), final
     # the epoch ends with a global sync, so the pipelines end identical
@@ -109,6 +110,7 @@ def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluste
     run.stop()
     result = run.result(timeout=120)
     assert result.stopped
+    assert_records_valid(result.events)  # control records of the driver, the group service and the workers
     ctl = [e for e in result.events if e["kind"] == "control"]
     # the driver recorded each change; every worker took the policy switch up at one step of its pipeline
     assert [e["what"] for e in ctl if e["applied_by"] == "driver"] == ["policy", "heterogeneity", "policy", "stop"]

@@ -108,7 +108,7 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     result = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="sdpipe", epochs=3,
                           heterogeneity=sdpipe.Heterogeneity(slowdown={1: 4.0}), cluster=shared_cluster).result(timeout=300)
     dash = Dashboard(result)
-    assert dash.controls is None  # nothing to steer in a finished run
+    assert dash.panel is None  # nothing to steer in a finished run
     layout = dash.figure.layout[dash._timeline_xaxis.replace("xaxis", "yaxis")]
     rows = dict(zip(layout.tickvals, layout.ticktext))
     compute = dash.trace("timeline/compute")

@@ -14,10 +14,10 @@ page's values reach the kernel with the next press.
 
 from __future__ import annotations
 
-import math
-
 import anywidget
 import traitlets
+
+from sdpipe.config import _number
 
 __all__ = ["ControlPanel", "ACTIONS"]
 
@@ -76,7 +76,8 @@ class ControlPanel(anywidget.AnyWidget):
           el_("b", { textContent: "heterogeneity (slowdown per pipeline)" }));
         const n = model.get("pipelines");
         for (let p = 0; p < n; p++) hetBox.append(slider(`slowdown/${p}`, `pipeline ${p}`, 1, 8, 0.5));
-        hetBox.append(slider("straggle_prob", "straggle p", 0, 0.5, 0.05), slider("straggle_delay", "delay (s)", 0, 0.5, 0.01),
+        hetBox.append(slider("straggle_prob", "straggle p", 0, 0.5, 0.05),
+                      slider("straggle_delay", "delay (s)", 0, 0.5, 0.01),
                       button("slowdowns"));
 
         const runBox = el_("div", { className: "sdpipe-col sdpipe-run" }, el_("b", { textContent: "run" }),
@@ -111,8 +112,8 @@ class ControlPanel(anywidget.AnyWidget):
     };
     """
     _css = """
-    .sdpipe-controls .sdpipe-panel { display: flex; flex-flow: row wrap; gap: 4px 24px; font-size: var(--jp-widgets-font-size, 13px);
-      color: var(--jp-widgets-color, inherit); }
+    .sdpipe-controls .sdpipe-panel { display: flex; flex-flow: row wrap; gap: 4px 24px;
+      font-size: var(--jp-widgets-font-size, 13px); color: var(--jp-widgets-color, inherit); }
     .sdpipe-controls .sdpipe-col { display: flex; flex-direction: column; gap: 4px; }
     .sdpipe-controls .sdpipe-policy { width: 300px; }
     .sdpipe-controls .sdpipe-het { width: 340px; }
@@ -190,12 +191,3 @@ class ControlPanel(anywidget.AnyWidget):
             for k, v in checked.items():
                 setattr(self, k, v)
 
-
-def _number(field: str, x, lo: float, hi: float, whole: bool = False):
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi
-    if ok and whole and x != int(x):
-        ok = False
-    if not ok:
-        kind = "a whole number" if whole else "a number"
-        raise ValueError(f"{field}: must be {kind} from {lo:g} to {hi:g}, got {x!r}")
-    return int(x) if whole else float(x)

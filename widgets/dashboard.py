@@ -318,9 +318,9 @@ class Dashboard:
         self.message = W.HTML(layout=W.Layout(min_height="1.7em", width="100%"))
         parts = [self.header, self.numbers, self.hetero, self.note, self._width, self.figure]
         #: the control panel (None for a replay or controls=False); ``panel.press(...)`` presses a button
-        self.panel = self.controls = self._controls() if controls else None
-        if self.controls is not None:
-            parts[1:1] = [self.controls, self.message]
+        self.panel = self._controls() if controls else None
+        if self.panel is not None:
+            parts[1:1] = [self.panel, self.message]
         self.widget = W.VBox(parts, layout=W.Layout(width="100%"))
 
     def fit(self, width: int) -> None:

@@ -1,0 +1,242 @@
+"""Reaching the Dask cluster and choosing its workers for a run (the driver's side; no training here).
+
+``connect`` starts an embedded ``LocalCluster`` or reaches an existing scheduler, with every failure said
+in one line; ``pick_workers`` chooses one free worker per rank; ``route_address`` and ``bound_store`` put
+the run's rendezvous store on the address the workers reach.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+from .config import TrainConfig
+from .hosts import EmulatedHosts
+
+__all__ = ["CONNECT_TIMEOUT", "connect", "count_workers", "pick_workers", "host_cores", "route_address", "bound_store"]
+
+#: Seconds to reach an existing Dask scheduler before giving up.
+CONNECT_TIMEOUT = 10.0
+
+
+def connect(cluster, config: TrainConfig, security=None):
+    """(client, embedded cluster or None, whether we own the client).
+
+    ``security``: a ``distributed.Security`` (TLS certificates) for a scheduler
+    address; without it Dask's configuration (``distributed.comm.tls.*``) applies.
+    """
+    import dask
+    from distributed import Client, LocalCluster
+    from distributed.security import Security
+
+    secure = {} if security is None else {"security": security}
+    if cluster is None:
+        host = config.host or "127.0.0.1"
+        kwargs = dict(
+            n_workers=config.world_size,
+            threads_per_worker=1,
+            processes=True,
+            host=host,
+            dashboard_address=None,
+            # the scheduler serves its HTTP routes (health, metrics) even without a dashboard, on 8787 unless told:
+            # a random port on the cluster's host, so a second cluster on the machine starts without a warning
+            scheduler_kwargs={"dashboard_address": f"{host}:0"} if ":" not in host else {},
+            silence_logs=logging.ERROR,
+            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        )
+        if config.device == "cuda":
+            kwargs["resources"] = {"GPU": 1}
+        # A training rank must never be re-run on another worker after its worker died. Dask's statistical
+        # profiler (it samples the training thread 100 times a second) is off: measured ~10% of a 2 x 2
+        # run's samples/s on two cores (benchmarks/results/engine.md).
+        with dask.config.set({"distributed.scheduler.allowed-failures": 0, "distributed.worker.profile.enabled": False}):
+            lc = LocalCluster(**kwargs)
+        try:
+            return Client(lc, set_as_default=False), lc, True
+        except BaseException:
+            lc.close()
+            raise
+    if isinstance(cluster, str):
+        if cluster.startswith("tls://") and not (security or Security()).get_connection_args("client")["ssl_context"]:
+            raise ValueError(f"security: {cluster!r} speaks TLS; pass security=distributed.Security(...) or set "
+                             "distributed.comm.tls.* in Dask's configuration")
+        return _client(cluster, security), None, True
+    if isinstance(cluster, Client):
+        return cluster, None, False
+    if isinstance(cluster, EmulatedHosts):
+        return _client(cluster.scheduler_address, None), None, True
+    if hasattr(cluster, "scheduler_address"):
+        return Client(cluster, set_as_default=False, **secure), None, True
+    raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
+
+
+def _client(address: str, security, attempts: int = 2):
+    """A Dask client of the scheduler at ``address``, or one line saying why not.
+
+    A client that failed to start still runs its IO thread; left to the
+    garbage collector, its close runs on whichever thread the collector
+    interrupts (once seen in CI right before the next client's IO thread
+    missed Dask's 10 s start window), so it is closed here.  Dask's bare
+    ``AssertionError`` for an IO thread that did not start in time is
+    retried once.
+    """
+    from distributed import Client
+
+    secure = {} if security is None else {"security": security}
+    for attempt in range(attempts):
+        try:
+            return Client(address, timeout=CONNECT_TIMEOUT, set_as_default=False, **secure)
+        except (OSError, TimeoutError, ValueError, AssertionError) as e:
+            _close_half_built(e)
+            if isinstance(e, AssertionError) and attempt + 1 < attempts:
+                continue
+            why = "its client's IO thread did not start" if isinstance(e, AssertionError) else type(e).__name__
+            raise ConnectionError(
+                f"cluster: cannot reach a Dask scheduler at {address!r} within {CONNECT_TIMEOUT:.0f}s ({why})"
+            ) from None
+        except TypeError as e:  # Dask: a plain connection to a TLS scheduler (or the other way round)
+            _close_half_built(e)
+            raise ValueError(f"security: {address!r} does not match the security given ({e})") from None
+
+
+def _close_half_built(error: BaseException) -> None:
+    """Close the ``distributed.Client`` whose constructor raised ``error`` (found in the traceback's frames)."""
+    from distributed import Client
+
+    tb = error.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, Client):
+            try:
+                obj.close(timeout=5)
+                # a client that closed itself on failing leaves its IO thread running: Dask's close skips it then
+                runner = getattr(obj, "_loop_runner", None)
+                if runner is not None and runner.is_started():
+                    runner.stop()
+            except Exception:  # closing what never started is best effort
+                pass
+            return
+        tb = tb.tb_next
+
+
+def count_workers(client, config: TrainConfig) -> None:
+    """A one-line error when an existing cluster has too few workers for the run (one call to the scheduler)."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    if config.device == "cuda":
+        info = {a: w for a, w in info.items() if w.get("resources", {}).get("GPU", 0) >= 1}
+    if len(info) < config.world_size:
+        what = "Dask workers with a 'GPU' resource" if config.device == "cuda" else "Dask workers"
+        raise ValueError(f"cluster: needs {config.world_size} {what} (stages x pipelines), found {len(info)}")
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def host_cores(client, workers: list) -> dict:
+    """host -> (workers of the run on it, its cores); cores None where a worker did not answer."""
+    from urllib.parse import urlparse
+
+    try:
+        cores = client.run(_cpu_count, workers=list(set(workers)), on_error="return")
+    except Exception:
+        cores = {}
+    hosts: dict = {}
+    for addr in workers:
+        host = urlparse(addr).hostname or addr
+        n, c = hosts.get(host, (0, None))
+        got = cores.get(addr)
+        hosts[host] = (n + 1, got if isinstance(got, int) else c)
+    return hosts
+
+
+def _free_threads(dask_worker) -> int:
+    """(On a Dask worker) threads not running a task, cancelled ones included: a task whose client left
+    keeps its thread until the function returns."""
+    return dask_worker.state.nthreads - len(dask_worker.state.executing) - len(dask_worker.state.long_running)
+
+
+def pick_workers(client, config: TrainConfig) -> list:
+    """Workers for the ranks, one with a free thread each.
+
+    A worker still running an earlier run's task (its client left, the task
+    ends at its next failing operation or its timeout) would start its rank
+    late and the others' rendezvous would time out: such workers are passed
+    over, or waited for (at most the run's ``timeout``).
+    """
+    need = config.world_size
+    deadline = time.monotonic() + config.timeout
+    while True:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        addrs = sorted(info)
+        if config.device == "cuda":
+            addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]
+        if len(addrs) < need:
+            what = "Dask workers with a 'GPU' resource" if config.device == "cuda" else "Dask workers"
+            raise ValueError(f"cluster: needs {need} {what} (stages x pipelines), found {len(addrs)}")
+        free = client.run(_free_threads, workers=addrs, on_error="return")
+        idle = [a for a in addrs if isinstance(free.get(a), int) and free[a] >= 1]
+        if len(idle) >= need:
+            return idle[:need]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cluster: {len(idle)} of the {need} workers needed have a free thread; the others "
+                               f"still run earlier tasks after {config.timeout:.0f}s")
+        time.sleep(0.5)
+
+
+
+def route_address(scheduler_address: str) -> str:
+    """This machine's address on the interface that routes to ``scheduler_address`` (127.0.0.1 for a loopback one).
+
+    Workers reach the driver the way the driver reaches their scheduler, so
+    the run's store listens there.  No packet is sent: a UDP socket's
+    ``connect`` only asks the kernel for the route.
+    """
+    import ipaddress
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(scheduler_address) if "://" in scheduler_address else None
+    host = parsed.hostname if parsed else None
+    if not host or host == "localhost":
+        return "127.0.0.1"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, parsed.port or 8786, type=socket.SOCK_DGRAM)[0]
+        if ipaddress.ip_address(addr[0]).is_loopback:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return "127.0.0.1"
+
+
+def bound_store(host: str, timeout: float):
+    """The run's rendezvous store, listening on ``host`` only.
+
+    ``TCPStore`` itself listens on every interface; handed a socket already
+    bound to ``host`` it serves that one (and closes it with the store).
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(1024)
+        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the socket now
+    return store
+

@@ -1,0 +1,150 @@
+"""Launching a run's workers, in the background while ``train`` has already returned the :class:`~sdpipe.Run`.
+
+In order, each step shown in :attr:`Run.startup`: start the embedded Dask cluster (if the run has none),
+open the rendezvous store where the workers reach it and the group service on the Dask scheduler, choose
+one free Dask worker per rank, copy the data to the first and last stages' workers, submit one task per rank
+(pinned to its worker, never retried elsewhere), and start the run's monitor (:class:`~sdpipe._watch.RunWatcher`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from ._cluster import bound_store, connect, host_cores, pick_workers, route_address
+from ._control import ControlPlane
+from ._result import RunError
+from ._service import ensure_service
+from ._watch import RunWatcher
+from ._worker import worker_main
+from .protocol import GroupServiceClient, GroupServiceError, WorkerSpec, run_prefix
+
+__all__ = ["Launcher"]
+
+
+class Launcher:
+    """Launches one :class:`~sdpipe.Run` (it writes the run's cluster, store, control, workers and tasks)."""
+
+    def __init__(self, run, spec: WorkerSpec, data: tuple, cluster, security, resume):
+        self.run = run
+        self._pending = [spec, data, cluster]  # dropped by the thread once used (see run())
+        self._security, self._resume = security, resume
+
+    def start(self) -> None:
+        threading.Thread(target=self.run_thread, name=f"sdpipe-start-{self.run.run_id}", daemon=True).start()
+
+    def run_thread(self) -> None:
+        """(Background) launch; the run ends with the error if that fails.
+
+        The data (tensors on numpy buffers) is dropped before the run is marked
+        launched or done: this thread must not free them while the interpreter
+        finalizes (see :meth:`RunWatcher.watch`).
+        """
+        run = self.run
+        try:
+            args, self._pending = self._pending, None
+            try:
+                self._launch(*args)
+            finally:
+                del args
+        except BaseException as e:  # the run ends with it: result() raises it, status says "error"
+            run._error = e if isinstance(e, Exception) else RunError(
+                f"the run's start was interrupted ({type(e).__name__})")
+            run._cleanup()
+            run._done.set()
+            return
+        run._launched.set()
+        if run._stop_requested:
+            run._request_stop()
+
+    def _launch(self, spec: WorkerSpec, data: tuple, cluster) -> None:
+        import torch.distributed as dist
+
+        run, cfg = self.run, self.run.config
+        try:
+            if run._client is None:
+                run._startup = f"starting an embedded Dask cluster of {cfg.world_size} worker processes"
+                run._client, run._cluster, run._own_client = connect(cluster, cfg, self._security)
+            run._startup = "opening the rendezvous store and the group service"
+            run.store_host = cfg.host or route_address(run._client.scheduler.address)
+            run._store = bound_store(run.store_host, cfg.timeout)
+            run._run_store = dist.PrefixStore(run_prefix(run.run_id), run._store)
+            run.store_port = run._store.port
+            spec = spec.with_store(run.store_host, run._store.port)
+            run._topic = spec.topic
+            run._client.subscribe_topic(run._topic, run._inbox.on_event)
+            self._open_control(spec)
+            run._startup = "choosing the workers and copying the data to them (they load torch to take it)"
+            workers, placed = self._place_data(data)
+            run._workers = workers
+            run._hosts = host_cores(run._client, workers)
+            run.cores = sum(c for _, c in run._hosts.values() if c) or None
+            run._startup = "submitting the workers' tasks"
+            run._futures = self._submit(spec, workers, placed)
+            run._data_futures = [f for f in placed if f is not None]
+        except BaseException:
+            run._cleanup()
+            raise
+        watcher = RunWatcher(run)
+        run._monitor_thread = threading.Thread(target=watcher.watch, name=f"sdpipe-monitor-{run.run_id}", daemon=True)
+        run._monitor_thread.start()
+
+    def _open_control(self, spec: WorkerSpec) -> None:
+        """The group service opens the run (from the checkpoint's scheduler when resuming); the store gets the
+        first command."""
+        run, cfg = self.run, self.run.config
+        ensure_service(run._client)
+        service = GroupServiceClient(run.run_id, client=run._client, token=uuid.uuid4().hex)
+        state = self._resume.scheduler if self._resume is not None else None
+        try:
+            service.open(stages=cfg.stages, pipelines=cfg.pipelines, policy=run.scheduler_policy.to_dict(),
+                         policy_name=cfg.policy, topic=spec.topic, t0=run.t0, state=state)
+        except GroupServiceError as e:
+            if state is None:
+                raise
+            raise ValueError(f"resume_from: the group service rejected the checkpoint's scheduler ({e})") from None
+        mode = "scheduled" if cfg.policy == "sdpipe" else cfg.policy
+        run._control = ControlPlane(run._run_store, service, mode, cfg.policy, run.heterogeneity)
+
+    def _submit(self, spec: WorkerSpec, workers: list, placed: tuple) -> list:
+        run, S = self.run, self.run.config.stages
+        fX, fY, fEX, fEY = placed
+        resources = {"GPU": 1} if run.config.device == "cuda" else None
+        futures = []
+        for rank, addr in enumerate(workers):
+            s = rank % S
+            resume = self._resume.stage_state(*divmod(rank, S)) if self._resume is not None else None
+            futures.append(run._client.submit(
+                worker_main, spec, rank, fX if s == 0 else None, fY if s == S - 1 else None,
+                fEX if s == 0 else None, fEY if s == S - 1 else None, resume,
+                key=f"sdpipe-{run.run_id}-rank{rank}", workers=[addr], allow_other_workers=False,
+                resources=resources, pure=False, retries=0,
+            ))
+        return futures
+
+    def _place_data(self, data) -> tuple:
+        """Choose the workers and copy the data to the first and last stages' ones.
+
+        A worker that leaves the cluster meanwhile (one that just died and is
+        being restarted by its nanny) makes the copy fail: choose again, up
+        to three times.
+        """
+        run, cfg, S = self.run, self.run.config, self.run.config.stages
+        X, Y, EX, EY = data
+
+        def scatter(obj, where):
+            if obj is None:
+                return None
+            return run._client.scatter(obj, workers=where, broadcast=True, hash=False)
+
+        for attempt in range(3):
+            workers = pick_workers(run._client, cfg)
+            first = [workers[p * S] for p in range(cfg.pipelines)]
+            last = [workers[p * S + S - 1] for p in range(cfg.pipelines)]
+            try:
+                return workers, (scatter(X, first), scatter(Y, last), scatter(EX, first), scatter(EY, last))
+            except KeyError as e:  # the scheduler no longer knows a chosen worker
+                if attempt == 2:
+                    raise RuntimeError(f"cluster: worker {e} left the cluster while the run started") from None
+                time.sleep(1.0)

@@ -1,0 +1,229 @@
+"""``sdpipe.train``: check everything before any worker starts, then hand the run to a :class:`~sdpipe.Run`.
+
+Every input is checked on the driver, in this order, each failure a one-line ``ValueError`` naming the
+field: the configuration (:class:`~sdpipe.TrainConfig`), the script's main guard (the embedded cluster
+imports it again), the device, the model's cut and one trial micro-batch through every stage, the data,
+the loss, a checkpoint to resume from, the security settings.  Then the :class:`~sdpipe.protocol.WorkerSpec`
+every worker starts from is built once, and :class:`~sdpipe.Run` launches the workers in the background.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from typing import Optional
+
+from .checkpoint import load_checkpoint
+from .config import TrainConfig, config_keywords
+from .data import as_tensors, steps_per_epoch
+from .partition import partition
+from .protocol import WorkerSpec
+from ._runtime import Run
+from .schedule import build_plan
+
+__all__ = ["train"]
+
+
+@config_keywords
+def train(model, train_data, *, eval_data=None, loss_fn=None, cluster=None, resume_from=None, security=None,
+          **options) -> Run:
+    """Train ``model`` with ``stages`` x ``pipelines`` workers; returns a :class:`Run` at once.
+
+    ``model`` is an ``nn.Sequential`` (cut into ``stages`` contiguous stages,
+    balanced by parameter count unless ``cuts`` is given) or a list of stage
+    modules.  ``train_data``/``eval_data`` are a torch Dataset or an
+    ``(inputs, targets)`` pair.  ``cluster=None`` starts an embedded
+    ``LocalCluster`` (one single-threaded process per worker, closed at the
+    end); a scheduler address or a ``distributed.Client`` uses an existing one.
+
+    ``checkpoint_every=N`` writes a checkpoint to ``checkpoint_dir`` after
+    every N-th epoch (see :mod:`sdpipe.checkpoint`); ``resume_from`` (a
+    checkpoint folder, or a checkpoint_dir for its latest) starts at that
+    checkpoint's epoch with its weights, optimizer and random states.
+
+    ``host``: the address the run's rendezvous store listens on, which every
+    worker must reach.  By default it is this machine's address on the
+    interface that routes to the Dask scheduler (127.0.0.1 for an embedded or
+    loopback cluster).  Each worker binds its own tensors' sockets to its own
+    host's address (the host part of its Dask worker address).
+
+    ``security`` (a ``distributed.Security``) connects to a TLS-secured
+    scheduler address (``tls://...``).  Dask's TLS covers the control plane;
+    tensors and the rendezvous store go over torch.distributed (plain TCP), so
+    the store and the workers should stay on a trusted network.
+
+    Everything is checked before any worker starts; bad input raises a
+    one-line ``ValueError`` naming the field.
+    """
+    config = TrainConfig(**options)  # options only ever holds TrainConfig fields (see config_keywords)
+    return _start(config, model, train_data, eval_data, loss_fn, cluster, resume_from, security)
+
+
+def _start(config: TrainConfig, model, train_data, eval_data, loss_fn, cluster, resume_from, security) -> Run:
+    """The checks after the configuration's own, the worker spec, and the run."""
+    from torch import nn
+
+    if cluster is None:
+        _check_main_guard()
+    _check_device(config, cluster)
+    stage_modules = [copy.deepcopy(m) for m in partition(model, config.stages, config.cuts)]
+    X, Y = as_tensors(train_data, "train_data")
+    EX = EY = None
+    if eval_data is not None:
+        EX, EY = as_tensors(eval_data, "eval_data")
+    steps = _check_data(config, len(X))
+    if loss_fn is None:
+        loss_fn = nn.CrossEntropyLoss()
+    elif not callable(loss_fn):
+        raise ValueError(f"loss_fn: must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
+    shapes = _probe_shapes(stage_modules, X[: config.microbatch_size])
+    resume = None
+    start = {}
+    if resume_from is not None:
+        resume = _check_resume(resume_from, config, stage_modules)
+        most = max(resume.steps.values())
+        start = {"start_epoch": resume.epoch,
+                 "start_steps": {str(p): resume.steps.get(p, most) for p in range(config.pipelines)}}
+    _check_security(security, cluster)
+    spec = WorkerSpec(
+        run_id=uuid.uuid4().hex[:10], config=config.to_dict(), backend=config.resolved_backend,
+        stage_modules=stage_modules, loss_fn=loss_fn, shapes=shapes,
+        plan=build_plan(config.schedule, config.stages, config.microbatches), train_size=len(X),
+        eval_size=0 if EX is None else len(EX), steps_per_epoch=steps,
+        batches_per_epoch=len(X) // config.batch_size, classify=not Y.is_floating_point(), t0=time.time(), **start,
+    )
+    return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster, from_sequential=isinstance(model, nn.Sequential),
+               resume=resume, security=security)
+
+
+def _check_device(config: TrainConfig, cluster) -> None:
+    import torch
+
+    if config.device != "cuda" or cluster is not None:
+        return
+    if not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but this machine has no GPU; use device='cpu'")
+    if config.resolved_backend == "nccl" and torch.cuda.device_count() < config.world_size:
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), seen on a 1-GPU machine after 14 s
+        raise ValueError(f"device: NCCL needs one GPU per worker: {config.world_size} workers (stages x pipelines), "
+                         f"{torch.cuda.device_count()} GPU(s) here; pass backend='gloo' to share GPUs")
+
+
+def _check_data(config: TrainConfig, n: int) -> int:
+    """Steps per pipeline and epoch, or a one-line error when the data holds no full step."""
+    steps = steps_per_epoch(n, config.batch_size, config.pipelines)
+    if n < config.batch_size:
+        raise ValueError(f"batch_size: {config.batch_size} exceeds the {n} training samples")
+    if steps < 1 and config.policy == "allreduce":
+        raise ValueError(f"batch_size: {config.batch_size} x {config.pipelines} pipelines exceeds the {n} training "
+                         f"samples; no full step per epoch")
+    return steps
+
+
+def _check_security(security, cluster) -> None:
+    if security is None:
+        return
+    from distributed.security import Security
+
+    if not isinstance(security, Security):
+        raise ValueError(f"security: must be a distributed.Security or None, got {type(security).__name__}")
+    if not isinstance(cluster, str) and not hasattr(cluster, "scheduler_address"):
+        raise ValueError("security: applies to a scheduler address or a cluster object; a Client brings its own")
+
+
+def _probe_shapes(stage_modules, sample):
+    """Feature shape and dtype of each stage's output, from one micro-batch on the driver."""
+    import torch
+
+    shapes = []
+    x = sample
+    with torch.no_grad():
+        for s, mod in enumerate(stage_modules):
+            try:
+                x = copy.deepcopy(mod)(x)
+            except Exception as e:
+                raise ValueError(f"model: stage {s} fails on a micro-batch of train_data: {type(e).__name__}: {e}") from None
+            if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != sample.shape[0]:
+                raise ValueError(f"model: stage {s} must return one tensor with the micro-batch as dimension 0")
+            shapes.append((tuple(x.shape[1:]), str(x.dtype).replace("torch.", "")))
+    return shapes
+
+
+def _unguarded_main_line() -> Optional[tuple]:
+    """(script, line) when this call comes from a script's top-level code outside ``if __name__ == "__main__":``.
+
+    The embedded cluster's worker processes start by spawn, which imports the
+    script again in each of them (as ``__mp_main__``): unguarded, that import
+    trains again, and Dask only says "Nanny failed to start" after pages of
+    tracebacks. Scripts run as files are checked (their source, parsed);
+    notebooks, ``python -c`` and interactive sessions have nothing to re-import.
+    """
+    import ast
+    import sys
+    from pathlib import Path
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not str(path).endswith(".py"):
+        return None
+    frame, top = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_globals is vars(main) and frame.f_code.co_name == "<module>":
+            top = frame
+        frame = frame.f_back
+    if top is None:
+        return None
+    line = top.f_lineno
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+    def is_guard(test) -> bool:
+        if not isinstance(test, ast.Compare) or len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+            return False
+        sides = [test.left, test.comparators[0]]
+        return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+                and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and is_guard(node.test) and node.body:
+            if node.body[0].lineno <= line <= (node.body[-1].end_lineno or node.body[-1].lineno):
+                return None
+    return str(path), line
+
+
+def _check_main_guard() -> None:
+    from pathlib import Path
+
+    found = _unguarded_main_line()
+    if found is not None:
+        path, line = found
+        # a plain message and exit status 1, no traceback: the fix is one line in the user's script
+        raise SystemExit(
+            f"sdpipe: {Path(path).name} line {line} trains at the top level of the script; put that code under "
+            f"'if __name__ == \"__main__\":' (the embedded Dask cluster starts its workers by importing the script again)")
+
+
+def _check_resume(path, config: TrainConfig, stage_modules):
+    """The checkpoint at ``path``, after checking it fits this run (one-line ValueErrors naming the field)."""
+    ck = load_checkpoint(path)
+    saved = ck.config
+    for name in ("stages", "pipelines"):
+        if saved[name] != getattr(config, name):
+            raise ValueError(f"{name}: the checkpoint at {ck.path} has {name}={saved[name]}, this run {getattr(config, name)}")
+    if ck.epoch >= config.epochs:
+        raise ValueError(f"epochs: the checkpoint at {ck.path} is at epoch {ck.epoch}; ask for more than {ck.epoch} epochs to resume")
+    for s, module in enumerate(stage_modules):
+        state = ck.stage_state(0, s)
+        if state.get("optimizer_name") != config.optimizer:
+            raise ValueError(f"optimizer: the checkpoint at {ck.path} used {state.get('optimizer_name')!r}, this run {config.optimizer!r}")
+        mine = module.state_dict()
+        theirs = state["model"]
+        for key in sorted(set(mine) | set(theirs)):
+            if key not in mine or key not in theirs or tuple(mine[key].shape) != tuple(theirs[key].shape):
+                have = tuple(theirs[key].shape) if key in theirs else "missing"
+                want = tuple(mine[key].shape) if key in mine else "missing"
+                raise ValueError(f"model: stage {s} parameter {key!r} is {have} in the checkpoint at {ck.path}, {want} in this model")
+    return ck

@@ -1,0 +1,262 @@
+"""Watching a launched run until every worker ended: failures, lost workers, stalls, checkpoints.
+
+:class:`RunWatcher` runs in the run's monitor thread.  Every 50 ms it looks at the workers' Dask tasks; once a
+second it asks the Dask scheduler which workers are still there.  What it finds decides how the run goes on:
+
+* a task that failed because its worker process died, a Dask worker that left the cluster in two checks in a
+  row, or a worker that sent no event for :func:`stall_limit` seconds: the worker is **lost**.  Under a
+  loss-tolerant policy its pipeline drops out (a ``worker-lost`` record, the store's mark, the group service
+  told) and the others go on; otherwise the run stops with an error naming it;
+* a communication failure: a peer of its pipeline may have died; the loss gets ``LOSS_GRACE`` seconds to show
+  before the failure counts as the run's error;
+* any other failure: the run stops; its error is the first failure that was not a communication failure.
+
+Once every live worker finished, the watcher collects their results, waits (bounded) for their last events
+and assembles the :class:`~sdpipe.RunResult`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from . import events
+from ._comm import mark_lost
+from ._result import RunError, assemble, plain_config
+from .checkpoint import finish
+from .protocol import Keys
+
+__all__ = ["RunWatcher", "stall_limit", "LOSS_TOLERANT"]
+
+log = logging.getLogger("sdpipe")
+
+#: Modes (the workers' policy implementations) whose remaining pipelines go on when one is lost.
+LOSS_TOLERANT = ("scheduled", "adpsgd", "none")
+#: Seconds a communication failure waits for the loss of a worker of its own pipeline to show.
+LOSS_GRACE = 10.0
+_COMM_FAILURES = ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "Broken pipe",
+                  "aborted", "Socket closed")
+
+
+class LostWorker(RunError):
+    """The run cannot go on without a lost worker."""
+
+
+def stall_limit(timeout: float) -> float:
+    """Seconds a running worker may send no event before it counts as stalled: longer than any of its waits
+    (each is bounded by the run's ``timeout``) and a step or an evaluation on either side of one."""
+    return 2 * timeout + 60.0
+
+
+def is_comm_failure(exc) -> bool:
+    return exc is not None and any(m in str(exc) for m in _COMM_FAILURES)
+
+
+def is_worker_death(exc) -> bool:
+    """The task failed because its worker process died (Dask gives up on it: ``KilledWorker``)."""
+    from distributed.scheduler import KilledWorker
+
+    return isinstance(exc, KilledWorker)
+
+
+def first_checkpoint(after: int, every: int, epochs: int) -> Optional[int]:
+    """The epoch of the next checkpoint after epoch ``after`` (None: no more)."""
+    if not every:
+        return None
+    e = (after // every + 1) * every
+    return e if e <= epochs else None
+
+
+class RunWatcher:
+    """The monitor of one :class:`~sdpipe.Run` (it reads the run's tasks and writes its outcome)."""
+
+    def __init__(self, run):
+        self.run = run
+        self.config = run.config
+        self.ckpt_next = first_checkpoint(run.start_epoch, run.config.checkpoint_every, run.config.epochs)
+        self._missing: set = set()  # ranks whose Dask worker was missing at the last check
+        self._comm_seen: dict = {}  # rank -> when its communication failure was first seen
+        self._stall_base: Optional[float] = None  # from when silence counts (the launch, or the last resume)
+
+    def watch(self) -> None:
+        """(The monitor thread) until the run ended: then its result or error, its cleanup, done."""
+        run = self.run
+        error: Optional[BaseException] = None
+        results: Optional[dict] = {}
+        try:
+            error = self._until_ended()
+            if error is None and self.ckpt_next is not None:  # the last epoch's, written as the workers ended
+                error = self._poll_checkpoint()
+            results = self._collect()
+            if error is not None and not isinstance(error, LostWorker):
+                error = self._root_cause() or error
+            run._inbox.wait_for({r: res["events"] for r, res in results.items()}, run.run_id)
+            if error is None:
+                run._result = assemble(self.config, run._stage_modules, results, run._lost, run.events,
+                                       run._from_sequential)
+        except BaseException as e:  # keep the handle usable whatever happened
+            error = error or e
+        finally:
+            # the workers' weights (tensors on numpy buffers) are dropped here, before the run is done: a caller
+            # that exits right after result() must not leave this thread freeing them while the interpreter
+            # finalizes (freeing one takes the GIL there, which kills the thread and aborts the process)
+            results = None
+            run._error = error
+            run._cleanup()
+            run._done.set()
+
+    def _until_ended(self) -> Optional[BaseException]:
+        run, S = self.run, self.config.stages
+        error: Optional[BaseException] = None
+        grace_until = lost_at = None
+        last_check = time.monotonic()
+        while True:
+            if not run._joined():
+                run._count_ranks()
+            statuses = [f.status for f in run._futures]
+            live = [r for r in range(len(statuses)) if r // S not in run._lost]
+            if all(statuses[r] == "finished" for r in live):
+                # the lost pipelines' other workers fail on their own (their peers are gone); bounded
+                gone = [r for r in range(len(statuses)) if r // S in run._lost]
+                if all(statuses[r] != "pending" for r in gone) or time.monotonic() > lost_at + self.config.timeout + 10:
+                    return error
+            if error is None:
+                error = self._poll_checkpoint() if self.ckpt_next is not None else None
+                error = error or self._failures(statuses, live)
+                if error is None and time.monotonic() - last_check > 1.0:
+                    last_check = time.monotonic()
+                    error = self._departures()
+                error = error or self._check_stalls(statuses, live)
+                if run._lost and lost_at is None:
+                    lost_at = time.monotonic()
+                if error is not None:
+                    run._request_stop()
+                    grace_until = time.monotonic() + min(10.0, self.config.timeout)
+            elif all(s != "pending" for s in statuses) or time.monotonic() > grace_until:
+                return error
+            time.sleep(0.05)
+
+    def _failures(self, statuses: list, live: list) -> Optional[BaseException]:
+        """The run's error from a live worker's failed task, if any (a dead worker's is a loss instead)."""
+        run = self.run
+        for rank in live:
+            if statuses[rank] not in ("error", "cancelled"):
+                continue
+            failure = self._describe_failure(rank, run._futures[rank])
+            if is_worker_death(failure.__cause__):
+                error = self._on_lost(rank, "its worker process died")
+            elif is_comm_failure(failure.__cause__):
+                # a peer of its pipeline may have died: give that loss time to show
+                error = failure if time.monotonic() - self._comm_seen.setdefault(rank, time.monotonic()) > LOSS_GRACE \
+                    else None
+            else:
+                error = failure
+            if error is not None:
+                return error
+        return None
+
+    def _departures(self) -> Optional[BaseException]:
+        """A worker whose Dask worker left the cluster in two checks in a row (a second apart) is lost."""
+        run = self.run
+        try:
+            alive = set(run._client.scheduler_info(n_workers=-1)["workers"])
+        except Exception as e:
+            return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
+        missing = {r for r, addr in enumerate(run._workers) if addr not in alive and run._futures[r].status == "pending"}
+        confirmed, self._missing = sorted(missing & self._missing), missing
+        for rank in confirmed:
+            if rank // self.config.stages not in run._lost:
+                error = self._on_lost(rank, "its Dask worker left the cluster")
+                if error is not None:
+                    return error
+        return None
+
+    def _check_stalls(self, statuses: list, live: list) -> Optional[BaseException]:
+        """A live worker still running that sent no event for :func:`stall_limit` seconds since the launch (the
+        run not paused) is stalled: in a wait that neither ends nor fails.  It is treated as lost (its pipeline
+        drops out where the policy allows, else the run stops with an error naming it), so a run never waits for
+        it for ever."""
+        run, now = self.run, time.monotonic()
+        # from the launch (a worker can stall while it starts: in its rendezvous, say); a paused pipeline
+        # records nothing while it holds
+        if not run._launched.is_set() or run.paused or self._stall_base is None:
+            self._stall_base = now
+            return None
+        limit = stall_limit(self.config.timeout)
+        for rank in live:
+            last = max(run._inbox.heard(rank), self._stall_base)
+            if statuses[rank] == "pending" and now - last > limit:
+                return self._on_lost(rank, f"it sent nothing for {now - last:.0f}s, stalled in a wait that neither "
+                                           f"ended nor failed (each wait's bound is timeout={self.config.timeout:g}s)")
+        return None
+
+    def _poll_checkpoint(self) -> Optional[BaseException]:
+        """Once every live worker wrote its part of the next checkpoint: the manifest, then the folder into place."""
+        run, cfg, epoch = self.run, self.config, self.ckpt_next
+        ranks = [r for r in range(cfg.world_size) if r // cfg.stages not in run._lost]
+        try:
+            if run._run_store.add(Keys.checkpoint_count(epoch), 0) < len(ranks):
+                return None
+            steps = {str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages)))
+                     for p in range(cfg.pipelines) if p not in run._lost}
+            scheduler = None
+            if run._control.mode in ("scheduled", "adpsgd"):
+                scheduler = run._control.service.state()["core"]
+            folder = finish(cfg.checkpoint_dir, epoch, run.run_id, {
+                "run_id": run.run_id, "ranks": ranks, "steps": steps, "config": plain_config(cfg),
+                "policy": run.policy, "scheduler": scheduler, "lost": {str(p): w for p, w in run._lost.items()}})
+        except Exception as e:
+            return RunError(f"checkpoint_dir: could not write the checkpoint of epoch {epoch} ({type(e).__name__}: {e})")
+        run.checkpoints.append(str(folder))
+        run._inbox.add(events.checkpoint(epoch, str(folder), time.time() - run.t0))
+        self.ckpt_next = first_checkpoint(epoch, cfg.checkpoint_every, cfg.epochs)
+        return None
+
+    def _on_lost(self, rank: int, why: str) -> Optional[BaseException]:
+        """A worker is gone.  Returns the run's error, or None when the other pipelines go on without its pipeline."""
+        run, cfg = self.run, self.config
+        p, s = divmod(rank, cfg.stages)
+        what = f"worker pipeline {p} stage {s} (rank {rank}, {run._workers[rank]})"
+        if run._control.mode not in LOSS_TOLERANT:
+            return LostWorker(f"{what} was lost ({why}); policy {run.policy!r} cannot go on without it")
+        run._lost[p] = f"{what} was lost ({why})"
+        run._inbox.add(events.worker_lost(p, s, time.time() - run.t0, run._workers[rank], why))
+        log.warning("sdpipe: %s; the run goes on with %d pipeline(s)", run._lost[p], cfg.pipelines - len(run._lost))
+        if len(run._lost) == cfg.pipelines:
+            return RunError(f"every pipeline was lost; last: {run._lost[p]}")
+        try:  # the others stop pairing with it, the scheduler takes it out of every stage
+            mark_lost(run._run_store, p, why)
+            run._control.service.lose_pipeline(p)
+        except Exception as e:
+            log.warning("sdpipe: could not tell the group service that pipeline %d was lost: %s", p, e)
+        return None
+
+    def _collect(self) -> dict:
+        run, S = self.run, self.config.stages
+        return {rank: f.result(timeout=self.config.timeout) for rank, f in enumerate(run._futures)
+                if f.status == "finished" and rank // S not in run._lost}
+
+    def _root_cause(self) -> Optional[BaseException]:
+        """The failure that started it: peers of a failed worker fail after it with communication errors."""
+        failed = [(r, f) for r, f in enumerate(self.run._futures) if f.status == "error"]
+        if not failed:
+            return None
+        errors = [(r, self._describe_failure(r, f)) for r, f in failed]
+        primary = next((e for r, e in errors if not is_comm_failure(e.__cause__)), errors[0][1])
+        if len(errors) > 1:
+            others = "; ".join(f"rank {r}: {str(e.__cause__ or e)[:160]}" for r, e in errors if e is not primary)
+            primary.args = (f"{primary.args[0]} ({len(errors) - 1} other worker(s) failed after it: {others})"
+                            .replace("\n", " "),)
+        return primary
+
+    def _describe_failure(self, rank: int, future) -> BaseException:
+        p, s = divmod(rank, self.config.stages)
+        try:
+            exc = future.exception(timeout=5)
+        except Exception as e:  # cancelled futures raise here
+            exc = e
+        err = RunError(f"worker pipeline {p} stage {s} (rank {rank}, {self.run._workers[rank]}) failed: "
+                       f"{type(exc).__name__}: {exc}")
+        err.__cause__ = exc if isinstance(exc, BaseException) else None
+        return err

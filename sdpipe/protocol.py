@@ -1,0 +1,304 @@
+"""What the driver, the group service and the workers say to each other, each message encoded in one place.
+
+A run's processes talk over three channels::
+
+    driver ──(Dask task args)──────────────► worker      WorkerSpec: everything a worker needs to start
+    driver ──(rendezvous store: "ctl")─────► stage 0     Command: stop, pause, heterogeneity and policy versions
+    stage 0 ──(pipeline link, 6 x int64)───► stage 1..   ControlMessage: run this batch, end the epoch, hold, stop
+    driver, workers ──(Dask scheduler)─────► service     GroupService routes, through GroupServiceClient
+
+The store is the driver's ``TCPStore`` under the run's prefix (:func:`run_prefix`); every key a run uses is
+built by :class:`Keys`, so the keys' layout is written once.  The group service's routes are listed, with
+their arguments and answers, in :mod:`sdpipe._service`; :class:`GroupServiceClient` is the only caller, and
+every failure of a route reaches its caller as one exception type, :class:`GroupServiceError`.
+
+Nothing here imports torch or Dask at import time: the Dask scheduler process imports this module too.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+__all__ = ["WorkerSpec", "Command", "Op", "ControlMessage", "Keys", "run_prefix", "GroupServiceError",
+           "GroupServiceClient", "SERVICE_TIMEOUT"]
+
+#: seconds a driver's call to the group service may take
+SERVICE_TIMEOUT = 30.0
+
+
+# ------------------------------------------------------------------ the worker's start
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """Everything a worker task needs, built once by the driver (``train``) and sent with every rank's task."""
+
+    run_id: str
+    """Ten hex digits naming the run: its store prefix, its event topic, its Dask task keys."""
+    config: dict
+    """The run's :class:`~sdpipe.config.TrainConfig` as plain data (``TrainConfig.to_dict()``)."""
+    backend: str
+    """torch.distributed backend of every group: "gloo" or "nccl"."""
+    stage_modules: list
+    """One ``nn.Module`` per stage, with the initial weights."""
+    loss_fn: Any
+    """``loss_fn(output, target) -> loss`` at the last stage."""
+    shapes: list
+    """Per stage: (feature shape of its output, dtype name), probed on the driver."""
+    plan: dict
+    """The schedule: stage -> its list of actions (:mod:`sdpipe.schedule`)."""
+    train_size: int
+    eval_size: int
+    steps_per_epoch: int
+    """Steps each pipeline takes per epoch when all take the same (lock-step shards)."""
+    batches_per_epoch: int
+    """Batches in one epoch, handed out from the shared counter (work follows speed)."""
+    classify: bool
+    """Integer targets: the evaluation reports accuracy too."""
+    t0: float
+    """The run's time origin (seconds since the epoch): every event time counts from it."""
+    start_epoch: int = 0
+    """The first epoch to train (later than 0 when resumed from a checkpoint)."""
+    start_steps: dict = field(default_factory=dict)
+    """When resumed: pipeline (as a string) -> steps it had taken."""
+    store_host: Optional[str] = None
+    """Address of the run's rendezvous store (set once it listens)."""
+    store_port: Optional[int] = None
+
+    @property
+    def topic(self) -> str:
+        """The Dask event topic the run's records go to."""
+        return f"sdpipe-{self.run_id}"
+
+    def with_store(self, host: str, port: int) -> "WorkerSpec":
+        return replace(self, store_host=host, store_port=port)
+
+
+def run_prefix(run_id: str) -> str:
+    """The prefix of every key of run ``run_id`` in the rendezvous store."""
+    return f"sdpipe/{run_id}/"
+
+
+# ------------------------------------------------------------------ the driver's command
+@dataclass(frozen=True)
+class Command:
+    """What the driver asks of the run, under the store key :attr:`Keys.CTL`, read by every pipeline's stage 0.
+
+    ``seq`` numbers the driver's writes: a reader holding readings from two connections keeps the newest.
+    ``hetero`` and ``policy`` are versions whose content is stored under :meth:`Keys.hetero` and
+    :meth:`Keys.policy`.  Encoded as ``"seq,stop,hetero,policy,pause"``.
+    """
+
+    seq: int = 0
+    stop: bool = False
+    hetero: int = 0
+    policy: int = 0
+    pause: bool = False
+
+    def encode(self) -> str:
+        return f"{self.seq},{int(self.stop)},{self.hetero},{self.policy},{int(self.pause)}"
+
+    @classmethod
+    def decode(cls, raw) -> "Command":
+        text = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+        seq, stop, hetero, policy, pause = text.split(",")
+        return cls(int(seq), stop == "1", int(hetero), int(policy), pause == "1")
+
+    def next(self, **changes) -> "Command":
+        """The next write: ``changes`` applied and the sequence number advanced."""
+        return replace(self, seq=self.seq + 1, **changes)
+
+
+# ------------------------------------------------------------------ the message down a pipeline
+class Op(enum.IntEnum):
+    """What a pipeline does at a step boundary (stage 0 decides, the others follow)."""
+
+    STOP = 0
+    RUN = 1
+    EPOCH_END = 2
+    PAUSE = 3  # stage 0 holds the pipeline; sent a few times a second as a heartbeat
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """The step's control message, sent by stage 0 down its pipeline as six int64 values.
+
+    ``[op, epoch, step, batch (-1: none), heterogeneity version, policy version]``
+    """
+
+    op: Op
+    epoch: int = 0
+    step: int = 0
+    batch: int = -1
+    hetero: int = 0
+    policy: int = 0
+
+    SIZE = 6
+
+    def encode(self) -> list:
+        return [int(self.op), self.epoch, self.step, self.batch, self.hetero, self.policy]
+
+    @classmethod
+    def decode(cls, values) -> "ControlMessage":
+        op, epoch, step, batch, hetero, policy = (int(v) for v in values)
+        return cls(Op(op), epoch, step, batch, hetero, policy)
+
+
+# ------------------------------------------------------------------ store keys
+class Keys:
+    """Every key of a run in its rendezvous store (relative to :func:`run_prefix`), and who writes it."""
+
+    #: the driver's :class:`Command`
+    CTL = "ctl"
+    #: counters the workers add to as they start and as they connect (the driver shows the start-up)
+    RANKS_STARTED = "ranks/started"
+    RANKS_READY = "ranks/ready"
+    #: counter of the pipelines marked lost (one look answers "any?")
+    LOST_COUNT = "lost/count"
+
+    @staticmethod
+    def hetero(version: int) -> str:
+        """The driver: a :class:`~sdpipe.config.Heterogeneity` as JSON, for :attr:`Command.hetero`."""
+        return f"hetero/{version}"
+
+    @staticmethod
+    def policy(version: int) -> str:
+        """The driver: ``{"mode", "name"}`` as JSON, for :attr:`Command.policy`."""
+        return f"policy/{version}"
+
+    @staticmethod
+    def lost(pipeline: int) -> str:
+        """The driver, when ``pipeline`` was lost (its value says why)."""
+        return f"lost/{pipeline}"
+
+    @staticmethod
+    def checkpoint_count(epoch: int) -> str:
+        """Workers that wrote their part of the checkpoint after ``epoch`` epochs."""
+        return f"ckpt/{epoch}/n"
+
+    @staticmethod
+    def checkpoint_steps(epoch: int, rank: int) -> str:
+        """Steps rank ``rank`` had taken when it wrote its part of that checkpoint."""
+        return f"ckpt/{epoch}/rank{rank}"
+
+    @staticmethod
+    def batches_taken(epoch: int) -> str:
+        """The shared batch counter of ``epoch`` (every pipeline's stage 0 adds to it)."""
+        return f"epoch{epoch}/taken"
+
+    @staticmethod
+    def step_time(epoch: int, pipeline: int) -> str:
+        """Seconds per step ``pipeline`` published in ``epoch`` ("inf" once it is out of the epoch)."""
+        return f"epoch{epoch}/steptime/{pipeline}"
+
+    @staticmethod
+    def group(name: str) -> str:
+        """Prefix of the rendezvous of process group ``name``."""
+        return f"group/{name}/"
+
+    @staticmethod
+    def arrivals(stage: int, round_: int, group: str) -> str:
+        """Members of a new averaging group that arrived at its rendezvous (a counter)."""
+        return f"arrive/s{stage}/r{round_}/{group}"
+
+    @staticmethod
+    def verdict(stage: int, round_: int, group: str) -> str:
+        """"go" or "skip" for that group, set once by compare-and-set."""
+        return f"arrive/s{stage}/r{round_}/{group}/verdict"
+
+    @staticmethod
+    def gossip_mailbox(stage: int, pipeline: int) -> str:
+        """Prefix of the requests to ``pipeline``'s passive gossip server of ``stage``."""
+        return f"adpsgd/{stage}/{pipeline}/"
+
+    @staticmethod
+    def gossip_left(stage: int, pipeline: int) -> str:
+        """Set when active ``pipeline`` of ``stage`` sends no more gossip requests."""
+        return f"adpsgd/{stage}/left/{pipeline}"
+
+    @staticmethod
+    def ps_mailbox(stage: int) -> str:
+        """Prefix of the requests to ``stage``'s parameter server."""
+        return f"ps/{stage}/"
+
+    @staticmethod
+    def mailbox_count(prefix: str) -> str:
+        """The counter that hands out a mailbox's request slots."""
+        return prefix + "n"
+
+    @staticmethod
+    def mailbox_slot(prefix: str, slot: int) -> str:
+        return f"{prefix}req/{slot}"
+
+
+# ------------------------------------------------------------------ the group service's handle
+class GroupServiceError(RuntimeError):
+    """A call to the group service failed: the route refused it, the run is not scheduled, or it timed out."""
+
+
+class GroupServiceClient:
+    """The driver's and the workers' handle on the group service of one run (routes in :mod:`sdpipe._service`).
+
+    From the driver: ``GroupServiceClient(run_id, client=dask_client, token=token)``; from inside a Dask
+    worker: ``GroupServiceClient(run_id, worker=get_worker())``.  Each method calls one route and returns
+    its answer; every failure raises :class:`GroupServiceError` with the route's one-line reason, except a
+    :class:`PermissionError` for a control call without the run's token.
+    """
+
+    def __init__(self, run_id: str, *, client=None, worker=None, token: Optional[str] = None,
+                 timeout: float = SERVICE_TIMEOUT):
+        if (client is None) == (worker is None):
+            raise ValueError("GroupServiceClient: pass one of client (the driver's) or worker (inside a task)")
+        self.run_id, self.token, self.timeout = run_id, token, timeout
+        self._client, self._worker = client, worker
+
+    def _call(self, route: str, within: Optional[float] = None, **kwargs):
+        timeout = self.timeout if within is None else within
+        try:
+            if self._client is not None:
+                c = self._client
+                return c.sync(getattr(c.scheduler, route), run_id=self.run_id, callback_timeout=timeout, **kwargs)
+            from distributed.utils import sync
+
+            w = self._worker
+            return sync(w.loop, getattr(w.scheduler, route), run_id=self.run_id, callback_timeout=timeout, **kwargs)
+        except PermissionError:
+            raise
+        except GroupServiceError as e:  # the route's own refusal, one line
+            raise GroupServiceError(f"group service: {e}") from None
+        except Exception as e:  # the call itself failed: timed out, or the scheduler is gone
+            raise GroupServiceError(f"group service: {route.removeprefix('sdpipe_')}: {type(e).__name__}: {e}") from None
+
+    # driver routes
+    def open(self, *, stages: int, pipelines: int, policy: dict, policy_name: str, topic: str, t0: float,
+             state: Optional[dict] = None) -> dict:
+        return self._call("sdpipe_open", token=self.token, stages=stages, pipelines=pipelines, policy=policy,
+                          policy_name=policy_name, topic=topic, t0=t0, state=state)
+
+    def set_policy(self, policy: dict, policy_name: str) -> dict:
+        return self._call("sdpipe_set_policy", token=self.token, policy=policy, policy_name=policy_name)
+
+    def pause(self, paused: bool) -> dict:
+        return self._call("sdpipe_pause", token=self.token, paused=paused)
+
+    def stop(self) -> dict:
+        return self._call("sdpipe_stop", token=self.token)
+
+    def lose_pipeline(self, pipeline: int) -> dict:
+        """A whole pipeline was lost: take it out of every stage (driver, with the token)."""
+        return self._call("sdpipe_leave", stage=None, pipeline=pipeline, token=self.token)
+
+    def close(self) -> dict:
+        return self._call("sdpipe_close", token=self.token)
+
+    def state(self) -> dict:
+        return self._call("sdpipe_state")
+
+    # worker routes
+    def ready(self, *, stage: int, pipeline: int, step: int, global_sync: bool, timeout: float) -> dict:
+        """This worker is ready; its group once decided (waits up to ``timeout``, the route's own bound)."""
+        return self._call("sdpipe_ready", within=timeout + 10, stage=stage, pipeline=pipeline, step=step,
+                          global_sync=global_sync, timeout=timeout)
+
+    def leave(self, *, stage: int, pipeline: int) -> dict:
+        return self._call("sdpipe_leave", within=10, stage=stage, pipeline=pipeline)

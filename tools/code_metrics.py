@@ -1,0 +1,136 @@
+"""Size and coupling figures of the package's code, for before/after comparisons of a refactoring.
+
+    python tools/code_metrics.py            # a table
+    python tools/code_metrics.py --json     # the same as JSON
+
+Counted with :mod:`ast` over ``sdpipe/`` (and ``widgets/`` for long lines):
+
+* the longest functions and classes (lines from ``def``/``class`` to the body's last line, decorators excluded);
+* lines over 120 characters;
+* ``isinstance`` checks against a policy class (one defined in ``sdpipe/policy.py``) outside that module;
+* imports of the package's own modules inside functions;
+* test functions that call policy decisions without a cluster: tests in modules without the ``cluster``,
+  ``hosts``, ``browser`` or ``gpu`` markers that reference a name of ``sdpipe.policy`` or ``sdpipe.sync_rules``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT = 120
+POLICY_MODULES = ("sdpipe/policy.py", "sdpipe/sync_rules.py")
+
+
+def _units(tree: ast.AST, path: str):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            yield kind, f"{path}:{node.name}", node.end_lineno - node.lineno + 1
+
+
+def _policy_classes() -> set:
+    names = set()
+    for rel in POLICY_MODULES:
+        p = ROOT / rel
+        if p.exists():
+            names |= {n.name for n in ast.parse(p.read_text()).body if isinstance(n, ast.ClassDef)}
+    return names
+
+
+def _policy_names() -> set:
+    names = set()
+    for rel in POLICY_MODULES:
+        p = ROOT / rel
+        if p.exists():
+            tree = ast.parse(p.read_text())
+            names |= {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    return names
+
+
+def measure() -> dict:
+    files = sorted((ROOT / "sdpipe").glob("*.py"))
+    all_files = files + sorted((ROOT / "widgets").glob("*.py"))
+    policy_classes = _policy_classes()
+    units, long_lines, isinstance_checks, local_imports = [], [], [], []
+    for f in all_files:
+        rel = str(f.relative_to(ROOT))
+        text = f.read_text()
+        long_lines += [f"{rel}:{i}" for i, line in enumerate(text.splitlines(), 1) if len(line) > LIMIT]
+        if f not in files:
+            continue
+        tree = ast.parse(text)
+        units += list(_units(tree, rel))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+                    and rel not in POLICY_MODULES and len(node.args) == 2):
+                target = node.args[1]
+                names = [e.id for e in (target.elts if isinstance(target, ast.Tuple) else [target])
+                         if isinstance(e, ast.Name)]
+                if any(n in policy_classes for n in names):
+                    isinstance_checks.append(f"{rel}:{node.lineno}")
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                        local_imports.append(f"{rel}:{node.lineno}")
+    functions = sorted((u for u in units if u[0] == "function"), key=lambda u: -u[2])
+    classes = sorted((u for u in units if u[0] == "class"), key=lambda u: -u[2])
+    return {
+        "longest_functions": [[n, k] for _, n, k in functions[:5]],
+        "longest_classes": [[n, k] for _, n, k in classes[:5]],
+        "functions_over_80": len([u for u in functions if u[2] > 80]),
+        "classes_over_250": len([u for u in classes if u[2] > 250]),
+        "lines_over_120": len(long_lines),
+        "policy_isinstance_outside_policy_code": isinstance_checks,
+        "package_imports_inside_functions": len(set(local_imports)),
+        "policy_decision_tests_without_cluster": _policy_tests(),
+    }
+
+
+def _policy_tests() -> int:
+    names = _policy_names()
+    count = 0
+    for f in sorted((ROOT / "tests").glob("test_*.py")):
+        text = f.read_text()
+        tree = ast.parse(text)
+        if any(m in text for m in ("pytest.mark.cluster", "pytest.mark.hosts", "pytest.mark.browser", "pytest.mark.gpu")):
+            continue
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ("sdpipe.policy", "sdpipe.sync_rules"):
+                imported |= {a.asname or a.name for a in node.names}
+        used = imported & names
+        if not used:
+            continue
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
+                if any(isinstance(n, ast.Name) and n.id in used for n in ast.walk(fn)):
+                    count += 1
+    return count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args()
+    m = measure()
+    if args.json:
+        print(json.dumps(m, indent=1))
+        return
+    for key, value in m.items():
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            print(f"{key}:")
+            for name, n in value:
+                print(f"    {n:5d}  {name}")
+        elif isinstance(value, list):
+            print(f"{key}: {len(value)}" + (f" ({', '.join(value)})" if value else ""))
+        else:
+            print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
