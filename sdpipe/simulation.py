@@ -10,9 +10,25 @@ costs a scheduler round trip plus a ring all-reduce of the stage's weights.
 A convergence proxy (one quadratic per worker, averaged with its groups)
 shows the effect of stale mixing.
 
+The simulation is a heap of ``(time, seq, kind, data)`` events, each kind handled by its
+own method of ``_Simulation``; the scheduler core's deadlines come in between them::
+
+    kind    data           handler
+    start   p              _on_start   pipeline p takes a batch: its step's spans and a ``ready`` per
+                                       stage at the step's end (no batch left: a global sync)
+    ready   (p, s, step)   _on_ready   worker (p, s) stepped its optimizer; the core hears ``Ready``
+    synced  (p, s, step)   _on_synced  (p, s)'s group is done; once all of p's are, p's next ``start``
+    (tick)  deadline       _on_tick    the core's deadline came first: windows that ran out close
+
+A group the core decides ends at ``closed + round trip + slowest link delay + ring
+all-reduce`` and averages its members' proxies (weighted by progress under
+``weighting="progress"``).  For example, with 2 pipelines and a 1 ms round trip,
+``Group(stage=0, members=(0, 1), closed=0.010)`` of 4e5-byte weights on 1e9 B/s and
+50 us latency ends at 0.010 + 0.001 + 2 x 1/2 x 4e5/1e9 + 2 x 50e-6 = 0.0115 s.
+
 The result is a :class:`sdpipe.RunResult` with the same event records and
-history fields as a real run (times are simulated seconds), so
-``Dashboard(result)`` replays a simulated run.
+history fields as a real run (times are simulated seconds; every record is
+made by :mod:`sdpipe.events`), so ``Dashboard(result)`` replays a simulated run.
 
 Policies ``sdpipe``, ``allreduce`` and ``none``; one epoch ending with a
 global sync.  :func:`calibrate` measures the costs in a real run's events;
@@ -23,14 +39,18 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from . import events
+from ._result import RunResult
 from .config import Heterogeneity, TrainConfig
 from .data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
-from .scheduler import POLICY_PRESETS, GroupScheduler, Ready
+from .schedule import build_plan, dry_run
+from .scheduler import GroupScheduler, Ready
 
 __all__ = ["Calibration", "Costs", "Network", "calibrate", "simulate", "ring_allreduce_seconds", "SIM_POLICIES"]
 
@@ -74,10 +94,12 @@ class Costs:
         S = len(self.forward)
         if S < 1:
             raise ValueError("costs.forward: needs one number per stage")
+        links = max(S - 1, 0)
         object.__setattr__(self, "forward", _seconds("forward", self.forward, S))
         object.__setattr__(self, "backward", _seconds("backward", self.backward, S))
         object.__setattr__(self, "optimizer", _seconds("optimizer", self.optimizer or [0.0] * S, S))
-        object.__setattr__(self, "activation_bytes", _seconds("activation_bytes", self.activation_bytes or [0.0] * max(S - 1, 0), max(S - 1, 0)))
+        object.__setattr__(self, "activation_bytes",
+                           _seconds("activation_bytes", self.activation_bytes or [0.0] * links, links))
         object.__setattr__(self, "weight_bytes", _seconds("weight_bytes", self.weight_bytes or [0.0] * S, S))
         v = self.step_overhead
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
@@ -110,12 +132,17 @@ class Network:
         for name in ("bandwidth", "latency", "scheduler_rtt"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or (name == "bandwidth" and v == 0):
-                raise ValueError(f"network.{name}: must be a number {'> 0' if name == 'bandwidth' else '>= 0'}, got {v!r}")
+                bound = "> 0" if name == "bandwidth" else ">= 0"
+                raise ValueError(f"network.{name}: must be a number {bound}, got {v!r}")
 
 
 def _mean(values, default=0.0) -> float:
     values = list(values)
     return sum(values) / len(values) if values else default
+
+
+def _dur(e) -> float:
+    return e["end"] - e["start"]
 
 
 class Calibration(NamedTuple):
@@ -158,59 +185,80 @@ def calibrate(result) -> Calibration:
     are not undone).  Costs no event measured keep their defaults.
     """
     if not all(hasattr(result, a) for a in ("config", "events")) or not isinstance(result.config, TrainConfig):
-        raise ValueError(f"result: must be a sdpipe.RunResult of a real run (run.result()), got {type(result).__name__}")
+        raise ValueError(f"result: must be a sdpipe.RunResult of a real run (run.result()), "
+                         f"got {type(result).__name__}")
     config = result.config
     S = config.stages
     hetero = config.heterogeneity or Heterogeneity()
-    # the first epoch warms up (process groups, caches): measure the later ones when there are
+    by_kind = _after_warm_up(result.events)
+    forward, backward, optimizer = ([_stage_mean(by_kind, kind, s, hetero) for s in range(S)]
+                                    for kind in ("forward", "backward", "optimizer"))
+    shown = _shown_heterogeneity(by_kind, hetero, forward, backward)
+    weight_bytes, activation_bytes = _stage_bytes(by_kind, S)
+    costs = Costs(forward=forward, backward=backward, optimizer=optimizer, weight_bytes=weight_bytes,
+                  activation_bytes=activation_bytes, step_overhead=_mean(_untraced(by_kind, config.pipelines)),
+                  jitter=_jitter(by_kind, S))
+    return Calibration(costs, _network(by_kind, weight_bytes), shown)
+
+
+def _after_warm_up(records) -> dict:
+    """kind -> records, without the first epoch's spans (it warms up process groups and caches) when there are more."""
     epoch_of = {(e["pipeline"], e["stage"], e["step"]): e.get("epoch", 0)
-                for e in result.events if e.get("kind") == "optimizer"}
+                for e in records if e.get("kind") == "optimizer"}
     warm = max(epoch_of.values(), default=0) > 0
     by_kind: dict = {}
-    for e in result.events:
+    for e in records:
         if warm and e.get("step") is not None and e.get("pipeline") is not None and \
                 epoch_of.get((e["pipeline"], e.get("stage"), e["step"]), 1) == 0:
             continue
         by_kind.setdefault(e.get("kind"), []).append(e)
+    return by_kind
 
-    def dur(e):
-        return e["end"] - e["start"]
 
-    def slowed(e):
-        return hetero.slowdown_of(e["pipeline"], e["stage"]) != 1.0
+def _slowed(hetero: Heterogeneity, e) -> bool:
+    return hetero.slowdown_of(e["pipeline"], e["stage"]) != 1.0
 
-    def stage_mean(kind, s):
-        spans = [e for e in by_kind.get(kind, ()) if e.get("stage") == s]
-        if kind == "optimizer":
-            return _mean(dur(e) for e in spans)
-        plain = [dur(e) for e in spans if not slowed(e)]
-        return _mean(plain) if plain else _mean(dur(e) / hetero.slowdown_of(e["pipeline"], s) for e in spans)
 
-    forward = [stage_mean("forward", s) for s in range(S)]
-    backward = [stage_mean("backward", s) for s in range(S)]
-    optimizer = [stage_mean("optimizer", s) for s in range(S)]
-    # the slowdown each slowed worker showed: its compute against its stage's unslowed mean
+def _stage_mean(by_kind: dict, kind: str, s: int, hetero: Heterogeneity) -> float:
+    """Mean span of ``kind`` on stage s: over the unslowed workers (all, each divided by its slowdown, when
+    every one was slowed); the optimizer's over all."""
+    spans = [e for e in by_kind.get(kind, ()) if e.get("stage") == s]
+    if kind == "optimizer":
+        return _mean(_dur(e) for e in spans)
+    plain = [_dur(e) for e in spans if not _slowed(hetero, e)]
+    return _mean(plain) if plain else _mean(_dur(e) / hetero.slowdown_of(e["pipeline"], s) for e in spans)
+
+
+def _shown_heterogeneity(by_kind: dict, hetero: Heterogeneity, forward: list, backward: list) -> Heterogeneity:
+    """``hetero`` with the slowdown each slowed worker showed: its compute against its stage's unslowed mean."""
     shown: dict = {}
     for kind, base in (("forward", forward), ("backward", backward)):
         for e in by_kind.get(kind, ()):
-            if slowed(e):
+            if _slowed(hetero, e):
                 acc = shown.setdefault((e["pipeline"], e["stage"]), [0.0, 0.0])
-                acc[0] += dur(e)
+                acc[0] += _dur(e)
                 acc[1] += base[e["stage"]]
     measured = {key: max(1.0, spent / base) for key, (spent, base) in shown.items() if base > 0}
-    shown_hetero = dataclasses.replace(hetero, slowdown=measured) if measured else hetero
+    return dataclasses.replace(hetero, slowdown=measured) if measured else hetero
+
+
+def _stage_bytes(by_kind: dict, S: int) -> tuple:
+    """(weight bytes per stage, activation bytes per stage boundary) from the workers' ``stage`` records."""
     weight_bytes, activation_bytes = [0.0] * S, [0.0] * max(S - 1, 0)
     for e in by_kind.get("stage", ()):
         weight_bytes[e["stage"]] = float(e["weight_bytes"])
         if e["stage"] < S - 1:
             activation_bytes[e["stage"]] = float(e["activation_bytes"])
+    return weight_bytes, activation_bytes
 
-    # jitter: a worker's compute per step relative to its mean, pooled per stage
+
+def _jitter(by_kind: dict, S: int) -> list:
+    """Per stage: the spread of a worker's compute per step relative to its mean, pooled over the stage's workers."""
     compute: dict = {}
     for kind in ("forward", "backward"):
         for e in by_kind.get(kind, ()):
             key = (e["pipeline"], e["stage"], e["step"])
-            compute[key] = compute.get(key, 0.0) + dur(e)
+            compute[key] = compute.get(key, 0.0) + _dur(e)
     per_worker: dict = {}
     for (p, st, _), v in compute.items():
         per_worker.setdefault((p, st), []).append(v)
@@ -219,15 +267,20 @@ def calibrate(result) -> Calibration:
         m = _mean(vals)
         if m > 0:
             rel[s] += [v / m for v in vals]
-    jitter = [math.sqrt(_mean((r - 1.0) ** 2 for r in rel[s])) if len(rel[s]) > 1 else 0.0 for s in range(S)]
+    return [math.sqrt(_mean((r - 1.0) ** 2 for r in rel[s])) if len(rel[s]) > 1 else 0.0 for s in range(S)]
 
-    # untraced time per step on stage 0: between consecutive optimizer ends, minus every span inside
-    covered = ("forward", "backward", "send", "recv", "wait", "sync", "straggle", "pause", "eval", "optimizer")
+
+#: the kinds of span a worker's step is made of; the rest of a step is untraced overhead
+_COVERED = ("forward", "backward", "send", "recv", "wait", "sync", "straggle", "pause", "eval", "optimizer")
+
+
+def _untraced(by_kind: dict, pipelines: int) -> list:
+    """Untraced seconds of each step on stage 0: between consecutive optimizer ends, minus every span inside."""
     untraced = []
-    for p in range(config.pipelines):
+    for p in range(pipelines):
         opt = sorted((e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == 0),
                      key=lambda e: e["start"])
-        spans = sorted(((e["start"], e["end"]) for k in covered for e in by_kind.get(k, ())
+        spans = sorted(((e["start"], e["end"]) for k in _COVERED for e in by_kind.get(k, ())
                         if e.get("pipeline") == p and e.get("stage") == 0), key=lambda x: x[0])
         j = 0
         for a, b in zip(opt, opt[1:]):
@@ -243,19 +296,20 @@ def calibrate(result) -> Calibration:
                     inside += min(en, hi) - max(st, lo)
                 k += 1
             untraced.append(max(0.0, (hi - lo) - inside))
-    costs = Costs(forward=forward, backward=backward, optimizer=optimizer, weight_bytes=weight_bytes,
-                  activation_bytes=activation_bytes, step_overhead=_mean(untraced), jitter=jitter)
+    return untraced
 
+
+def _network(by_kind: dict, weight_bytes: list) -> Network:
+    """Latency from the sends, bandwidth from the syncs, the scheduler's round trip from the group waits."""
     default = Network()
-    sends = [dur(e) for e in by_kind.get("send", ())]
-    latency = _mean(sends, default.latency)
+    latency = _mean((_dur(e) for e in by_kind.get("send", ())), default.latency)
     # a collective's span also holds the wait for members that arrive late: the lower quartile
     # of each (stage, size) is the transfer
     spans: dict = {}
     for e in by_kind.get("sync", ()):
         n = len(e.get("group") or ())
         if n >= 2 and e.get("stage") is not None and e.get("reason") not in ("ps", "pair"):
-            spans.setdefault((e["stage"], n), []).append(dur(e))
+            spans.setdefault((e["stage"], n), []).append(_dur(e))
     xs = []
     for (stage, n), vals in spans.items():
         vals.sort()
@@ -268,7 +322,7 @@ def calibrate(result) -> Calibration:
     trips = [max(0.0, e["end"] - decided[(e["stage"], e["round"])]) for e in by_kind.get("wait", ())
              if e.get("what") == "group" and (e.get("stage"), e.get("round")) in decided]
     rtt = 2 * _mean(trips) if trips else default.scheduler_rtt
-    return Calibration(costs, Network(bandwidth=bandwidth, latency=latency, scheduler_rtt=rtt), shown_hetero)
+    return Network(bandwidth=bandwidth, latency=latency, scheduler_rtt=rtt)
 
 
 def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
@@ -278,8 +332,33 @@ def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
     return 2 * (members - 1) / members * nbytes / net.bandwidth + 2 * (members - 1) * net.latency
 
 
-@dataclass
+def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches: int) -> tuple:
+    """(per-stage finish times of one step, per-stage compute seconds) of a pipeline slowed by ``slowdown``
+    (one factor per stage), from the dry run of ``plan``."""
+    def cost(a):
+        if a.op == "F":
+            return costs.forward[a.stage] * slowdown[a.stage]
+        if a.op == "B":
+            return costs.backward[a.stage] * slowdown[a.stage]
+        if a.op in ("SF", "SB"):
+            boundary = a.stage if a.op == "SF" else a.stage - 1
+            return costs.activation_bytes[boundary] / net.bandwidth + net.latency
+        return 0.0
+
+    run = dry_run(plan, cost)
+    S = len(slowdown)
+    # a stage's step ends when its own actions are done and the receives of what it sent
+    # completed (the runtime waits for its sends at the end of the step)
+    ends = [max((e for a, _, e in run.spans if a.stage == s or (a.op == "RF" and a.stage == s + 1)
+                 or (a.op == "RB" and a.stage == s - 1)), default=0.0) + costs.optimizer[s] for s in range(S)]
+    busy = [microbatches * (costs.forward[s] + costs.backward[s]) * slowdown[s] for s in range(S)]
+    return ends, busy
+
+
+@dataclass(slots=True)
 class _Pipe:
+    """One pipeline's progress in the simulation."""
+
     step: int = 0
     synced: dict = field(default_factory=dict)  # stage -> time its sync of this step ended
     last_start: Optional[float] = None
@@ -287,10 +366,226 @@ class _Pipe:
     done: bool = False
 
 
+class _Proxy:
+    """The convergence proxy: each worker (p, s) holds a point x (4 numbers) of the bowl ``mean(x ** 2)`` and
+    steps ``x -= lr * (x + noise * N(0, 1))`` per step; groups average their members' points.
+
+    ``mass`` is a worker's progress (1 + steps since the last global sync), the weight of ``weighting="progress"``.
+    Replicas of a stage start equal.  A pipeline's loss is the mean of its stages' quadratics.
+    """
+
+    __slots__ = ("stages", "lr", "noise", "rng", "x", "mass")
+
+    def __init__(self, stages: int, pipelines: int, rng: random.Random, lr: float, noise: float):
+        self.stages, self.lr, self.noise, self.rng = stages, lr, noise, rng
+        init = {s: [rng.gauss(0, 3) for _ in range(4)] for s in range(stages)}
+        self.x = {(p, s): list(init[s]) for p in range(pipelines) for s in range(stages)}
+        self.mass = {(p, s): 1.0 for p in range(pipelines) for s in range(stages)}
+
+    def learn(self, p: int, s: int) -> None:
+        v = self.x[(p, s)]
+        self.mass[(p, s)] += 1.0
+        lr, noise, gauss = self.lr, self.noise, self.rng.gauss
+        for i in range(len(v)):
+            v[i] -= lr * (v[i] + noise * gauss(0, 1))
+
+    def mix(self, stage: int, members: list, by_progress: bool, restart: bool) -> None:
+        """``members`` of ``stage`` average (by progress or uniformly); a global sync (``restart``) resets progress."""
+        x, mass = self.x, self.mass
+        if len(members) > 1:
+            w = {m: mass[(m, stage)] if by_progress else 1.0 for m in members}
+            total = sum(w.values())
+            mean = [sum(w[m] * x[(m, stage)][i] for m in members) / total for i in range(len(x[(members[0], stage)]))]
+            shared = sum(mass[(m, stage)] for m in members) / len(members)
+            for m in members:
+                x[(m, stage)] = list(mean)
+                mass[(m, stage)] = shared
+        if restart:
+            for m in members:
+                mass[(m, stage)] = 1.0
+
+    def loss(self, p: int) -> float:
+        x = self.x
+        return sum(sum(v * v for v in x[(p, s)]) / len(x[(p, s)]) for s in range(self.stages)) / self.stages
+
+
+class _Simulation:
+    """One simulated epoch: a heap of ``(time, seq, kind, data)`` events, one handler per kind, and the
+    scheduler core's deadlines as ticks in between (see the module's docstring)."""
+
+    def __init__(self, config: TrainConfig, *, costs: Costs, network: Network, steps: int, record: bool,
+                 lr: float, noise: float):
+        S, D, M = config.stages, config.pipelines, config.microbatches
+        self.config, self.costs, self.net = config, costs, network
+        self.S, self.D, self.steps, self.record, self.policy = S, D, steps, record, config.policy
+        self.hetero = hetero = config.heterogeneity or Heterogeneity()
+        self.rng = random.Random(config.seed)
+        self.core = GroupScheduler(S, D, config.scheduler_policy()) if config.policy != "none" else None
+        self.total = steps * D  # batches in the epoch
+        self.taken = 0
+        self.pipes = [_Pipe() for _ in range(D)]
+        self.heap: list = []
+        self._seq = itertools.count()
+        self.records: list = []
+        self.now = 0.0
+        # the core's next deadline (None: nothing to time), a function of its state: asked again after each of
+        # its events (see _apply), not at every one of ours
+        self.deadline: Optional[float] = self.core.next_deadline() if self.core is not None else None
+        self.proxy = _Proxy(S, D, self.rng, lr, noise)
+        self.jitter_sigma = [math.sqrt(math.log1p(j ** 2)) for j in costs.jitter]  # log-normal, mean 1
+        # heterogeneity holds still in a simulation: each pipeline's step costs and each worker's link delay, once
+        plan = build_plan(config.schedule, S, M)  # with its sends and receives
+        finish: dict = {}
+        self.step_costs = []  # per pipeline: (per-stage finish, compute, forward seconds of one step)
+        for p in range(D):
+            k = tuple(hetero.slowdown_of(p, s) for s in range(S))
+            if k not in finish:
+                finish[k] = _step_finish(plan, costs, network, k, M)
+            ends, busy = finish[k]
+            self.step_costs.append((ends, busy, [M * costs.forward[s] * k[s] for s in range(S)]))
+        self.link_delay = [[hetero.link_delay_of(p, s) for s in range(S)] for p in range(D)]
+
+    def _push(self, t: float, kind: str, data) -> None:
+        heapq.heappush(self.heap, (t, next(self._seq), kind, data))
+
+    def run(self) -> "_Simulation":
+        """Every pipeline starts at 0; events in time order (ties in the order pushed), a tick first when the
+        core's deadline comes no later than the next event."""
+        for p in range(self.D):
+            self._push(0.0, "start", p)
+        handlers = {"start": self._on_start, "ready": self._on_ready, "synced": self._on_synced}
+        heap, pop = self.heap, heapq.heappop
+        while heap:
+            deadline = self.deadline
+            if deadline is not None and deadline <= heap[0][0]:
+                self._on_tick(deadline)
+                continue
+            self.now, _, kind, data = pop(heap)
+            handlers[kind](self.now, data)
+        return self
+
+    def _on_start(self, t: float, p: int) -> None:
+        """Pipeline p asks for a batch: with one, its step's spans and each stage's ``ready`` at the step's end;
+        without, its workers join the epoch's global sync."""
+        pipe = self.pipes[p]
+        if not self._next_batch(p, t):
+            if self.core is not None:  # the epoch ends with a global sync
+                for s in range(self.S):
+                    self._apply(self.core.handle(s, Ready(p, pipe.step, t, True)))
+            return
+        pipe.synced = {}
+        ends, busy, forward = self.step_costs[p]
+        rng, hetero, step = self.rng, self.hetero, pipe.step
+        scale = [rng.lognormvariate(-sg ** 2 / 2, sg) if sg > 0 else 1.0 for sg in self.jitter_sigma]
+        extra = self.costs.step_overhead
+        if hetero.straggle_prob > 0:
+            hits = [rng.random() < hetero.straggle_prob for _ in range(self.S)]  # all S draws, as the runtime's
+            extra += hetero.straggle_delay if any(hits) else 0.0
+        begin, push = t + extra, self._push
+        for s in range(self.S):
+            push(begin + ends[s] + busy[s] * (scale[s] - 1.0), "ready", (p, s, step))
+        if self.record:
+            keep, span = self.records.append, events.span
+            for s in range(self.S):
+                f = begin + forward[s] * scale[s]
+                keep(span("forward", p, s, step, None, begin, f))
+                keep(span("backward", p, s, step, None, f, begin + busy[s] * scale[s]))
+
+    def _next_batch(self, p: int, t: float) -> bool:
+        """The runtime's dispenser: lock step under allreduce, else the next of the epoch's batches unless p
+        leaves the tail to faster pipelines.  Also keeps p's recent step time."""
+        pipe = self.pipes[p]
+        if pipe.last_start is not None:
+            pipe.step_time = smoothed_step_time(pipe.step_time, t - pipe.last_start)
+        pipe.last_start = t
+        if self.policy == "allreduce":
+            return pipe.step < self.steps
+        remaining = self.total - self.taken
+        if remaining > 0 and not (remaining <= TAIL_BATCHES_PER_PIPELINE * self.D and self._leaves_tail(p)):
+            self.taken += 1
+            return True
+        pipe.done = True
+        return False
+
+    def _leaves_tail(self, p: int) -> bool:
+        """The runtime's epoch-tail rule, on the simulated pipelines still in the epoch."""
+        others = [q.step_time for i, q in enumerate(self.pipes) if i != p and not q.done and q.step_time is not None]
+        return leaves_tail(self.pipes[p].step_time, others, self.total - self.taken)
+
+    def _on_ready(self, t: float, data: tuple) -> None:
+        """Worker (p, s) stepped its optimizer (the proxy learns) and is ready for its group (none: synced)."""
+        p, s, step = data
+        self.proxy.learn(p, s)
+        if self.record:
+            loss = {"loss": self.proxy.loss(p)} if s == self.S - 1 else {}
+            self.records.append(events.span("optimizer", p, s, step, None, t, t, epoch=0, **loss))
+        if self.core is None:
+            self._on_synced(t, data)
+        else:
+            self._apply(self.core.handle(s, Ready(p, step, t, False)))
+
+    def _on_tick(self, now: float) -> None:
+        """The core's deadline: the rounds whose window ran out close."""
+        self.now = now
+        self._apply(self.core.tick(now))
+
+    def _apply(self, decisions) -> None:
+        """What the core decided on one of its events (groups, if any), then its next deadline."""
+        if decisions:  # most events decide nothing
+            self._groups(decisions)
+        self.deadline = self.core.next_deadline()
+
+    def _groups(self, decisions) -> None:
+        """Each group costs the round trip (none under allreduce: it needs no scheduler), the slowest member's link
+        delay and a ring all-reduce; the proxy averages the members; each member's ``synced`` comes at the end."""
+        costs, net, pipes, record, keep = self.costs, self.net, self.pipes, self.record, self.records.append
+        rtt = 0.0 if self.policy == "allreduce" else net.scheduler_rtt
+        by_progress = self.core.policy.weighting == "progress"
+        for g in decisions:
+            members, stage = list(g.members), g.stage
+            delay = max(self.link_delay[m][stage] for m in members)
+            end = g.closed + rtt + delay + ring_allreduce_seconds(costs.weight_bytes[stage], len(members), net)
+            self.proxy.mix(stage, members, by_progress, g.reason == "global")
+            if record:
+                keep(events.group(stage, g.round, members, g.reason, g.opened, g.closed, g.wait, g.connected,
+                                  self.policy))
+            for m in members:
+                step = pipes[m].step
+                if record:
+                    keep(events.span("sync", m, stage, step, None, g.closed, end, group=members, round=g.round,
+                                     reason=g.reason))
+                if g.reason != "global":
+                    self._push(end, "synced", (m, stage, step))
+
+    def _on_synced(self, t: float, data: tuple) -> None:
+        """Worker (p, s)'s sync ended; once every stage of p's did, p starts its next step."""
+        p, s, _ = data
+        pipe = self.pipes[p]
+        pipe.synced[s] = t
+        if len(pipe.synced) == self.S:
+            pipe.step += 1
+            self._push(max(pipe.synced.values()), "start", p)
+
+    def result(self) -> RunResult:
+        """The run's history (one row per pipeline, with an ``epoch`` record each) at the last event's time."""
+        end, share_of = self.now, self.total * self.config.batch_size
+        history = []
+        for p, pipe in enumerate(self.pipes):
+            samples = pipe.step * self.config.batch_size
+            metrics = {"epoch": 0, "pipeline": p, "loss": self.proxy.loss(p), "samples": samples,
+                       "share": samples / share_of, "samples_per_s": samples / end if end > 0 else 0.0,
+                       "steps": pipe.step, "complete": True}
+            history.append(metrics)
+            if self.record:
+                self.records.append(events.epoch(p, self.S - 1, pipe.step, end, metrics))
+        return RunResult(models=[], history=history, events=self.records, config=self.config, wall_time=end,
+                         stopped=False, steps={p: pipe.step for p, pipe in enumerate(self.pipes)})
+
+
 def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe", schedule: str = "1f1b",
-             microbatches: int = 4, batch_size: int = 32, steps: int = 100, heterogeneity: Optional[Heterogeneity] = None,
-             network: Network = Network(), scheduler=None, seed: int = 0, record: bool = True, lr: float = 0.1,
-             noise: float = 1.0):
+             microbatches: int = 4, batch_size: int = 32, steps: int = 100,
+             heterogeneity: Optional[Heterogeneity] = None, network: Network = Network(), scheduler=None,
+             seed: int = 0, record: bool = True, lr: float = 0.1, noise: float = 1.0):
     """Simulate ``steps`` steps' worth of batches per pipeline; returns a :class:`sdpipe.RunResult`.
 
     Under ``allreduce`` every pipeline takes ``steps`` steps; under ``sdpipe``
@@ -298,9 +593,6 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
     asks next (work follows speed).  ``record=False`` keeps only the history
     (for very large simulations).
     """
-    from ._runtime import RunResult
-    from .schedule import build_plan, dry_run
-
     if policy not in SIM_POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(SIM_POLICIES)} (the simulator's policies)")
     for name, v in (("stages", stages), ("pipelines", pipelines)):
@@ -317,183 +609,8 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
         raise ValueError(f"costs: has {costs.stages} stages, the simulation {stages}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: must be an integer >= 1, got {steps!r}")
-    config = TrainConfig(stages=stages, pipelines=pipelines, policy=policy, schedule=schedule, microbatches=microbatches,
-                         batch_size=batch_size, epochs=1, heterogeneity=heterogeneity, scheduler=scheduler, seed=seed)
-    hetero = heterogeneity or Heterogeneity()
-    S, D, M = stages, pipelines, microbatches
-    rng = random.Random(seed)
-    plan = build_plan(schedule, S, M)  # with its sends and receives
-    net = network
-
-    finish_cache: dict = {}
-    jitter_sigma = [math.sqrt(math.log1p(j ** 2)) for j in costs.jitter]  # log-normal, mean 1, spread costs.jitter
-
-    def stage_finish(p: int) -> tuple:
-        """(per-stage finish times of one step of pipeline p, per-stage compute seconds)."""
-        k = tuple(hetero.slowdown_of(p, s) for s in range(S))
-        if k not in finish_cache:
-            def cost(a):
-                if a.op == "F":
-                    return costs.forward[a.stage] * k[a.stage]
-                if a.op == "B":
-                    return costs.backward[a.stage] * k[a.stage]
-                if a.op in ("SF", "SB"):
-                    boundary = a.stage if a.op == "SF" else a.stage - 1
-                    return costs.activation_bytes[boundary] / net.bandwidth + net.latency
-                return 0.0
-            run = dry_run(plan, cost)
-            # a stage's step ends when its own actions are done and the receives of what it sent
-            # completed (the runtime waits for its sends at the end of the step)
-            ends = [max((e for a, _, e in run.spans if a.stage == s or (a.op == "RF" and a.stage == s + 1)
-                         or (a.op == "RB" and a.stage == s - 1)), default=0.0) + costs.optimizer[s] for s in range(S)]
-            busy = [M * (costs.forward[s] + costs.backward[s]) * k[s] for s in range(S)]
-            finish_cache[k] = (ends, busy)
-        return finish_cache[k]
-
-    sched_policy = config.scheduler_policy() if policy != "none" else POLICY_PRESETS["none"]
-    core = GroupScheduler(S, D, sched_policy) if policy != "none" else None
-    total = steps * D
-    taken = 0
-    pipes = [_Pipe() for _ in range(D)]
-    events: list = []
-    heap: list = []
-    seq = 0
-    init = {s: [rng.gauss(0, 3) for _ in range(4)] for s in range(S)}  # convergence proxy: replicas start equal
-    x = {(p, s): list(init[s]) for p in range(D) for s in range(S)}
-    mass = {(p, s): 1.0 for p in range(D) for s in range(S)}  # weighting="progress": 1 + steps since the global sync
-
-    def push(t, kind, data):
-        nonlocal seq
-        heapq.heappush(heap, (t, seq, kind, data))
-        seq += 1
-
-    def span(kind, p, s, step, start, end, **extra):
-        if record:
-            rec = {"kind": kind, "pipeline": p, "stage": s, "step": step, "microbatch": None, "start": start, "end": end}
-            rec.update(extra)
-            events.append(rec)
-
-    def leave_tail(p: int) -> bool:
-        """The runtime's epoch-tail rule, on the simulated pipelines still in the epoch."""
-        others = [q.step_time for i, q in enumerate(pipes) if i != p and not q.done and q.step_time is not None]
-        return leaves_tail(pipes[p].step_time, others, total - taken)
-
-    def next_batch(p: int, t: float) -> bool:
-        nonlocal taken
-        pipe = pipes[p]
-        if pipe.last_start is not None:
-            dt = t - pipe.last_start
-            pipe.step_time = smoothed_step_time(pipe.step_time, dt)
-        pipe.last_start = t
-        if policy == "allreduce":
-            return pipe.step < steps
-        remaining = total - taken
-        if remaining > 0 and not (remaining <= TAIL_BATCHES_PER_PIPELINE * D and leave_tail(p)):
-            taken += 1
-            return True
-        pipe.done = True
-        return False
-
-    def start_step(p: int, t: float) -> None:
-        pipe = pipes[p]
-        if not next_batch(p, t):
-            if core is not None:  # the epoch ends with a global sync
-                for s in range(S):
-                    ready(p, s, t, pipe.step, global_sync=True)
-            return
-        pipe.synced = {}
-        ends, busy = stage_finish(p)
-        scale = [rng.lognormvariate(-sg ** 2 / 2, sg) if sg > 0 else 1.0 for sg in jitter_sigma]
-        extra = costs.step_overhead
-        if hetero.straggle_prob > 0:
-            hits = [rng.random() < hetero.straggle_prob for _ in range(S)]
-            extra += hetero.straggle_delay if any(hits) else 0.0
-        for s in range(S):
-            push(t + extra + ends[s] + busy[s] * (scale[s] - 1.0), "ready", (p, s, pipe.step))
-            f = M * costs.forward[s] * hetero.slowdown_of(p, s) * scale[s]
-            span("forward", p, s, pipe.step, t + extra, t + extra + f)
-            span("backward", p, s, pipe.step, t + extra + f, t + extra + busy[s] * scale[s])
-
-    def learn(p: int, s: int) -> None:
-        v = x[(p, s)]
-        mass[(p, s)] += 1.0
-        for i in range(len(v)):
-            v[i] -= lr * (v[i] + noise * rng.gauss(0, 1))
-
-    def ready(p: int, s: int, t: float, step: int, global_sync: bool = False) -> None:
-        if not global_sync:
-            learn(p, s)
-            span("optimizer", p, s, step, t, t, epoch=0, **({"loss": _loss(p)} if s == S - 1 else {}))
-        if core is None:
-            synced(p, s, t, step)
-            return
-        apply(t, core.handle(s, Ready(p, step, t, global_sync)))
-
-    def apply(t: float, decisions) -> None:
-        for g in decisions:
-            members = list(g.members)
-            delay = max(hetero.link_delay_of(m, g.stage) for m in members)
-            rtt = 0.0 if policy == "allreduce" else net.scheduler_rtt  # allreduce needs no scheduler
-            end = g.closed + rtt + delay + ring_allreduce_seconds(costs.weight_bytes[g.stage], len(members), net)
-            if len(members) > 1:
-                w = {m: mass[(m, g.stage)] if core.policy.weighting == "progress" else 1.0 for m in members}
-                mean = [sum(w[m] * x[(m, g.stage)][i] for m in members) / sum(w.values())
-                        for i in range(len(x[(members[0], g.stage)]))]
-                shared = sum(mass[(m, g.stage)] for m in members) / len(members)
-                for m in members:
-                    x[(m, g.stage)] = list(mean)
-                    mass[(m, g.stage)] = shared
-            if g.reason == "global":
-                for m in members:
-                    mass[(m, g.stage)] = 1.0
-            if record:
-                events.append({"kind": "group", "pipeline": None, "stage": g.stage, "step": None, "microbatch": None,
-                               "start": g.opened, "end": g.closed, "round": g.round, "group": members, "reason": g.reason,
-                               "wait": g.wait, "connected": g.connected})
-            for m in members:
-                step = pipes[m].step
-                span("sync", m, g.stage, step, g.closed, end, group=members, round=g.round, reason=g.reason)
-                if g.reason != "global":
-                    push(end, "synced", (m, g.stage, step))
-
-    def synced(p: int, s: int, t: float, step: int) -> None:
-        pipe = pipes[p]
-        pipe.synced[s] = t
-        if len(pipe.synced) == S:
-            pipe.step += 1
-            push(max(pipe.synced.values()), "start", p)
-
-    def _loss(p: int) -> float:
-        return sum(sum(v * v for v in x[(p, s)]) / len(x[(p, s)]) for s in range(S)) / S
-
-    for p in range(D):
-        push(0.0, "start", p)
-    now = 0.0
-    while heap:
-        t = heap[0][0]
-        deadline = core.next_deadline() if core is not None else None
-        if deadline is not None and deadline <= t:
-            now = deadline
-            apply(now, core.tick(now))
-            continue
-        now, _, kind, data = heapq.heappop(heap)
-        if kind == "start":
-            start_step(data, now)
-        elif kind == "ready":
-            p, s, step = data
-            ready(p, s, now, step)
-        elif kind == "synced":
-            p, s, step = data
-            synced(p, s, now, step)
-    end = now
-    history = []
-    for p in range(D):
-        samples = pipes[p].step * batch_size
-        metrics = {"epoch": 0, "pipeline": p, "loss": _loss(p), "samples": samples, "share": samples / (total * batch_size),
-                   "samples_per_s": samples / end if end > 0 else 0.0, "steps": pipes[p].step, "complete": True}
-        history.append(metrics)
-        if record:
-            events.append({"kind": "epoch", "pipeline": p, "stage": S - 1, "step": pipes[p].step, "microbatch": None,
-                           "start": end, "end": end, "metrics": metrics})
-    return RunResult(models=[], history=history, events=events, config=config, wall_time=end, stopped=False,
-                     steps={p: pipes[p].step for p in range(D)})
+    config = TrainConfig(stages=stages, pipelines=pipelines, policy=policy, schedule=schedule,
+                         microbatches=microbatches, batch_size=batch_size, epochs=1, heterogeneity=heterogeneity,
+                         scheduler=scheduler, seed=seed)
+    sim = _Simulation(config, costs=costs, network=network, steps=steps, record=record, lr=lr, noise=noise)
+    return sim.run().result()

@@ -1,10 +1,13 @@
 """The simulator: simulated time on the real scheduler core, the same records as a real run."""
 
+import dataclasses
+
 import pytest
 
 import sdpipe
+from sdpipe import events
 from sdpipe.schedule import build_plan, dry_run
-from sdpipe.simulation import Costs, Network, ring_allreduce_seconds, simulate
+from sdpipe.simulation import SIM_POLICIES, Costs, Network, ring_allreduce_seconds, simulate
 
 COSTS = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], weight_bytes=[4e5, 8e5], activation_bytes=[4e4])
 STRAGGLER = sdpipe.Heterogeneity(slowdown={3: 4.0})
@@ -19,7 +22,8 @@ def test_allreduce_step_is_the_overhead_the_plan_and_the_collective():
     result = simulate(2, 2, costs=costs, policy="allreduce", steps=20, network=net)
 
     def cost(a):
-        return {"F": COSTS.forward[a.stage], "B": COSTS.backward[a.stage]}.get(a.op, 4e4 / 1e8 + 1e-4 if a.op in ("SF", "SB") else 0.0)
+        message = 4e4 / 1e8 + 1e-4 if a.op in ("SF", "SB") else 0.0
+        return {"F": COSTS.forward[a.stage], "B": COSTS.backward[a.stage]}.get(a.op, message)
 
     run = dry_run(build_plan("1f1b", 2, 4), cost)
     ends = [max(e for a, _, e in run.spans if a.stage == s) for s in (0, 1)]
@@ -89,6 +93,37 @@ def test_jitter_makes_lock_step_wait_for_the_slowest():
         Costs(forward=[0.1], backward=[0.1], jitter=-1)
 
 
+HETERO = sdpipe.Heterogeneity(slowdown={3: 4.0, (1, 0): 1.5}, link_delay={2: 2e-3}, straggle_prob=0.2,
+                               straggle_delay=0.01)
+
+
+@pytest.mark.parametrize("policy", SIM_POLICIES)
+def test_every_record_of_a_simulated_run_fits_the_event_schema(policy):
+    """Every record the simulator makes comes from sdpipe.events; a group names the policy that decided it."""
+    costs = dataclasses.replace(COSTS, jitter=0.2, step_overhead=1e-3, optimizer=[1e-4, 2e-4])
+    result = simulate(2, 4, costs=costs, policy=policy, steps=30, heterogeneity=HETERO)
+    for rec in result.events:
+        assert events.problems(rec) == [], rec
+        events.validate(rec)
+    synced = {"sync", "group"} if policy != "none" else set()
+    assert {e["kind"] for e in result.events} == {"forward", "backward", "optimizer", "epoch"} | synced
+    groups = [e for e in result.events if e["kind"] == "group"]
+    assert all(g["policy"] == policy for g in groups) and (policy == "none" or groups)
+    reasons = {g["reason"] for g in groups}
+    assert policy != "sdpipe" or {"window", "global"} <= reasons  # the core's deadlines closed some rounds
+
+
+@pytest.mark.parametrize("policy", SIM_POLICIES)
+def test_a_seed_replays_the_same_run_and_recording_changes_nothing(policy):
+    kwargs = dict(costs=dataclasses.replace(COSTS, jitter=0.2), policy=policy, steps=25, heterogeneity=HETERO)
+    a, b = simulate(2, 4, seed=7, **kwargs), simulate(2, 4, seed=7, **kwargs)
+    quiet = simulate(2, 4, seed=7, record=False, **kwargs)
+    assert a.events == b.events and a.history == b.history and a.wall_time == b.wall_time
+    assert quiet.events == [] and quiet.history == a.history and quiet.wall_time == a.wall_time
+    assert quiet.steps == a.steps == {h["pipeline"]: h["steps"] for h in a.history}
+    assert simulate(2, 4, seed=8, **kwargs).wall_time != a.wall_time
+
+
 @pytest.mark.cluster
 def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster):
     """Costs from a real 2 x 2 sdpipe run with pipeline 1 slowed 3x; simulating with them lands near the real rate."""
@@ -119,7 +154,8 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
     (lambda: simulate(2, 2, costs=COSTS, network="fast"), "network: must be a sdpipe.Network, got str"),
     (lambda: simulate(2, 2, costs=COSTS, lr="a"), "lr: must be a finite number >= 0, got 'a'"),
     (lambda: simulate(0, 2, costs=COSTS), "stages: must be an integer >= 1, got 0"),
-    (lambda: Costs(forward="fast", backward=[0.1]), "costs.forward: needs one finite number >= 0 per stage, got 'fast'"),
+    (lambda: Costs(forward="fast", backward=[0.1]),
+     "costs.forward: needs one finite number >= 0 per stage, got 'fast'"),
     (lambda: sdpipe.load_checkpoint(123), "resume_from: must be a folder path, got int"),
 ])
 def test_public_entry_points_name_the_bad_field(call, message):
