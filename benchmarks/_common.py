@@ -20,8 +20,14 @@ def local_cluster(n_workers: int, allowed_failures=None):
     if allowed_failures is not None:
         settings["distributed.scheduler.allowed-failures"] = allowed_failures
     with dask.config.set(settings):
-        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                               dashboard_address=None, env={"OMP_NUM_THREADS": "1"})
+        cluster = LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address=None,
+            env={"OMP_NUM_THREADS": "1"},
+        )
     return Client(cluster, set_as_default=False), cluster
 
 
@@ -39,7 +45,7 @@ def run_meta(script: str, argv, config: str) -> dict:
         "command": f"python benchmarks/{script} {' '.join(args)}".strip(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "versions": f"python {platform.python_version()}, torch {torch.__version__}, dask {dask.__version__}, "
-                    f"distributed {distributed.__version__}, sdpipe {sdpipe.__version__}",
+        f"distributed {distributed.__version__}, sdpipe {sdpipe.__version__}",
         "config": config,
     }
 
@@ -81,8 +87,13 @@ def save_figure(fig, path, width: int = 900, height: int = 520) -> list:
             raise FileNotFoundError(f"no Chromium at {lab_browser.CHROMIUM}")
         with tempfile.TemporaryDirectory() as tmp:
             page_file = Path(tmp) / "figure.html"
-            fig.write_html(page_file, include_plotlyjs=True, full_html=True,
-                           default_width=f"{width}px", default_height=f"{height}px")
+            fig.write_html(
+                page_file,
+                include_plotlyjs=True,
+                full_html=True,
+                default_width=f"{width}px",
+                default_height=f"{height}px",
+            )
             with lab_browser.chromium_page(width + 40, height + 40) as page:
                 page.goto(page_file.as_uri())
                 page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30000)

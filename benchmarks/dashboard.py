@@ -40,7 +40,8 @@ STATS = """
 import json, time
 rate = dash.redraw_rate({seconds})
 gaps = [b - a for a, b in zip(dash.redraws[:-1], dash.redraws[1:]) if b > time.monotonic() - {seconds}]
-print(json.dumps({{"rate": rate, "redraws": len(dash.redraws), "max_gap": max(gaps) if gaps else None, "events": dash.view.count}}))
+print(json.dumps({{"rate": rate, "redraws": len(dash.redraws), "max_gap": max(gaps) if gaps else None,
+                  "events": dash.view.count}}))
 """
 TEARDOWN = """
 run.stop(); run.result(timeout=120); dash.stop(); client.close(); cluster.close()
@@ -100,29 +101,44 @@ def main(argv=None) -> int:
         "redraws_per_s": stats["rate"],
         "longest_gap_between_redraws_s": stats["max_gap"],
         "events_seen": stats["events"],
-        "cell_latency_s": {"median": statistics.median(lat), "p95": lat[int(0.95 * (len(lat) - 1))], "max": lat[-1], "n": len(lat)},
+        "cell_latency_s": {
+            "median": statistics.median(lat),
+            "p95": lat[int(0.95 * (len(lat) - 1))],
+            "max": lat[-1],
+            "n": len(lat),
+        },
     }
-    meta = run_meta("dashboard.py", argv, f"sdpipe run, digits {args.model.upper()}, S=2, D=4, batch 64, pipeline 3 slowed 4x; "
-                    f"Dashboard(run, interval=0.25) in a jupyter_client kernel; a cell every 0.5 s for {args.seconds:g} s")
+    meta = run_meta(
+        "dashboard.py",
+        argv,
+        f"sdpipe run, digits {args.model.upper()}, S=2, D=4, batch 64, pipeline 3 slowed 4x; "
+        f"Dashboard(run, interval=0.25) in a jupyter_client kernel; a cell every 0.5 s for {args.seconds:g} s",
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     c = summary["cell_latency_s"]
-    L = ["# Dashboard redraw rate and notebook responsiveness during a 4x2 run", ""] + meta_lines(meta) + [
-        "",
-        "| measure | value | target |",
-        "|---|---|---|",
-        f"| dashboard redraws per second | {summary['redraws_per_s']:.2f} | >= 2 |",
-        f"| longest gap between redraws | {summary['longest_gap_between_redraws_s']:.2f} s | |",
-        f"| cell round trip, median | {c['median'] * 1000:.0f} ms | |",
-        f"| cell round trip, 95th percentile | {c['p95'] * 1000:.0f} ms | |",
-        f"| cell round trip, slowest of {c['n']} | {c['max'] * 1000:.0f} ms | < 1000 ms |",
-        "",
-        f"Events the dashboard had taken in: {summary['events_seen']}. The kernel had no browser attached, so this "
-        "measures the kernel side (event intake, aggregation, figure updates sent as widget messages); the browser "
-        "test (`tests/test_browser.py`) checks that JupyterLab draws them.",
-    ]
+    L = (
+        ["# Dashboard redraw rate and notebook responsiveness during a 4x2 run", ""]
+        + meta_lines(meta)
+        + [
+            "",
+            "| measure | value | target |",
+            "|---|---|---|",
+            f"| dashboard redraws per second | {summary['redraws_per_s']:.2f} | >= 2 |",
+            f"| longest gap between redraws | {summary['longest_gap_between_redraws_s']:.2f} s | |",
+            f"| cell round trip, median | {c['median'] * 1000:.0f} ms | |",
+            f"| cell round trip, 95th percentile | {c['p95'] * 1000:.0f} ms | |",
+            f"| cell round trip, slowest of {c['n']} | {c['max'] * 1000:.0f} ms | < 1000 ms |",
+            "",
+            f"Events the dashboard had taken in: {summary['events_seen']}. The kernel had no browser attached, so this "
+            "measures the kernel side (event intake, aggregation, figure updates sent as widget messages); the browser "
+            "test (`tests/test_browser.py`) checks that JupyterLab draws them.",
+        ]
+    )
     out.write_text("\n".join(L) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "latencies_s": latencies}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "latencies_s": latencies}, indent=2) + "\n"
+    )
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}")
     return 0

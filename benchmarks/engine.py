@@ -46,15 +46,20 @@ def _torch_worker(rank, args, port, out):
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, PipelineStage
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from sdpipe import partition
     from sdpipe.data import batch_indices, digits
 
     torch.set_num_threads(1)
     S, D, M, B = args["stages"], args["pipelines"], args["microbatches"], args["batch_size"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=S * D,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=S * D,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         p, s = divmod(rank, S)
         pipes = [dist.new_group([q * S + t for t in range(S)]) for q in range(D)]
@@ -88,7 +93,7 @@ def _torch_worker(rank, args, port, out):
             flat.div_(D)
             off = 0
             for q in params:
-                q.grad.copy_(flat[off: off + q.numel()].view_as(q))
+                q.grad.copy_(flat[off : off + q.numel()].view_as(q))
                 off += q.numel()
             opt.step()
         dist.barrier()
@@ -118,8 +123,10 @@ def run_torch(args: dict) -> dict:
         if p.is_alive():
             p.kill()
     elapsed = max(r[1] for r in rows)
-    return {"samples_per_s": args["steps"] * args["pipelines"] * args["batch_size"] / elapsed,
-            "peak_rss_mib": max(r[2] for r in rows)}
+    return {
+        "samples_per_s": args["steps"] * args["pipelines"] * args["batch_size"] / elapsed,
+        "peak_rss_mib": max(r[2] for r in rows),
+    }
 
 
 def run_sdpipe(args: dict) -> dict:
@@ -132,9 +139,19 @@ def run_sdpipe(args: dict) -> dict:
     epochs = 1 + -(-args["steps"] // per_epoch)  # a warm-up epoch, then at least ``steps`` steps
     client, cluster = local_cluster(S * D)  # fresh worker processes: their peak memory is this run's
     try:
-        result = sdpipe.train(make_model(args["model"]), (X, Y), stages=S, pipelines=D, policy="allreduce",
-                              schedule=args["schedule"], microbatches=args["microbatches"], batch_size=B,
-                              epochs=epochs, cuts=cuts_for(args["model"], S), cluster=client).result(timeout=1800)
+        result = sdpipe.train(
+            make_model(args["model"]),
+            (X, Y),
+            stages=S,
+            pipelines=D,
+            policy="allreduce",
+            schedule=args["schedule"],
+            microbatches=args["microbatches"],
+            batch_size=B,
+            epochs=epochs,
+            cuts=cuts_for(args["model"], S),
+            cluster=client,
+        ).result(timeout=1800)
         rss = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     finally:
         client.close()
@@ -160,24 +177,43 @@ def main(argv=None) -> int:
         recorded = json.loads(Path(a.from_json).read_text())
         write_results(recorded["meta"], recorded["results"], Path(a.out))
         return 0
-    base = dict(stages=a.stages, pipelines=a.pipelines, model=a.model, microbatches=a.microbatches,
-                batch_size=a.batch_size, steps=a.steps)
+    base = dict(
+        stages=a.stages,
+        pipelines=a.pipelines,
+        model=a.model,
+        microbatches=a.microbatches,
+        batch_size=a.batch_size,
+        steps=a.steps,
+    )
     contenders = [("sdpipe", "1f1b"), ("torch", "1f1b"), ("sdpipe", "gpipe"), ("torch", "gpipe")]
     samples: dict = {}
     for rep in range(a.repeats):
-        for engine, schedule in (contenders if rep % 2 == 0 else contenders[::-1]):
+        for engine, schedule in contenders if rep % 2 == 0 else contenders[::-1]:
             t = time.time()
             args = {**base, "schedule": schedule}
             row = run_sdpipe(args) if engine == "sdpipe" else run_torch(args)
             samples.setdefault(f"{engine}-{schedule}", []).append(row)
-            print(f"#{rep} {engine}-{schedule}: {row['samples_per_s']:.0f} samples/s, peak RSS {row['peak_rss_mib']:.0f} MiB "
-                  f"({time.time() - t:.0f} s)", file=sys.stderr)
-    meta = run_meta("engine.py", argv, f"digits {a.model.upper()}, {a.stages} stages x {a.pipelines} pipelines, batch {a.batch_size}, "
-                    f"{a.microbatches} micro-batches, Adam 0.002, gloo on the CPU, {a.steps} measured steps per pipeline "
-                    f"after a warm-up epoch, {a.repeats} repeats alternated")
-    table = {k: {"samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
-                 "samples_per_s_each": [r["samples_per_s"] for r in rows],
-                 "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rows)} for k, rows in samples.items()}
+            print(
+                f"#{rep} {engine}-{schedule}: {row['samples_per_s']:.0f} samples/s, "
+                f"peak RSS {row['peak_rss_mib']:.0f} MiB "
+                f"({time.time() - t:.0f} s)",
+                file=sys.stderr,
+            )
+    meta = run_meta(
+        "engine.py",
+        argv,
+        f"digits {a.model.upper()}, {a.stages} stages x {a.pipelines} pipelines, batch {a.batch_size}, "
+        f"{a.microbatches} micro-batches, Adam 0.002, gloo on the CPU, {a.steps} measured steps per pipeline "
+        f"after a warm-up epoch, {a.repeats} repeats alternated",
+    )
+    table = {
+        k: {
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
+            "samples_per_s_each": [r["samples_per_s"] for r in rows],
+            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rows),
+        }
+        for k, rows in samples.items()
+    }
     out = Path(a.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": table}, indent=1))
     write_results(meta, table, out)
@@ -186,20 +222,34 @@ def main(argv=None) -> int:
 
 def write_results(meta: dict, table: dict, out: Path) -> None:
     """The results file and figure from the measured table (also: ``--from-json``, to redraw without re-measuring)."""
-    lines = ["# Engine efficiency: sdpipe's allreduce against torch.distributed.pipelining", "", *meta_lines(meta), "",
-             "| contender | samples/s (median) | each repeat | peak RSS per worker (MiB) |", "|---|---|---|---|"]
+    lines = [
+        "# Engine efficiency: sdpipe's allreduce against torch.distributed.pipelining",
+        "",
+        *meta_lines(meta),
+        "",
+        "| contender | samples/s (median) | each repeat | peak RSS per worker (MiB) |",
+        "|---|---|---|---|",
+    ]
     for k, v in table.items():
-        lines.append(f"| {k} | {v['samples_per_s']:.0f} | {', '.join(f'{x:.0f}' for x in v['samples_per_s_each'])} | "
-                     f"{v['peak_rss_mib']:.0f} |")
+        lines.append(
+            f"| {k} | {v['samples_per_s']:.0f} | {', '.join(f'{x:.0f}' for x in v['samples_per_s_each'])} | "
+            f"{v['peak_rss_mib']:.0f} |"
+        )
     for schedule in ("1f1b", "gpipe"):
         ratio = table[f"sdpipe-{schedule}"]["samples_per_s"] / table[f"torch-{schedule}"]["samples_per_s"]
         lines.append("")
         lines.append(f"- {schedule}: sdpipe / torch.distributed.pipelining = **{ratio:.2f}x**")
-    spread = max((max(v["samples_per_s_each"]) - min(v["samples_per_s_each"])) / v["samples_per_s"] for v in table.values())
-    lines += ["", f"- noise: the repeats of one contender differ by up to {100 * spread:.0f}% of its median on this machine "
-              "(S x D worker processes share its cores); where sdpipe falls short, its per-step extras are a 6-integer control "
-              "message from stage 0 down the pipeline and the event records (`benchmarks/step_breakdown.py` shows where a step's "
-              "time goes), and its workers are Dask worker processes (an event loop next to the training thread)"]
+    spread = max(
+        (max(v["samples_per_s_each"]) - min(v["samples_per_s_each"])) / v["samples_per_s"] for v in table.values()
+    )
+    lines += [
+        "",
+        f"- noise: the repeats of one contender differ by up to {100 * spread:.0f}% of its median on this machine "
+        "(S x D worker processes share its cores); where sdpipe falls short, its per-step extras are a 6-integer "
+        "control message from stage 0 down the pipeline and the event records (`benchmarks/step_breakdown.py` shows "
+        "where a step's time goes), and its workers are Dask worker processes (an event loop next to the training "
+        "thread)",
+    ]
     written = save_figure(figure(table), out.with_suffix(""), width=800, height=440)
     lines += ["", "Figure: " + ", ".join(f"[{w.name}]({w.name})" for w in written)]
     out.write_text("\n".join(lines) + "\n")
@@ -211,14 +261,35 @@ def figure(table: dict):
     from plotly.subplots import make_subplots
 
     names = list(table)
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35], horizontal_spacing=0.12,
-                        subplot_titles=("samples/s (bar: median, points: each repeat)", "peak RSS per worker (MiB)"))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.65, 0.35],
+        horizontal_spacing=0.12,
+        subplot_titles=("samples/s (bar: median, points: each repeat)", "peak RSS per worker (MiB)"),
+    )
     colors = ["#1f77b4" if n.startswith("sdpipe") else "#ff7f0e" for n in names]
-    fig.add_trace(go.Bar(x=names, y=[table[n]["samples_per_s"] for n in names], marker_color=colors, showlegend=False), row=1, col=1)
-    fig.add_trace(go.Scatter(x=[n for n in names for _ in table[n]["samples_per_s_each"]],
-                             y=[v for n in names for v in table[n]["samples_per_s_each"]], mode="markers",
-                             marker=dict(color="black", size=7), showlegend=False), row=1, col=1)
-    fig.add_trace(go.Bar(x=names, y=[table[n]["peak_rss_mib"] for n in names], marker_color=colors, showlegend=False), row=1, col=2)
+    fig.add_trace(
+        go.Bar(x=names, y=[table[n]["samples_per_s"] for n in names], marker_color=colors, showlegend=False),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=[n for n in names for _ in table[n]["samples_per_s_each"]],
+            y=[v for n in names for v in table[n]["samples_per_s_each"]],
+            mode="markers",
+            marker=dict(color="black", size=7),
+            showlegend=False,
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Bar(x=names, y=[table[n]["peak_rss_mib"] for n in names], marker_color=colors, showlegend=False),
+        row=1,
+        col=2,
+    )
     fig.update_layout(template="plotly_white", width=800, height=440)
     return fig
 

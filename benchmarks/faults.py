@@ -46,18 +46,27 @@ def leftovers(client, port: int) -> dict:
         import torch.distributed as dist
 
         gc.collect()
-        return (sum(1 for o in gc.get_objects() if isinstance(o, dist.ProcessGroupGloo)),
-                sum(1 for t in threading.enumerate() if t.name.startswith(("ps-server", "adpsgd-server"))))
+        return (
+            sum(1 for o in gc.get_objects() if isinstance(o, dist.ProcessGroupGloo)),
+            sum(1 for t in threading.enumerate() if t.name.startswith(("ps-server", "adpsgd-server"))),
+        )
 
     counts = list(client.run(count).values())
     with socket.socket() as s:
         s.settimeout(1)
         store_open = s.connect_ex(("127.0.0.1", port)) == 0
-    return {"process_groups": sum(c[0] for c in counts), "server_threads": sum(c[1] for c in counts), "store_open": store_open}
+    return {
+        "process_groups": sum(c[0] for c in counts),
+        "server_threads": sum(c[1] for c in counts),
+        "store_open": store_open,
+    }
 
 
 def kill_after_epoch_1(client, run, delay: float = 0.0, rank: int = KILLED_RANK) -> float:
-    """SIGKILL the worker process of ``rank`` ``delay`` seconds after epoch 1 is done; the monotonic time of the kill."""
+    """SIGKILL the worker process of ``rank`` ``delay`` seconds after epoch 1 is done.
+
+    Returns the monotonic time of the kill.
+    """
     while not any(e["kind"] == "epoch" and e["metrics"]["epoch"] >= 1 for e in run.events) and not run.done():
         time.sleep(0.05)
     time.sleep(delay)
@@ -76,11 +85,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--policies", default="sdpipe,adpsgd,none,allreduce,ps")
-    ap.add_argument("--random-kills", type=int, default=0,
-                    help="more runs of each loss-tolerant policy, a random worker killed at a random moment")
+    ap.add_argument(
+        "--random-kills",
+        type=int,
+        default=0,
+        help="more runs of each loss-tolerant policy, a random worker killed at a random moment",
+    )
     ap.add_argument("--fixed-rank", action="store_true", help="random kills always kill pipeline 2, stage 1")
     ap.add_argument("--timeout", type=float, default=120.0, help="the runs' timeout (seconds)")
-    ap.add_argument("--no-reference", action="store_true", help="skip the one-kill runs of every policy (random kills only)")
+    ap.add_argument(
+        "--no-reference", action="store_true", help="skip the one-kill runs of every policy (random kills only)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "faults.md"))
     args = ap.parse_args(argv)
 
@@ -92,8 +107,16 @@ def main(argv=None) -> int:
     rows, random_rows = [], []
     try:
         for policy in args.policies.split(","):
-            common = dict(stages=2, pipelines=4, policy=policy, epochs=args.epochs, batch_size=32, eval_data=eval_data,
-                          cluster=client, timeout=args.timeout)
+            common = dict(
+                stages=2,
+                pipelines=4,
+                policy=policy,
+                epochs=args.epochs,
+                batch_size=32,
+                eval_data=eval_data,
+                cluster=client,
+                timeout=args.timeout,
+            )
             if args.no_reference:
                 break
             client.wait_for_workers(8, timeout=60)
@@ -104,8 +127,13 @@ def main(argv=None) -> int:
             row = {"policy": policy, "reference_accuracy": final_accuracy(reference)}
             try:
                 result = run.result(timeout=900)
-                row.update(outcome="completed", finished=result.finished_pipelines, lost=result.lost,
-                           accuracy=final_accuracy(result), epochs=max(h["epoch"] for h in result.history) + 1)
+                row.update(
+                    outcome="completed",
+                    finished=result.finished_pipelines,
+                    lost=result.lost,
+                    accuracy=final_accuracy(result),
+                    epochs=max(h["epoch"] for h in result.history) + 1,
+                )
             except sdpipe.RunError as e:
                 row.update(outcome="error", error=str(e))
             row["seconds_after_kill"] = time.monotonic() - killed
@@ -121,12 +149,28 @@ def main(argv=None) -> int:
                 delay = rng.uniform(0.0, 2.0)
                 client.wait_for_workers(8, timeout=180)
                 time.sleep(2.0)  # the restarted worker settles
-                run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy=policy, epochs=args.epochs,
-                                   batch_size=32, eval_data=eval_data, cluster=client, timeout=args.timeout)
+                run = sdpipe.train(
+                    digits_mlp(),
+                    train_data,
+                    stages=2,
+                    pipelines=4,
+                    policy=policy,
+                    epochs=args.epochs,
+                    batch_size=32,
+                    eval_data=eval_data,
+                    cluster=client,
+                    timeout=args.timeout,
+                )
                 killed = kill_after_epoch_1(client, run, delay=delay, rank=rank)
                 pipeline, stage = divmod(rank, 2)
-                row = {"policy": policy, "kill": k, "pipeline": pipeline, "stage": stage, "delay": round(delay, 3),
-                       "trained_before_kill": sorted({e["pipeline"] for e in list(run.events) if e["kind"] == "epoch"})}
+                row = {
+                    "policy": policy,
+                    "kill": k,
+                    "pipeline": pipeline,
+                    "stage": stage,
+                    "delay": round(delay, 3),
+                    "trained_before_kill": sorted({e["pipeline"] for e in list(run.events) if e["kind"] == "epoch"}),
+                }
                 try:
                     result = run.result(timeout=900)
                     row.update(outcome="completed", finished=result.finished_pipelines, lost=sorted(result.lost))
@@ -139,15 +183,21 @@ def main(argv=None) -> int:
         client.close()
         cluster.close()
 
-    killed = ("pipeline 2 stage 1" if args.fixed_rank or not random_rows else "a random worker (any pipeline and stage)")
-    meta = run_meta("faults.py", argv, f"digits MLP, 4 pipelines x 2 stages, batch 32, {args.epochs} epochs, "
-                    f"timeout {args.timeout:.0f} s; worker process of {killed} killed with SIGKILL after epoch 1")
+    killed = "pipeline 2 stage 1" if args.fixed_rank or not random_rows else "a random worker (any pipeline and stage)"
+    meta = run_meta(
+        "faults.py",
+        argv,
+        f"digits MLP, 4 pipelines x 2 stages, batch 32, {args.epochs} epochs, "
+        f"timeout {args.timeout:.0f} s; worker process of {killed} killed with SIGKILL after epoch 1",
+    )
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "random_kills": random_rows}, indent=1))
     lines = ["# A worker process killed mid-training", "", *meta_lines(meta), ""]
     if rows:
-        lines += ["| policy | outcome | ended after the kill | pipelines finished | accuracy (no fault) | left behind |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "| policy | outcome | ended after the kill | pipelines finished | accuracy (no fault) | left behind |",
+            "|---|---|---|---|---|---|",
+        ]
     for r in rows:
         if r["outcome"] == "completed":
             outcome = f"completed all {r['epochs']} epochs"
@@ -159,25 +209,38 @@ def main(argv=None) -> int:
         left = [f"{r['process_groups']} process groups"] if r["process_groups"] else []
         left += [f"{r['server_threads']} server threads"] if r["server_threads"] else []
         left += ["the store's port"] if r["store_open"] else []
-        lines.append(f"| `{r['policy']}` | {outcome} | {r['seconds_after_kill']:.1f} s | {finished} | {acc} | "
-                     f"{', '.join(left) or 'nothing'} |")
+        lines.append(
+            f"| `{r['policy']}` | {outcome} | {r['seconds_after_kill']:.1f} s | {finished} | {acc} | "
+            f"{', '.join(left) or 'nothing'} |"
+        )
     if random_rows:
         what = "pipeline 2 stage 1" if args.fixed_rank else "a random worker"
-        lines += ["", f"Kills at random moments ({what}, after epoch 1 plus 0-2 s, timeout {args.timeout:.0f} s), "
-                  "the policies alternated:", "",
-                  "| policy | completed with the 3 other pipelines | ended after the kill: median [min-max] |",
-                  "|---|---|---|"]
+        lines += [
+            "",
+            f"Kills at random moments ({what}, after epoch 1 plus 0-2 s, timeout {args.timeout:.0f} s), "
+            "the policies alternated:",
+            "",
+            "| policy | completed with the 3 other pipelines | ended after the kill: median [min-max] |",
+            "|---|---|---|",
+        ]
         for policy in dict.fromkeys(r["policy"] for r in random_rows):
             mine = [r for r in random_rows if r["policy"] == policy]
             done = [r for r in mine if r["outcome"] == "completed" and len(r["finished"]) == 3]
             secs = sorted(r["seconds_after_kill"] for r in mine)
-            lines.append(f"| `{policy}` | {len(done)} of {len(mine)} | {secs[len(secs) // 2]:.1f} s "
-                         f"[{secs[0]:.1f}-{secs[-1]:.1f}] |")
+            lines.append(
+                f"| `{policy}` | {len(done)} of {len(mine)} | {secs[len(secs) // 2]:.1f} s "
+                f"[{secs[0]:.1f}-{secs[-1]:.1f}] |"
+            )
         lines += ["", "Every kill (pipeline, stage, seconds after epoch 1):", ""]
-        lines += [f"- `{r['policy']}` kill {r['kill']}: pipeline {r['pipeline']} stage {r['stage']} at +{r['delay']:.2f} s: "
-                  + (f"completed with {r['finished']} in {r['seconds_after_kill']:.1f} s" if r["outcome"] == "completed"
-                     else f"**error** after {r['seconds_after_kill']:.1f} s: {r['error']}")
-                  for r in random_rows]
+        lines += [
+            f"- `{r['policy']}` kill {r['kill']}: pipeline {r['pipeline']} stage {r['stage']} at +{r['delay']:.2f} s: "
+            + (
+                f"completed with {r['finished']} in {r['seconds_after_kill']:.1f} s"
+                if r["outcome"] == "completed"
+                else f"**error** after {r['seconds_after_kill']:.1f} s: {r['error']}"
+            )
+            for r in random_rows
+        ]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
     return 0

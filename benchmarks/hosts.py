@@ -58,8 +58,11 @@ def own_speeds(result, pipelines: int, stages: int, batch: int) -> dict:
     stage's consecutive optimizer spans (a step; the few that hold an epoch's global sync do not move the median)."""
     speeds = {}
     for p in range(pipelines):
-        ends = sorted(e["end"] for e in result.events
-                      if e["kind"] == "optimizer" and e["pipeline"] == p and e["stage"] == stages - 1)
+        ends = sorted(
+            e["end"]
+            for e in result.events
+            if e["kind"] == "optimizer" and e["pipeline"] == p and e["stage"] == stages - 1
+        )
         gaps = [b - a for a, b in zip(ends, ends[1:]) if b > a]
         speeds[p] = batch / statistics.median(gaps) if gaps else 0.0
     return speeds
@@ -106,8 +109,15 @@ def main(argv=None) -> int:
         "link slept": sdpipe.Heterogeneity(link_delay=extra),
         "cpu slept": sdpipe.Heterogeneity(slowdown={slow: args.cpu_factor}),
     }
-    common = dict(stages=S, pipelines=D, epochs=args.epochs, batch_size=args.batch_size, eval_data=eval_data,
-                  scheduler={"staleness": args.staleness}, timeout=300)
+    common = dict(
+        stages=S,
+        pipelines=D,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        eval_data=eval_data,
+        scheduler={"staleness": args.staleness},
+        timeout=300,
+    )
 
     try:
         hosts = EmulatedHosts(workers=[S] * D)
@@ -125,26 +135,33 @@ def main(argv=None) -> int:
 
         def run(scenario: str, policy: str, rep: int) -> None:
             t = time.time()
-            r = sdpipe.train(make_model(), train_data, policy=policy, heterogeneity=slept.get(scenario), cluster=hosts,
-                             **common).result(timeout=1800)
+            r = sdpipe.train(
+                make_model(), train_data, policy=policy, heterogeneity=slept.get(scenario), cluster=hosts, **common
+            ).result(timeout=1800)
             # where each pipeline ran, from its workers' own records: the layout the scenarios assume
             placed = {(e["pipeline"], hosts.host_of(e["address"])) for e in r.events if e["kind"] == "stage"}
             if placed != {(p, p + 1) for p in range(D)}:
                 raise RuntimeError(f"pipelines ran on other hosts than one each, in order: {sorted(placed)}")
             last = max(h["epoch"] for h in r.history)
             per = own_speeds(r, D, S, args.batch_size)
-            row = {"scenario": scenario, "policy": policy, "repeat": rep, "samples_per_s": throughput(r),
-                   "per_pipeline": per, "accuracy": min(h.get("accuracy", 0) for h in r.history if h["epoch"] == last),
-                   "wall_s": round(time.time() - t, 1)}
+            row = {
+                "scenario": scenario,
+                "policy": policy,
+                "repeat": rep,
+                "samples_per_s": throughput(r),
+                "per_pipeline": per,
+                "accuracy": min(h.get("accuracy", 0) for h in r.history if h["epoch"] == last),
+                "wall_s": round(time.time() - t, 1),
+            }
             if policy == "sdpipe":
                 row["groups"] = connectivity_report(r, args.staleness, D, slow)
             rows.append(row)
             print(json.dumps(row), flush=True)
 
         for rep in range(args.repeats):
-            for scenario in (scenarios if rep % 2 == 0 else scenarios[::-1]):
+            for scenario in scenarios if rep % 2 == 0 else scenarios[::-1]:
                 shape_for(scenario)
-                for policy in (policies if rep % 2 == 0 else policies[::-1]):
+                for policy in policies if rep % 2 == 0 else policies[::-1]:
                     run(scenario, policy, rep)
 
     def pick(scenario, policy):
@@ -157,28 +174,45 @@ def main(argv=None) -> int:
         summary[scenario] = {"ideal": {"samples_per_s": ideal, "spread": [min(ideals), max(ideals)]}}
         for p in policies:
             v = [r["samples_per_s"] for r in pick(scenario, p)]
-            summary[scenario][p] = {"samples_per_s": statistics.median(v), "spread": [min(v), max(v)],
-                                    "to_ideal": statistics.median(v) / ideal,
-                                    "accuracy": statistics.median(r["accuracy"] for r in pick(scenario, p))}
+            summary[scenario][p] = {
+                "samples_per_s": statistics.median(v),
+                "spread": [min(v), max(v)],
+                "to_ideal": statistics.median(v) / ideal,
+                "accuracy": statistics.median(r["accuracy"] for r in pick(scenario, p)),
+            }
             if p == "sdpipe":
                 g = [r["groups"] for r in pick(scenario, p)]
                 summary[scenario][p]["groups_without_slow"] = statistics.median(
-                    x["multi_member_groups_without_slow"] / max(1, x["multi_member_groups"]) for x in g)
-        slow_speed = [r["per_pipeline"][slow] / statistics.median(v for q, v in r["per_pipeline"].items() if q != slow)
-                      for r in pick(scenario, "none")]
+                    x["multi_member_groups_without_slow"] / max(1, x["multi_member_groups"]) for x in g
+                )
+        slow_speed = [
+            r["per_pipeline"][slow] / statistics.median(v for q, v in r["per_pipeline"].items() if q != slow)
+            for r in pick(scenario, "none")
+        ]
         summary[scenario]["slow_pipeline_speed_ratio"] = statistics.median(slow_speed)
 
-    meta = run_meta("hosts.py", argv, f"digits MLP 64-{args.hidden}-{args.hidden}-10, S={S}, D={D}, one pipeline per "
-                    f"emulated host (hosts 1..{D}, scheduler on host 0), batch {args.batch_size} per pipeline, "
-                    f"{args.epochs} epochs, P={args.staleness}, slow pipeline {slow}; B={B:.3g} bytes/s, link factor "
-                    f"{args.link_factor:g}; C={C:g} cores, cpu factor {args.cpu_factor:g}; stage parameter bytes "
-                    f"{param_bytes}; slept link delay per sync {[round(extra[(slow, s)], 4) for s in range(S)]} s; "
-                    f"gloo on CPU, {args.repeats} repeats")
-    out, L = results_head(args.out, f"One slow host, shaped by the kernel or slept: link 1/{args.link_factor:g}, "
-                                    f"CPU 1/{args.cpu_factor:g}", meta)
-    L += ["", "Samples/s of all pipelines together, median over the repeats [min-max]; in brackets after it the share "
-          "of the ideal (the sum of the pipelines' own speeds, each its batch over its median step time, under `none` "
-          "in the same scenario).", ""]
+    meta = run_meta(
+        "hosts.py",
+        argv,
+        f"digits MLP 64-{args.hidden}-{args.hidden}-10, S={S}, D={D}, one pipeline per "
+        f"emulated host (hosts 1..{D}, scheduler on host 0), batch {args.batch_size} per pipeline, "
+        f"{args.epochs} epochs, P={args.staleness}, slow pipeline {slow}; B={B:.3g} bytes/s, link factor "
+        f"{args.link_factor:g}; C={C:g} cores, cpu factor {args.cpu_factor:g}; stage parameter bytes "
+        f"{param_bytes}; slept link delay per sync {[round(extra[(slow, s)], 4) for s in range(S)]} s; "
+        f"gloo on CPU, {args.repeats} repeats",
+    )
+    out, L = results_head(
+        args.out,
+        f"One slow host, shaped by the kernel or slept: link 1/{args.link_factor:g}, CPU 1/{args.cpu_factor:g}",
+        meta,
+    )
+    L += [
+        "",
+        "Samples/s of all pipelines together, median over the repeats [min-max]; in brackets after it the share "
+        "of the ideal (the sum of the pipelines' own speeds, each its batch over its median step time, under `none` "
+        "in the same scenario).",
+        "",
+    ]
     L += ["| policy | " + " | ".join(scenarios) + " |", "|---" * (len(scenarios) + 1) + "|"]
     for p in ["ideal"] + policies:
         cells = []
@@ -188,14 +222,26 @@ def main(argv=None) -> int:
             cells.append(f"{x['samples_per_s']:.0f} [{x['spread'][0]:.0f}-{x['spread'][1]:.0f}]{share}")
         L.append(f"| {p} | " + " | ".join(cells) + " |")
     L += ["", "| per scenario | " + " | ".join(scenarios) + " |", "|---" * (len(scenarios) + 1) + "|"]
-    L.append("| slow pipeline's own speed / the others' median (under none) | "
-             + " | ".join(f"{summary[s]['slow_pipeline_speed_ratio']:.2f}" for s in scenarios) + " |")
+    L.append(
+        "| slow pipeline's own speed / the others' median (under none) | "
+        + " | ".join(f"{summary[s]['slow_pipeline_speed_ratio']:.2f}" for s in scenarios)
+        + " |"
+    )
     if "sdpipe" in policies:
-        L.append("| sdpipe: share of multi-member groups without the slow pipeline | "
-                 + " | ".join(f"{summary[s]['sdpipe']['groups_without_slow']:.2f}" for s in scenarios) + " |")
-    L.append("| held-out accuracy, median of policies (min) | " + " | ".join(
-        f"{statistics.median(summary[s][p]['accuracy'] for p in policies):.3f} "
-        f"({min(summary[s][p]['accuracy'] for p in policies):.3f})" for s in scenarios) + " |")
+        L.append(
+            "| sdpipe: share of multi-member groups without the slow pipeline | "
+            + " | ".join(f"{summary[s]['sdpipe']['groups_without_slow']:.2f}" for s in scenarios)
+            + " |"
+        )
+    L.append(
+        "| held-out accuracy, median of policies (min) | "
+        + " | ".join(
+            f"{statistics.median(summary[s][p]['accuracy'] for p in policies):.3f} "
+            f"({min(summary[s][p]['accuracy'] for p in policies):.3f})"
+            for s in scenarios
+        )
+        + " |"
+    )
     out.write_text("\n".join(L) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     print("\n".join(L))

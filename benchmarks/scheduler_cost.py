@@ -54,8 +54,14 @@ def measure(workers: int, events: int, seed: int = 0) -> dict:
         call(Ready(p, steps[p], t))
         steps[p] += 1
     costs.sort()
-    return {"workers": workers, "calls": len(costs), "groups": groups, "mean_us": statistics.mean(costs) * 1e6,
-            "median_us": costs[len(costs) // 2] * 1e6, "p99_us": costs[int(0.99 * (len(costs) - 1))] * 1e6}
+    return {
+        "workers": workers,
+        "calls": len(costs),
+        "groups": groups,
+        "mean_us": statistics.mean(costs) * 1e6,
+        "median_us": costs[len(costs) // 2] * 1e6,
+        "p99_us": costs[int(0.99 * (len(costs) - 1))] * 1e6,
+    }
 
 
 def main(argv=None) -> int:
@@ -68,24 +74,55 @@ def main(argv=None) -> int:
     for n in (int(x) for x in args.workers.split(",")):
         rows.append(measure(n, args.events))
         print(json.dumps(rows[-1]), flush=True)
-    meta = run_meta("scheduler_cost.py", argv, f"one stage, default SchedulerPolicy, worker speeds uniform in [0.25, 1], {args.events} calls per size")
+    meta = run_meta(
+        "scheduler_cost.py",
+        argv,
+        f"one stage, default SchedulerPolicy, worker speeds uniform in [0.25, 1], {args.events} calls per size",
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    L = ["# Cost of one scheduler decision (per ready signal or window end)", ""] + meta_lines(meta) + [
-        "", "| workers per stage | calls | groups decided | mean (us) | median (us) | 99th percentile (us) |", "|---|---|---|---|---|---|"]
-    L += [f"| {r['workers']} | {r['calls']} | {r['groups']} | {r['mean_us']:.1f} | {r['median_us']:.1f} | {r['p99_us']:.1f} |" for r in rows]
-    L += ["", "Target: under 50 us per ready signal at 4,096 workers per stage. The disjoint set keeps a count of its",
-          "components, so most events skip the O(D) connectivity check; the check runs only when a union could connect.",
-          "Plot: [`scheduler_cost.html`](scheduler_cost.html)."]
+    L = (
+        ["# Cost of one scheduler decision (per ready signal or window end)", ""]
+        + meta_lines(meta)
+        + [
+            "",
+            "| workers per stage | calls | groups decided | mean (us) | median (us) | 99th percentile (us) |",
+            "|---|---|---|---|---|---|",
+        ]
+    )
+    L += [
+        f"| {r['workers']} | {r['calls']} | {r['groups']} | "
+        f"{r['mean_us']:.1f} | {r['median_us']:.1f} | {r['p99_us']:.1f} |"
+        for r in rows
+    ]
+    L += [
+        "",
+        "Target: under 50 us per ready signal at 4,096 workers per stage. The disjoint set keeps a count of its",
+        "components, so most events skip the O(D) connectivity check; the check runs only when a union could connect.",
+        "Plot: [`scheduler_cost.html`](scheduler_cost.html).",
+    ]
     out.write_text("\n".join(L) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     try:
         import plotly.graph_objects as go
 
-        fig = go.Figure([go.Scatter(x=[r["workers"] for r in rows], y=[r[k] for r in rows], name=k.replace("_us", ""), mode="lines+markers")
-                         for k in ("mean_us", "median_us", "p99_us")])
-        fig.update_layout(title="scheduler cost per call vs workers per stage", xaxis_type="log", xaxis_title="workers per stage",
-                          yaxis_title="microseconds")
+        fig = go.Figure(
+            [
+                go.Scatter(
+                    x=[r["workers"] for r in rows],
+                    y=[r[k] for r in rows],
+                    name=k.replace("_us", ""),
+                    mode="lines+markers",
+                )
+                for k in ("mean_us", "median_us", "p99_us")
+            ]
+        )
+        fig.update_layout(
+            title="scheduler cost per call vs workers per stage",
+            xaxis_type="log",
+            xaxis_title="workers per stage",
+            yaxis_title="microseconds",
+        )
         save_figure(fig, out.with_suffix(""))
     except ImportError:
         print("plotly is not installed: no plot")

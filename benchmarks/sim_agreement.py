@@ -57,15 +57,20 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2, help="real runs per configuration (median)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_agreement.md"))
-    ap.add_argument("--runs", default=None, help="folder: keep each real run's events and configuration there "
-                    "(a pickle per run), or with --replay read them from there instead of running")
+    ap.add_argument(
+        "--runs",
+        default=None,
+        help="folder: keep each real run's events and configuration there "
+        "(a pickle per run), or with --replay read them from there instead of running",
+    )
     ap.add_argument("--replay", action="store_true", help="calibrate and simulate the runs kept in --runs")
     args = ap.parse_args(argv)
     if args.replay and not args.runs:
         ap.error("--replay needs --runs")
 
     import sdpipe
-    from sdpipe._result import RunResult, history as _history
+    from sdpipe._result import RunResult
+    from sdpipe._result import history as _history
     from sdpipe.data import digits, digits_cnn
 
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
@@ -87,35 +92,76 @@ def main(argv=None) -> int:
                         path = Path(args.runs or ".") / f"{S}x{D}-{policy}-{label}-{rep}.pkl"
                         if args.replay:
                             events, config = pickle.loads(path.read_bytes())
-                            r = RunResult(models=[], history=_history(events), events=events, config=config, wall_time=0.0)
+                            r = RunResult(
+                                models=[], history=_history(events), events=events, config=config, wall_time=0.0
+                            )
                         else:
-                            r = sdpipe.train(digits_cnn(args.channels), train_data, stages=S, pipelines=D, policy=policy,
-                                             epochs=args.epochs, batch_size=args.batch_size, microbatches=args.microbatches,
-                                             cuts=cuts.get(S), eval_data=eval_data, heterogeneity=hetero,
-                                             cluster=client).result(timeout=1800)
+                            r = sdpipe.train(
+                                digits_cnn(args.channels),
+                                train_data,
+                                stages=S,
+                                pipelines=D,
+                                policy=policy,
+                                epochs=args.epochs,
+                                batch_size=args.batch_size,
+                                microbatches=args.microbatches,
+                                cuts=cuts.get(S),
+                                eval_data=eval_data,
+                                heterogeneity=hetero,
+                                cluster=client,
+                            ).result(timeout=1800)
                             if args.runs:
                                 path.parent.mkdir(parents=True, exist_ok=True)
                                 path.write_bytes(pickle.dumps((r.events, r.config)))
                         kept.setdefault((S, D, policy, label), []).append((r, hetero))
-                        print(f"{S}x{D} {policy} {label} #{rep}: real {real_rate(r):.0f} samples/s ({time.time() - t:.0f} s)",
-                              file=sys.stderr)
+                        print(
+                            f"{S}x{D} {policy} {label} #{rep}: "
+                            f"real {real_rate(r):.0f} samples/s ({time.time() - t:.0f} s)",
+                            file=sys.stderr,
+                        )
     finally:
         if client is not None:
             client.close()
             cluster.close()
 
     def simulated(source, S, D, policy, hetero) -> tuple:
-        """Median over 3 simulation seeds, with costs calibrated from ``source``; hetero None = the slowdown it showed."""
+        """Median over 3 simulation seeds, with costs calibrated from ``source``.
+
+        ``hetero`` None means the slowdown that ``source`` showed.
+        """
         costs, net, shown = sdpipe.calibrate(source)
-        rates = [sim_rate(sdpipe.simulate(S, D, costs=costs, network=net, policy=policy, microbatches=args.microbatches,
-                                          batch_size=args.batch_size, steps=batches // D, record=False, seed=seed,
-                                          heterogeneity=shown if hetero is None else hetero)) for seed in range(3)]
-        return statistics.median(rates), {**dataclasses.asdict(costs), **dataclasses.asdict(net),
-                                          "shown_slowdown": {str(k): v for k, v in shown.slowdown.items()}}
+        rates = [
+            sim_rate(
+                sdpipe.simulate(
+                    S,
+                    D,
+                    costs=costs,
+                    network=net,
+                    policy=policy,
+                    microbatches=args.microbatches,
+                    batch_size=args.batch_size,
+                    steps=batches // D,
+                    record=False,
+                    seed=seed,
+                    heterogeneity=shown if hetero is None else hetero,
+                )
+            )
+            for seed in range(3)
+        ]
+        return statistics.median(rates), {
+            **dataclasses.asdict(costs),
+            **dataclasses.asdict(net),
+            "shown_slowdown": {str(k): v for k, v in shown.slowdown.items()},
+        }
 
     for (S, D, policy, label), reps in kept.items():
-        row = {"stages": S, "pipelines": D, "policy": policy, "scenario": label,
-               "real_each": [real_rate(r) for r, _ in reps]}
+        row = {
+            "stages": S,
+            "pipelines": D,
+            "policy": policy,
+            "scenario": label,
+            "real_each": [real_rate(r) for r, _ in reps],
+        }
         row["real"] = statistics.median(row["real_each"])
         selfs = [simulated(r, S, D, policy, None) for r, _ in reps]
         row["self_each"] = [v for v, _ in selfs]
@@ -130,8 +176,12 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_costs")}), file=sys.stderr)
 
-    meta = run_meta("sim_agreement.py", argv, f"digits CNN ({args.channels} channels), batch {args.batch_size}, "
-                    f"{args.microbatches} micro-batches, 1F1B, {args.epochs} epochs, straggler: last pipeline x{args.slowdown}")
+    meta = run_meta(
+        "sim_agreement.py",
+        argv,
+        f"digits CNN ({args.channels} channels), batch {args.batch_size}, "
+        f"{args.microbatches} micro-batches, 1F1B, {args.epochs} epochs, straggler: last pipeline x{args.slowdown}",
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -139,23 +189,33 @@ def main(argv=None) -> int:
     def pct(v):
         return f"{100 * v:+.1f}%"
 
-    lines = ["# Simulator against the real runtime", "", *meta_lines(meta), "",
-             f"Real: median samples/s (all pipelines together) of {args.repeats} runs on the embedded LocalCluster. "
-             "*self*: simulated with costs, network and shown slowdown calibrated from each of those runs "
-             "(median over runs and 3 simulation seeds). *cross*: calibrated from the homogeneous run of the same "
-             "S x D, policy and repeat, simulated with the nominal slowdown.", "",
-             "| S x D | policy | scenario | real (each run) | simulated (self) | error | simulated (cross) | error |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Simulator against the real runtime",
+        "",
+        *meta_lines(meta),
+        "",
+        f"Real: median samples/s (all pipelines together) of {args.repeats} runs on the embedded LocalCluster. "
+        "*self*: simulated with costs, network and shown slowdown calibrated from each of those runs "
+        "(median over runs and 3 simulation seeds). *cross*: calibrated from the homogeneous run of the same "
+        "S x D, policy and repeat, simulated with the nominal slowdown.",
+        "",
+        "| S x D | policy | scenario | real (each run) | simulated (self) | error | simulated (cross) | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        cross = (f"{r['cross']:.0f} | {pct(r['cross_error'])}" if "cross" in r else "- | -")
+        cross = f"{r['cross']:.0f} | {pct(r['cross_error'])}" if "cross" in r else "- | -"
         each = ", ".join(f"{v:.0f}" for v in r["real_each"])
-        lines.append(f"| {r['stages']}x{r['pipelines']} | {r['policy']} | {r['scenario']} | {r['real']:.0f} ({each}) | "
-                     f"{r['self']:.0f} | {pct(r['self_error'])} | {cross} |")
+        lines.append(
+            f"| {r['stages']}x{r['pipelines']} | {r['policy']} | {r['scenario']} | {r['real']:.0f} ({each}) | "
+            f"{r['self']:.0f} | {pct(r['self_error'])} | {cross} |"
+        )
     for policy in policies:
         errs = [abs(r["self_error"]) for r in rows if r["policy"] == policy]
         lines.append("")
-        lines.append(f"- `{policy}`: largest self-calibrated error {100 * max(errs):.1f}% "
-                     f"({'within' if max(errs) <= 0.15 else 'outside'} 15%).")
+        lines.append(
+            f"- `{policy}`: largest self-calibrated error {100 * max(errs):.1f}% "
+            f"({'within' if max(errs) <= 0.15 else 'outside'} 15%)."
+        )
     lines += ["", "Calibrated costs per run are in the JSON file next to this one."]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())

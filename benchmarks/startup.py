@@ -58,6 +58,7 @@ def main(argv=None) -> int:
 
     t = time.perf_counter()
     from sdpipe.widgets import Dashboard  # loads plotly's figure classes (before the load, as a notebook's first cell)
+
     import_s = time.perf_counter() - t
 
     train_data, _ = digits()
@@ -66,8 +67,18 @@ def main(argv=None) -> int:
     steps_seen = {}
     try:
         # the load: 8 of the 10 workers; the other 2 stay free for the 1 x 1 runs on the same cluster
-        busy = sdpipe.train(digits_cnn(32), train_data, stages=2, pipelines=4, cuts=(6,), policy="sdpipe", epochs=1000,
-                            batch_size=64, heterogeneity=sdpipe.Heterogeneity(slowdown={3: 4.0}), cluster=client)
+        busy = sdpipe.train(
+            digits_cnn(32),
+            train_data,
+            stages=2,
+            pipelines=4,
+            cuts=(6,),
+            policy="sdpipe",
+            epochs=1000,
+            batch_size=64,
+            heterogeneity=sdpipe.Heterogeneity(slowdown={3: 4.0}),
+            cluster=client,
+        )
         started(busy)
         while not any(e["kind"] == "optimizer" for e in busy.events_since(0)[0]):
             time.sleep(0.1)
@@ -93,35 +104,49 @@ def main(argv=None) -> int:
         client.close()
         cluster.close()
 
-    meta = run_meta("startup.py", argv, "load: sdpipe run, digits CNN, S=2, D=4, batch 64, pipeline 3 slowed 4x, on 8 of a "
-                    "LocalCluster's 10 single-threaded workers; measured in the calling thread")
+    meta = run_meta(
+        "startup.py",
+        argv,
+        "load: sdpipe run, digits CNN, S=2, D=4, batch 64, pipeline 3 slowed 4x, on 8 of a "
+        "LocalCluster's 10 single-threaded workers; measured in the calling thread",
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    L = ["# How long `sdpipe.train` and `Dashboard(run)` hold the caller while 8 workers train", ""] + meta_lines(meta) + [
-        "",
-        "| call (in the caller's thread) | median (min, max) | target |",
-        "|---|---|---|",
-        f"| `Dashboard(run)` of the training run | {spread(rows['dashboard'])} | < 1 s |",
-        f"| `from sdpipe.widgets import Dashboard`, once, before the load (after `import sdpipe`) | {import_s * 1000:.0f} ms | - |",
-        f"| `sdpipe.train(...)`, embedded cluster (2 x 1) | {spread(rows['train_embedded'])} | < 1 s |",
-        f"| `sdpipe.train(...)`, the busy cluster's client (1 x 1) | {spread(rows['train_cluster'])} | < 1 s |",
-        "",
-        "What followed the return (the run's status `starting`, in the background, until every rank joined):",
-        "",
-        "| run | seconds to start, median (min, max) |",
-        "|---|---|",
-        f"| embedded cluster (2 x 1) | {statistics.median(rows['started_embedded']):.1f} ({min(rows['started_embedded']):.1f}, "
-        f"{max(rows['started_embedded']):.1f}) |",
-        f"| the busy cluster (1 x 1) | {statistics.median(rows['started_cluster']):.1f} ({min(rows['started_cluster']):.1f}, "
-        f"{max(rows['started_cluster']):.1f}) |",
-        "",
-        "Start-up steps the embedded run showed (`run.startup`): " + "; ".join(f"`{x}`" for x in steps_seen.get("embedded", [])),
-        "",
-        f"Note from the loaded run: {contention}" if contention else "",
-    ]
+    L = (
+        ["# How long `sdpipe.train` and `Dashboard(run)` hold the caller while 8 workers train", ""]
+        + meta_lines(meta)
+        + [
+            "",
+            "| call (in the caller's thread) | median (min, max) | target |",
+            "|---|---|---|",
+            f"| `Dashboard(run)` of the training run | {spread(rows['dashboard'])} | < 1 s |",
+            "| `from sdpipe.widgets import Dashboard`, once, before the load (after `import sdpipe`) "
+            f"| {import_s * 1000:.0f} ms | - |",
+            f"| `sdpipe.train(...)`, embedded cluster (2 x 1) | {spread(rows['train_embedded'])} | < 1 s |",
+            f"| `sdpipe.train(...)`, the busy cluster's client (1 x 1) | {spread(rows['train_cluster'])} | < 1 s |",
+            "",
+            "What followed the return (the run's status `starting`, in the background, until every rank joined):",
+            "",
+            "| run | seconds to start, median (min, max) |",
+            "|---|---|",
+            f"| embedded cluster (2 x 1) | {statistics.median(rows['started_embedded']):.1f} "
+            f"({min(rows['started_embedded']):.1f}, "
+            f"{max(rows['started_embedded']):.1f}) |",
+            f"| the busy cluster (1 x 1) | {statistics.median(rows['started_cluster']):.1f} "
+            f"({min(rows['started_cluster']):.1f}, "
+            f"{max(rows['started_cluster']):.1f}) |",
+            "",
+            "Start-up steps the embedded run showed (`run.startup`): "
+            + "; ".join(f"`{x}`" for x in steps_seen.get("embedded", [])),
+            "",
+            f"Note from the loaded run: {contention}" if contention else "",
+        ]
+    )
     out.write_text("\n".join(L) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "seconds": rows, "import_widgets_s": import_s,
-                                                    "startup_steps": steps_seen}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "seconds": rows, "import_widgets_s": import_s, "startup_steps": steps_seen}, indent=2)
+        + "\n"
+    )
     print("\n".join(L))
     return 0
 

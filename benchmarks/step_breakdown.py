@@ -24,21 +24,37 @@ from _common import local_cluster, meta_lines, run_meta
 def breakdown(result, pipeline: int = 0) -> dict:
     S = result.config.stages
     D, B = result.config.pipelines, result.config.batch_size
-    opt = sorted((e for e in result.events if e["kind"] == "optimizer" and e["pipeline"] == pipeline and e["stage"] == 0
-                  and e["epoch"] >= 1), key=lambda e: e["end"])
+    opt = sorted(
+        (
+            e
+            for e in result.events
+            if e["kind"] == "optimizer" and e["pipeline"] == pipeline and e["stage"] == 0 and e["epoch"] >= 1
+        ),
+        key=lambda e: e["end"],
+    )
     lo, hi = opt[0]["step"], opt[-1]["step"]
     step_s = (opt[-1]["end"] - opt[0]["end"]) / (hi - lo)
     spent = Counter()
     for e in result.events:
-        if e.get("pipeline") == pipeline and e.get("step") is not None and lo < e["step"] <= hi and e["kind"] not in ("epoch", "stage"):
+        if (
+            e.get("pipeline") == pipeline
+            and e.get("step") is not None
+            and lo < e["step"] <= hi
+            and e["kind"] not in ("epoch", "stage")
+        ):
             spent[(e["stage"], e["kind"])] += e["end"] - e["start"]
     per_step = {k: v / (hi - lo) for k, v in spent.items()}
     for s in range(S):
         per_step[(s, "untraced")] = step_s - sum(v for (st, _), v in per_step.items() if st == s)
     epochs = sorted({h["epoch"] for h in result.history})[1:]
-    return {"step_ms": step_s * 1e3, "per_step_ms": {f"{s}/{k}": v * 1e3 for (s, k), v in sorted(per_step.items())},
-            "epoch_rate": statistics.median(sum(h["samples_per_s"] for h in result.history if h["epoch"] == e) for e in epochs),
-            "step_rate": D * B / step_s}
+    return {
+        "step_ms": step_s * 1e3,
+        "per_step_ms": {f"{s}/{k}": v * 1e3 for (s, k), v in sorted(per_step.items())},
+        "epoch_rate": statistics.median(
+            sum(h["samples_per_s"] for h in result.history if h["epoch"] == e) for e in epochs
+        ),
+        "step_rate": D * B / step_s,
+    }
 
 
 def main(argv=None) -> int:
@@ -58,23 +74,47 @@ def main(argv=None) -> int:
     rows = {}
     try:
         for schedule in a.schedules.split(","):
-            r = sdpipe.train(digits_cnn(32), (X, Y), stages=a.stages, pipelines=a.pipelines, policy=a.policy, schedule=schedule,
-                             microbatches=4, batch_size=64, epochs=6, cuts={2: (6,), 4: (3, 5, 8)}.get(a.stages),
-                             cluster=client).result(timeout=900)
+            r = sdpipe.train(
+                digits_cnn(32),
+                (X, Y),
+                stages=a.stages,
+                pipelines=a.pipelines,
+                policy=a.policy,
+                schedule=schedule,
+                microbatches=4,
+                batch_size=64,
+                epochs=6,
+                cuts={2: (6,), 4: (3, 5, 8)}.get(a.stages),
+                cluster=client,
+            ).result(timeout=900)
             rows[schedule] = breakdown(r)
     finally:
         client.close()
         cluster.close()
-    meta = run_meta("step_breakdown.py", argv, f"digits CNN, {a.stages} x {a.pipelines}, policy {a.policy}, batch 64, "
-                    "4 micro-batches, 6 epochs; pipeline 0, epochs after the first")
+    meta = run_meta(
+        "step_breakdown.py",
+        argv,
+        f"digits CNN, {a.stages} x {a.pipelines}, policy {a.policy}, batch 64, "
+        "4 micro-batches, 6 epochs; pipeline 0, epochs after the first",
+    )
     kinds = sorted({k for row in rows.values() for k in row["per_step_ms"]})
-    lines = ["# Where a step's time goes", "", *meta_lines(meta), "",
-             "| | " + " | ".join(rows) + " |", "|---|" + "---|" * len(rows),
-             "| step (ms) | " + " | ".join(f"{r['step_ms']:.1f}" for r in rows.values()) + " |",
-             "| samples/s per epoch | " + " | ".join(f"{r['epoch_rate']:.0f}" for r in rows.values()) + " |",
-             "| samples/s per step | " + " | ".join(f"{r['step_rate']:.0f}" for r in rows.values()) + " |"]
+    lines = [
+        "# Where a step's time goes",
+        "",
+        *meta_lines(meta),
+        "",
+        "| | " + " | ".join(rows) + " |",
+        "|---|" + "---|" * len(rows),
+        "| step (ms) | " + " | ".join(f"{r['step_ms']:.1f}" for r in rows.values()) + " |",
+        "| samples/s per epoch | " + " | ".join(f"{r['epoch_rate']:.0f}" for r in rows.values()) + " |",
+        "| samples/s per step | " + " | ".join(f"{r['step_rate']:.0f}" for r in rows.values()) + " |",
+    ]
     for k in kinds:
-        lines.append(f"| stage {k.replace('/', ': ')} (ms/step) | " + " | ".join(f"{r['per_step_ms'].get(k, 0.0):.2f}" for r in rows.values()) + " |")
+        lines.append(
+            f"| stage {k.replace('/', ': ')} (ms/step) | "
+            + " | ".join(f"{r['per_step_ms'].get(k, 0.0):.2f}" for r in rows.values())
+            + " |"
+        )
     Path(a.out).write_text("\n".join(lines) + "\n")
     print(Path(a.out).read_text())
     return 0

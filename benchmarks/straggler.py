@@ -92,8 +92,17 @@ def main(argv=None) -> int:
         make_model, cuts = (lambda: digits_mlp(hidden=args.hidden)), None
         model_txt = f"digits MLP 64-{args.hidden}-{args.hidden}-10"
     client, cluster = local_cluster(D * S)
-    common = dict(stages=S, pipelines=D, epochs=args.epochs, batch_size=args.batch_size, eval_data=eval_data, cuts=cuts,
-                  sync_every=args.sync_every, scheduler={"staleness": args.staleness}, cluster=client)
+    common = dict(
+        stages=S,
+        pipelines=D,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        eval_data=eval_data,
+        cuts=cuts,
+        sync_every=args.sync_every,
+        scheduler={"staleness": args.staleness},
+        cluster=client,
+    )
     scenarios = {"straggler": sdpipe.Heterogeneity(slowdown={args.slow: args.slowdown}), "homogeneous": None}
     rows = []
 
@@ -104,8 +113,14 @@ def main(argv=None) -> int:
         acc = min(h.get("accuracy", 0) for h in r.history if h["epoch"] == last)
         total = sum(x["samples"] for x in r.history)
         share = {p: round(sum(x["samples"] for x in r.history if x["pipeline"] == p) / total, 3) for p in range(D)}
-        row = {"scenario": label, "policy": policy, "samples_per_s": throughput(r), "accuracy": acc, "wall_s": time.time() - t,
-               "share": share}
+        row = {
+            "scenario": label,
+            "policy": policy,
+            "samples_per_s": throughput(r),
+            "accuracy": acc,
+            "wall_s": time.time() - t,
+            "share": share,
+        }
         if policy == "sdpipe":
             row["groups"] = connectivity_report(r, args.staleness, D, args.slow)
         rows.append(row)
@@ -115,9 +130,17 @@ def main(argv=None) -> int:
         # speeds of the pipelines when none waits for another (policy none), for the ideal
         ideal = {}
         for label, hetero in scenarios.items():
-            r = sdpipe.train(make_model(), train_data, policy="none", heterogeneity=hetero,
-                             **{**common, "epochs": 3, "eval_data": None}).result(timeout=1800)
-            per = {p: statistics.median(h["samples_per_s"] for h in r.history if h["pipeline"] == p and h["epoch"] > 0) for p in range(D)}
+            r = sdpipe.train(
+                make_model(),
+                train_data,
+                policy="none",
+                heterogeneity=hetero,
+                **{**common, "epochs": 3, "eval_data": None},
+            ).result(timeout=1800)
+            per = {
+                p: statistics.median(h["samples_per_s"] for h in r.history if h["pipeline"] == p and h["epoch"] > 0)
+                for p in range(D)
+            }
             ideal[label] = {"per_pipeline": per, "sum": sum(per.values())}
             print(label, "ideal", ideal[label], flush=True)
         for rep in range(args.repeats):
@@ -135,34 +158,76 @@ def main(argv=None) -> int:
     summary = {}
     for label in scenarios:
         base = med(label, "allreduce") if "allreduce" in policies else None
-        summary[label] = {p: {"samples_per_s": med(label, p), "to_allreduce": med(label, p) / base if base else None,
-                              "to_ideal": med(label, p) / ideal[label]["sum"], "accuracy": med(label, p, "accuracy"),
-                              "spread": [min(r["samples_per_s"] for r in rows if r["scenario"] == label and r["policy"] == p),
-                                         max(r["samples_per_s"] for r in rows if r["scenario"] == label and r["policy"] == p)]}
-                          for p in policies}
-    meta = run_meta("straggler.py", argv, f"{model_txt}, S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches, "
-                    f"adam lr 0.002, {args.epochs} epochs, global sync every {args.sync_every} epoch(s), P={args.staleness}, "
-                    f"straggler: pipeline {args.slow} slowed {args.slowdown:g}x (compute), gloo on CPU, {args.repeats} repeats")
+        summary[label] = {
+            p: {
+                "samples_per_s": med(label, p),
+                "to_allreduce": med(label, p) / base if base else None,
+                "to_ideal": med(label, p) / ideal[label]["sum"],
+                "accuracy": med(label, p, "accuracy"),
+                "spread": [
+                    min(r["samples_per_s"] for r in rows if r["scenario"] == label and r["policy"] == p),
+                    max(r["samples_per_s"] for r in rows if r["scenario"] == label and r["policy"] == p),
+                ],
+            }
+            for p in policies
+        }
+    meta = run_meta(
+        "straggler.py",
+        argv,
+        f"{model_txt}, S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches, "
+        f"adam lr 0.002, {args.epochs} epochs, global sync every {args.sync_every} epoch(s), P={args.staleness}, "
+        f"straggler: pipeline {args.slow} slowed {args.slowdown:g}x (compute), gloo on CPU, {args.repeats} repeats",
+    )
     out, L = results_head(args.out, f"Policies with and without a {args.slowdown:g}x straggler", meta)
-    L += ["", "Samples/s are the median over the repeats (min-max in brackets); the ideal is the sum of the pipelines' speeds "
-          "with none waiting for another (policy `none`, measured in the same cluster).", "",
-          "| scenario | policy | samples/s | / allreduce | / ideal | held-out accuracy |", "|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "Samples/s are the median over the repeats (min-max in brackets); the ideal is the sum of the pipelines' "
+        "speeds with none waiting for another (policy `none`, measured in the same cluster).",
+        "",
+        "| scenario | policy | samples/s | / allreduce | / ideal | held-out accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, per in summary.items():
         for p, x in per.items():
             ratio = f"{x['to_allreduce']:.2f}" if x["to_allreduce"] else "-"
-            L.append(f"| {label} | {p} | {x['samples_per_s']:.0f} [{x['spread'][0]:.0f}-{x['spread'][1]:.0f}] | {ratio} | {x['to_ideal']:.2f} | {x['accuracy']:.3f} |")
+            L.append(
+                f"| {label} | {p} | {x['samples_per_s']:.0f} [{x['spread'][0]:.0f}-{x['spread'][1]:.0f}] | {ratio} | "
+                f"{x['to_ideal']:.2f} | {x['accuracy']:.3f} |"
+            )
         L.append(f"| {label} | ideal | {ideal[label]['sum']:.0f} | | 1.00 | |")
-    L += ["", "Per-pipeline speeds with none waiting (samples/s): " + "; ".join(
-        f"{k}: {', '.join(f'{p}: {v:.0f}' for p, v in sorted(x['per_pipeline'].items()))}" for k, x in ideal.items())]
-    L += ["", "## Every run", "", "| scenario | policy | samples/s | accuracy | share per pipeline | sdpipe groups without the slow pipeline | graph syncs | longest unconnected updates per stage (bound P x D) | bound held |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "Per-pipeline speeds with none waiting (samples/s): "
+        + "; ".join(
+            f"{k}: {', '.join(f'{p}: {v:.0f}' for p, v in sorted(x['per_pipeline'].items()))}" for k, x in ideal.items()
+        ),
+    ]
+    L += [
+        "",
+        "## Every run",
+        "",
+        "| scenario | policy | samples/s | accuracy | share per pipeline | sdpipe groups without the slow pipeline "
+        "| graph syncs | longest unconnected updates per stage (bound P x D) | bound held |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         g = r.get("groups")
-        gtxt = (f"{g['multi_member_groups_without_slow']} of {g['multi_member_groups']} | {g['graph_syncs']} | "
-                f"{g['longest_unconnected_updates']} (< {g['bound']}) | {g['bound_held']}") if g else "- | - | - | -"
-        L.append(f"| {r['scenario']} | {r['policy']} | {r['samples_per_s']:.0f} | {r['accuracy']:.3f} | {r['share']} | {gtxt} |")
+        gtxt = (
+            (
+                f"{g['multi_member_groups_without_slow']} of {g['multi_member_groups']} | {g['graph_syncs']} | "
+                f"{g['longest_unconnected_updates']} (< {g['bound']}) | {g['bound_held']}"
+            )
+            if g
+            else "- | - | - | -"
+        )
+        L.append(
+            f"| {r['scenario']} | {r['policy']} | {r['samples_per_s']:.0f} | {r['accuracy']:.3f} | "
+            f"{r['share']} | {gtxt} |"
+        )
     out.write_text("\n".join(L) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "ideal": ideal, "rows": rows}, indent=2, default=str) + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "ideal": ideal, "rows": rows}, indent=2, default=str) + "\n"
+    )
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}")
     return 0

@@ -40,18 +40,23 @@ def minutes(took: dict, part: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, 1 seed, two scenarios, into results/quick/")
-    ap.add_argument("--summary-only", action="store_true", help="write suite.md from the recorded results without running")
+    ap.add_argument(
+        "--summary-only", action="store_true", help="write suite.md from the recorded results without running"
+    )
     a = ap.parse_args(argv)
     out = Path(os.path.relpath(HERE / "results" / ("quick" if a.quick else "")))
     out.mkdir(parents=True, exist_ok=True)
     parts = [
         ("engine", engine.main, ["--repeats", "1" if a.quick else "4", "--out", str(out / "engine.md")]),
-        ("time to accuracy", time_to_accuracy.main,
-         (["--seeds", "1", "--scenarios", "none,straggler4x", "--max-epochs", "6"] if a.quick else ["--seeds", "3"])
-         + ["--out", str(out / "time_to_accuracy.md")]),
+        (
+            "time to accuracy",
+            time_to_accuracy.main,
+            (["--seeds", "1", "--scenarios", "none,straggler4x", "--max-epochs", "6"] if a.quick else ["--seeds", "3"])
+            + ["--out", str(out / "time_to_accuracy.md")],
+        ),
     ]
     took = {}
-    for name, fn, args in ([] if a.summary_only else parts):
+    for name, fn, args in [] if a.summary_only else parts:
         t = time.time()
         print(f"== {name}: {' '.join(args)}", file=sys.stderr)
         fn(args)
@@ -60,21 +65,35 @@ def main(argv=None) -> int:
     eng = json.loads((out / "engine.json").read_text())["results"]
     tta = json.loads((out / "time_to_accuracy.json").read_text())["summary"]
     meta = run_meta("suite.py", argv, "engine.py then time_to_accuracy.py, as listed below")
-    lines = ["# Side by side: the suite", "", *meta_lines(meta), "",
-             "| part | results | minutes |", "|---|---|---|",
-             f"| engine efficiency | [engine.md](engine.md), [figure](engine.html) | {minutes(took, 'engine')} |",
-             f"| time to accuracy | [time_to_accuracy.md](time_to_accuracy.md), [figure](time_to_accuracy.html) | "
-             f"{minutes(took, 'time to accuracy')} |", "", "Headlines:", ""]
+    lines = [
+        "# Side by side: the suite",
+        "",
+        *meta_lines(meta),
+        "",
+        "| part | results | minutes |",
+        "|---|---|---|",
+        f"| engine efficiency | [engine.md](engine.md), [figure](engine.html) | {minutes(took, 'engine')} |",
+        f"| time to accuracy | [time_to_accuracy.md](time_to_accuracy.md), [figure](time_to_accuracy.html) | "
+        f"{minutes(took, 'time to accuracy')} |",
+        "",
+        "Headlines:",
+        "",
+    ]
     for schedule in ("1f1b", "gpipe"):
         ratio = eng[f"sdpipe-{schedule}"]["samples_per_s"] / eng[f"torch-{schedule}"]["samples_per_s"]
-        lines.append(f"- {schedule}: sdpipe's allreduce engine / torch.distributed.pipelining = {ratio:.2f}x samples/s (median)")
+        lines.append(
+            f"- {schedule}: sdpipe's allreduce engine / torch.distributed.pipelining = {ratio:.2f}x samples/s (median)"
+        )
     cells = {(c["scenario"], c["policy"]): c for c in tta}
     for scen in sorted({c["scenario"] for c in tta}):
         sd = cells.get((scen, "sdpipe"))
         if not sd or not sd["median_seconds"]:
             continue
-        others = ", ".join(f"{p} {cells[(scen, p)]['median_seconds']:.1f} s" for p in ("allreduce", "adpsgd", "ps")
-                           if (scen, p) in cells and cells[(scen, p)]["median_seconds"])
+        others = ", ".join(
+            f"{p} {cells[(scen, p)]['median_seconds']:.1f} s"
+            for p in ("allreduce", "adpsgd", "ps")
+            if (scen, p) in cells and cells[(scen, p)]["median_seconds"]
+        )
         speed = f" ({sd['speedup']:.2f}x sooner than allreduce)" if sd.get("speedup") else ""
         lines.append(f"- {scen}: sdpipe reaches the target in {sd['median_seconds']:.1f} s{speed}; {others}")
     (out / "suite.md").write_text("\n".join(lines) + "\n")

@@ -2,7 +2,8 @@
 
     python benchmarks/time_to_accuracy.py [--scenarios none,straggler2x,straggler4x,transient,slowlink]
                                           [--policies sdpipe,allreduce,adpsgd,ps,none] [--seeds 3]
-                                          [--target 0.95] [--max-epochs 12] [--pipelines 4] [--stages 2] [--channels 64] [--lr 0.002]
+                                          [--target 0.95] [--max-epochs 12] [--pipelines 4] [--stages 2]
+                                          [--channels 64] [--lr 0.002]
 
 The digits CNN (``--channels``, default 64) on one LocalCluster of S x D single-threaded
 worker processes (127.0.0.1), evaluated after every epoch.  A run stops once
@@ -32,7 +33,6 @@ import time
 from pathlib import Path
 
 from _common import local_cluster, meta_lines, run_meta
-
 
 #: contenders that are a policy with other scheduler parameters: name -> (policy, scheduler)
 VARIANTS = {"sdpipe-uniform": ("sdpipe", {"weighting": "uniform"})}
@@ -89,9 +89,11 @@ def summarize(rows: list, scenarios: list, policies: list) -> dict:
             secs = [r["seconds"] for r in mine if r["seconds"] is not None]
             rates = [r["samples_per_s"] for r in mine if r["samples_per_s"]]
             out[(name, policy)] = {
-                "seconds": secs, "missed": sum(1 for r in mine if r["seconds"] is None),
+                "seconds": secs,
+                "missed": sum(1 for r in mine if r["seconds"] is None),
                 "median_seconds": statistics.median(secs) if secs else None,
-                "samples_per_s": rates, "median_samples_per_s": statistics.median(rates) if rates else None,
+                "samples_per_s": rates,
+                "median_samples_per_s": statistics.median(rates) if rates else None,
                 "epochs": [r["epochs"] for r in mine if r["epochs"]],
             }
         ideal = out.get((name, "none"), {}).get("median_samples_per_s")
@@ -100,9 +102,14 @@ def summarize(rows: list, scenarios: list, policies: list) -> dict:
             cell = out[(name, policy)]
             rate = cell["median_samples_per_s"]
             cell["to_ideal"] = rate / ideal if rate and ideal else None
-            cell["to_allreduce_rate"] = rate / base["median_samples_per_s"] if rate and base.get("median_samples_per_s") else None
-            cell["speedup"] = (base["median_seconds"] / cell["median_seconds"]
-                               if cell["median_seconds"] and base.get("median_seconds") else None)
+            cell["to_allreduce_rate"] = (
+                rate / base["median_samples_per_s"] if rate and base.get("median_samples_per_s") else None
+            )
+            cell["speedup"] = (
+                base["median_seconds"] / cell["median_seconds"]
+                if cell["median_seconds"] and base.get("median_seconds")
+                else None
+            )
     return out
 
 
@@ -110,9 +117,15 @@ def figure(summary: dict, scenarios: list, policies: list, target: float):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.14, subplot_titles=(
-        f"seconds to {target:.2f} held-out accuracy on every pipeline (median, bars: min-max over seeds)",
-        "samples/s / ideal (the sum of the pipelines' speeds with none waiting: policy none)"))
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        vertical_spacing=0.14,
+        subplot_titles=(
+            f"seconds to {target:.2f} held-out accuracy on every pipeline (median, bars: min-max over seeds)",
+            "samples/s / ideal (the sum of the pipelines' speeds with none waiting: policy none)",
+        ),
+    )
     palette = ["#636efa", "#00cc96", "#ffa15a", "#ef553b", "#ab63fa", "#19d3f3"]
     color = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
     for policy in policies:
@@ -120,14 +133,37 @@ def figure(summary: dict, scenarios: list, policies: list, target: float):
             med = [summary[(n, policy)]["median_seconds"] for n in scenarios]
             lo = [min(summary[(n, policy)]["seconds"]) if summary[(n, policy)]["seconds"] else None for n in scenarios]
             hi = [max(summary[(n, policy)]["seconds"]) if summary[(n, policy)]["seconds"] else None for n in scenarios]
-            fig.add_trace(go.Bar(name=policy, x=scenarios, y=med, legendgroup=policy, offsetgroup=policy, marker_color=color[policy],
-                                 error_y=dict(type="data", symmetric=False,
-                                              array=[h - m if m is not None else 0 for h, m in zip(hi, med)],
-                                              arrayminus=[m - l if m is not None else 0 for l, m in zip(lo, med)])),
-                          row=1, col=1)
-        fig.add_trace(go.Bar(name=policy, x=scenarios, y=[summary[(n, policy)]["to_ideal"] for n in scenarios],
-                             legendgroup=policy, offsetgroup=policy, marker_color=color[policy], showlegend=policy == "none"),
-                      row=2, col=1)
+            fig.add_trace(
+                go.Bar(
+                    name=policy,
+                    x=scenarios,
+                    y=med,
+                    legendgroup=policy,
+                    offsetgroup=policy,
+                    marker_color=color[policy],
+                    error_y=dict(
+                        type="data",
+                        symmetric=False,
+                        array=[h - m if m is not None else 0 for h, m in zip(hi, med)],
+                        arrayminus=[m - low if m is not None else 0 for low, m in zip(lo, med)],
+                    ),
+                ),
+                row=1,
+                col=1,
+            )
+        fig.add_trace(
+            go.Bar(
+                name=policy,
+                x=scenarios,
+                y=[summary[(n, policy)]["to_ideal"] for n in scenarios],
+                legendgroup=policy,
+                offsetgroup=policy,
+                marker_color=color[policy],
+                showlegend=policy == "none",
+            ),
+            row=2,
+            col=1,
+        )
     fig.update_layout(barmode="group", template="plotly_white", height=720, width=900)
     fig.update_yaxes(title_text="seconds", row=1, col=1)
     fig.update_yaxes(title_text="ratio", row=2, col=1)
@@ -146,8 +182,12 @@ def main(argv=None) -> int:
     ap.add_argument("--channels", type=int, default=64, help="width of the CNN")
     ap.add_argument("--lr", type=float, default=0.002, help="Adam's learning rate, for every policy")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "time_to_accuracy.md"))
-    ap.add_argument("--from-rows", nargs="+", metavar="FILE",
-                    help="summarize recorded rows instead of running: .json results files or JSON-lines of rows")
+    ap.add_argument(
+        "--from-rows",
+        nargs="+",
+        metavar="FILE",
+        help="summarize recorded rows instead of running: .json results files or JSON-lines of rows",
+    )
     a = ap.parse_args(argv)
     policies = a.policies.split(",")
     scenarios = a.scenarios.split(",")
@@ -155,47 +195,91 @@ def main(argv=None) -> int:
         rows = []
         for f in a.from_rows:
             text = Path(f).read_text()
-            rows += json.loads(text)["rows"] if f.endswith(".json") else [json.loads(x) for x in text.splitlines() if x.strip()]
-        meta = run_meta("time_to_accuracy.py", argv, f"rows recorded by earlier runs ({', '.join(a.from_rows)}): "
-                        f"digits CNN ({a.channels} channels), {a.stages} stages x {a.pipelines} pipelines, batch 64, "
-                        f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs")
+            rows += (
+                json.loads(text)["rows"]
+                if f.endswith(".json")
+                else [json.loads(x) for x in text.splitlines() if x.strip()]
+            )
+        meta = run_meta(
+            "time_to_accuracy.py",
+            argv,
+            f"rows recorded by earlier runs ({', '.join(a.from_rows)}): "
+            f"digits CNN ({a.channels} channels), {a.stages} stages x {a.pipelines} pipelines, batch 64, "
+            f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs",
+        )
         write_results(meta, rows, scenarios, policies, a.target, Path(a.out))
         return 0
 
+    from straggler import throughput
+
     import sdpipe
     from sdpipe.data import digits, digits_cnn
-    from straggler import throughput
 
     S, D = a.stages, a.pipelines
     client, cluster = local_cluster(S * D)
     rows = []
     try:
         # warm-up: the worker processes' first run pays for imports and first-time allocations
-        sdpipe.train(digits_cnn(a.channels), digits()[0], stages=S, pipelines=D, cuts=(6,) if S == 2 else None, policy="sdpipe",
-                     epochs=1, batch_size=64, cluster=client).result(timeout=600)
+        sdpipe.train(
+            digits_cnn(a.channels),
+            digits()[0],
+            stages=S,
+            pipelines=D,
+            cuts=(6,) if S == 2 else None,
+            policy="sdpipe",
+            epochs=1,
+            batch_size=64,
+            cluster=client,
+        ).result(timeout=600)
         for name in scenarios:
             for seed in range(a.seeds):
                 train_data, eval_data = digits(seed=seed)
                 order = policies if seed % 2 == 0 else policies[::-1]
                 for policy in order:
                     mode, sched = VARIANTS.get(policy, (policy, None))
-                    run = sdpipe.train(digits_cnn(a.channels, seed=seed), train_data, eval_data=eval_data, stages=S, pipelines=D,
-                                       cuts=(6,) if S == 2 else None, policy=mode, scheduler=sched, epochs=a.max_epochs,
-                                       batch_size=64, seed=seed, lr=a.lr, heterogeneity=scenario(name, D), cluster=client)
+                    run = sdpipe.train(
+                        digits_cnn(a.channels, seed=seed),
+                        train_data,
+                        eval_data=eval_data,
+                        stages=S,
+                        pipelines=D,
+                        cuts=(6,) if S == 2 else None,
+                        policy=mode,
+                        scheduler=sched,
+                        epochs=a.max_epochs,
+                        batch_size=64,
+                        seed=seed,
+                        lr=a.lr,
+                        heterogeneity=scenario(name, D),
+                        cluster=client,
+                    )
                     at, epochs = time_to_target(run, D, a.target)
                     result = run.result(timeout=600)
                     first = min(e["start"] for e in result.events if e["kind"] == "forward")
                     rate = throughput(result) if len({h["epoch"] for h in result.history}) > 1 else None
-                    row = {"scenario": name, "seed": seed, "policy": policy, "lr": a.lr, "epochs": epochs, "launch": first,
-                           "seconds": None if at is None else at - first, "samples_per_s": rate}
+                    row = {
+                        "scenario": name,
+                        "seed": seed,
+                        "policy": policy,
+                        "lr": a.lr,
+                        "epochs": epochs,
+                        "launch": first,
+                        "seconds": None if at is None else at - first,
+                        "samples_per_s": rate,
+                    }
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
     finally:
         client.close()
         cluster.close()
 
-    meta = run_meta("time_to_accuracy.py", argv, f"digits CNN ({a.channels} channels), {S} stages x {D} pipelines, batch 64, "
-                    f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs, {a.seeds} seeds, Adam lr {a.lr}")
+    meta = run_meta(
+        "time_to_accuracy.py",
+        argv,
+        f"digits CNN ({a.channels} channels), {S} stages x {D} pipelines, batch 64, "
+        f"target {a.target} held-out accuracy on every pipeline, at most {a.max_epochs} epochs, "
+        f"{a.seeds} seeds, Adam lr {a.lr}",
+    )
     write_results(meta, rows, scenarios, policies, a.target, Path(a.out))
     return 0
 
@@ -205,28 +289,54 @@ def write_results(meta: dict, rows: list, scenarios: list, policies: list, targe
     from _common import save_figure
 
     summary = summarize(rows, scenarios, policies)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": [
-        {"scenario": n, "policy": p, **v} for (n, p), v in summary.items()]}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "rows": rows,
+                "summary": [{"scenario": n, "policy": p, **v} for (n, p), v in summary.items()],
+            },
+            indent=1,
+        )
+    )
     written = save_figure(figure(summary, scenarios, policies, target), out.with_suffix(""), width=900, height=720)
-    lines = ["# Time to accuracy", "", *meta_lines(meta), "",
-             "Seconds from the run's first step until every pipeline's held-out accuracy reached the target, "
-             "evaluated after each epoch: median [min-max] over seeds, then x allreduce (medians). "
-             "A run that never reached it within the epochs counts as missed.", "",
-             "| scenario | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+    lines = [
+        "# Time to accuracy",
+        "",
+        *meta_lines(meta),
+        "",
+        "Seconds from the run's first step until every pipeline's held-out accuracy reached the target, "
+        "evaluated after each epoch: median [min-max] over seeds, then x allreduce (medians). "
+        "A run that never reached it within the epochs counts as missed.",
+        "",
+        "| scenario | " + " | ".join(policies) + " |",
+        "|---|" + "---|" * len(policies),
+    ]
     for name in scenarios:
         base = summary.get((name, "allreduce"), {}).get("median_seconds")
-        lines.append(f"| {name} | " + " | ".join(_cell(summary[(name, p)]["seconds"], summary[(name, p)]["missed"], base)
-                                                 for p in policies) + " |")
-    lines += ["", "Samples/s of all pipelines (median over seeds of each run's median epoch after the first) "
-              "and its ratio to the ideal: the sum of the pipelines' speeds with none waiting for another "
-              "(policy `none` in the same scenario).", "",
-              "| scenario | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(_cell(summary[(name, p)]["seconds"], summary[(name, p)]["missed"], base) for p in policies)
+            + " |"
+        )
+    lines += [
+        "",
+        "Samples/s of all pipelines (median over seeds of each run's median epoch after the first) "
+        "and its ratio to the ideal: the sum of the pipelines' speeds with none waiting for another "
+        "(policy `none` in the same scenario).",
+        "",
+        "| scenario | " + " | ".join(policies) + " |",
+        "|---|" + "---|" * len(policies),
+    ]
     for name in scenarios:
         cells = []
         for p in policies:
             c = summary[(name, p)]
-            cells.append(f"{c['median_samples_per_s']:.0f} ({c['to_ideal']:.2f} of ideal)" if c["median_samples_per_s"] and c["to_ideal"]
-                         else (f"{c['median_samples_per_s']:.0f}" if c["median_samples_per_s"] else "-"))
+            cells.append(
+                f"{c['median_samples_per_s']:.0f} ({c['to_ideal']:.2f} of ideal)"
+                if c["median_samples_per_s"] and c["to_ideal"]
+                else (f"{c['median_samples_per_s']:.0f}" if c["median_samples_per_s"] else "-")
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Figure: " + ", ".join(f"[{w.name}]({w.name})" for w in written)]
     out.write_text("\n".join(lines) + "\n")

@@ -4,12 +4,26 @@
 in ``sdpipe.widgets``.
 """
 
-from .config import Heterogeneity, TrainConfig
-from .partition import partition
 from ._runtime import Run, RunError, RunResult
 from ._train import train
-from .simulation import Costs, Network, calibrate, simulate
 from .checkpoint import Checkpoint, load_checkpoint
+from .config import Heterogeneity, TrainConfig
+from .partition import partition
+from .simulation import Costs, Network, calibrate, simulate
 
-__all__ = ["train", "simulate", "Run", "RunResult", "RunError", "Heterogeneity", "TrainConfig", "Costs", "Network", "calibrate", "partition", "Checkpoint", "load_checkpoint"]
+__all__ = [
+    "train",
+    "simulate",
+    "Run",
+    "RunResult",
+    "RunError",
+    "Heterogeneity",
+    "TrainConfig",
+    "Costs",
+    "Network",
+    "calibrate",
+    "partition",
+    "Checkpoint",
+    "load_checkpoint",
+]
 __version__ = "0.1.0"

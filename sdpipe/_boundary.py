@@ -206,8 +206,11 @@ class Dispenser:
             # measured in an earlier epoch (or never): a pipeline that fell behind would otherwise
             # keep a stale estimate, leave every tail and never measure itself again
             return False
-        keys = [Keys.step_time(epoch, p) for p in range(self.pipelines)
-                if p != self.pipeline and not pipeline_lost(self.store, p)]  # a lost pipeline takes nothing
+        keys = [
+            Keys.step_time(epoch, p)
+            for p in range(self.pipelines)
+            if p != self.pipeline and not pipeline_lost(self.store, p)
+        ]  # a lost pipeline takes nothing
         keys = [k for k in keys if self.store.check([k])]
         times = [float(v) for v in self.store.multi_get(keys)] if keys else []
         return leaves_tail(self._step_time, times, remaining)

@@ -50,7 +50,9 @@ def connect(cluster, config: TrainConfig, security=None):
         # A training rank must never be re-run on another worker after its worker died. Dask's statistical
         # profiler (it samples the training thread 100 times a second) is off: measured ~10% of a 2 x 2
         # run's samples/s on two cores (benchmarks/results/engine.md).
-        with dask.config.set({"distributed.scheduler.allowed-failures": 0, "distributed.worker.profile.enabled": False}):
+        with dask.config.set(
+            {"distributed.scheduler.allowed-failures": 0, "distributed.worker.profile.enabled": False}
+        ):
             lc = LocalCluster(**kwargs)
         try:
             return Client(lc, set_as_default=False), lc, True
@@ -59,8 +61,10 @@ def connect(cluster, config: TrainConfig, security=None):
             raise
     if isinstance(cluster, str):
         if cluster.startswith("tls://") and not (security or Security()).get_connection_args("client")["ssl_context"]:
-            raise ValueError(f"security: {cluster!r} speaks TLS; pass security=distributed.Security(...) or set "
-                             "distributed.comm.tls.* in Dask's configuration")
+            raise ValueError(
+                f"security: {cluster!r} speaks TLS; pass security=distributed.Security(...) or set "
+                "distributed.comm.tls.* in Dask's configuration"
+            )
         return _client(cluster, security), None, True
     if isinstance(cluster, Client):
         return cluster, None, False
@@ -68,7 +72,10 @@ def connect(cluster, config: TrainConfig, security=None):
         return _client(cluster.scheduler_address, None), None, True
     if hasattr(cluster, "scheduler_address"):
         return Client(cluster, set_as_default=False, **secure), None, True
-    raise ValueError(f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, got {type(cluster).__name__}")
+    raise ValueError(
+        f"cluster: must be None, a scheduler address string, a distributed.Client or a cluster object, "
+        f"got {type(cluster).__name__}"
+    )
 
 
 def _client(address: str, security, attempts: int = 2):
@@ -185,10 +192,11 @@ def pick_workers(client, config: TrainConfig) -> list:
         if len(idle) >= need:
             return idle[:need]
         if time.monotonic() > deadline:
-            raise RuntimeError(f"cluster: {len(idle)} of the {need} workers needed have a free thread; the others "
-                               f"still run earlier tasks after {config.timeout:.0f}s")
+            raise RuntimeError(
+                f"cluster: {len(idle)} of the {need} workers needed have a free thread; the others "
+                f"still run earlier tasks after {config.timeout:.0f}s"
+            )
         time.sleep(0.5)
-
 
 
 def route_address(scheduler_address: str) -> str:
@@ -232,11 +240,16 @@ def bound_store(host: str, timeout: float):
     try:
         sock.bind(addr)
         sock.listen(1024)
-        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout), master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            master_listen_fd=sock.fileno(),
+        )
     except BaseException:
         sock.close()
         raise
     sock.detach()  # the store owns the socket now
     return store
-

@@ -26,8 +26,18 @@ TAG_CTRL, TAG_ACT, TAG_GRAD = 0, 1, 2
 CONNECT_TIMEOUT = 20.0
 
 
-def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout: float, host: str,
-               connect_timeout: float | None = None, give_up=None):
+def make_group(
+    store,
+    name: str,
+    rank: int,
+    size: int,
+    *,
+    backend: str,
+    timeout: float,
+    host: str,
+    connect_timeout: float | None = None,
+    give_up=None,
+):
     """A process group of ``size`` members named ``name``; this worker is ``rank``.
 
     With gloo, ``connect_timeout`` (default ``timeout``) bounds building the
@@ -49,7 +59,9 @@ def make_group(store, name: str, rank: int, size: int, *, backend: str, timeout:
     opts._timeout = datetime.timedelta(seconds=seconds)
     # Bind gloo's listener to the configured address (loopback by default).
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return _bounded(lambda: dist.ProcessGroupGloo(prefixed, rank, size, opts), seconds + RENDEZVOUS_MARGIN, name, give_up)
+    return _bounded(
+        lambda: dist.ProcessGroupGloo(prefixed, rank, size, opts), seconds + RENDEZVOUS_MARGIN, name, give_up
+    )
 
 
 #: seconds past its own timeout that a gloo rendezvous may take before the caller gives up on it
@@ -152,8 +164,15 @@ def unflatten_(tensors: list, flat: torch.Tensor) -> None:
         offset += k
 
 
-def allreduce_mean_(tensors: list, group, size: int, extras=(), comm_device=None, timeout: float | None = None,
-                    weight: float | None = None) -> list:
+def allreduce_mean_(
+    tensors: list,
+    group,
+    size: int,
+    extras=(),
+    comm_device=None,
+    timeout: float | None = None,
+    weight: float | None = None,
+) -> list:
     """Average ``tensors`` in place over ``group``; returns ``extras`` summed over it.
 
     The tensors travel as one flat buffer with the ``extras`` appended (used to

@@ -136,8 +136,10 @@ class Steering:
         """
         hosts = self._emulated
         if hosts is None:
-            raise ValueError("shape: needs a run on emulated hosts (cluster=sdpipe.hosts.EmulatedHosts(...)); "
-                             "use set_heterogeneity for slept slowdowns on any cluster")
+            raise ValueError(
+                "shape: needs a run on emulated hosts (cluster=sdpipe.hosts.EmulatedHosts(...)); "
+                "use set_heterogeneity for slept slowdowns on any cluster"
+            )
         if (host is None) == (pipeline is None):
             raise ValueError("shape: pass one of host (an index) or pipeline (the host its workers run on)")
         self._require_running("shape")
@@ -149,12 +151,19 @@ class Steering:
                 raise ValueError(f"pipeline: must be 0..{self.config.pipelines - 1}, got {pipeline!r}")
             where = sorted(h for h, ps in on.items() if pipeline in ps)
             if len(where) != 1:
-                raise ValueError(f"pipeline: pipeline {pipeline}'s workers run on hosts {where}; "
-                                 f"shape one host= at a time")
+                raise ValueError(
+                    f"pipeline: pipeline {pipeline}'s workers run on hosts {where}; shape one host= at a time"
+                )
             host = where[0]
         now = hosts.shape(host, bandwidth=bandwidth, cpu=cpu)
-        self._record("shaped", host=host, address=hosts.addresses[host], pipelines=sorted(on.get(host, ())),
-                     bandwidth=now["bandwidth"], cpu=now["cpu"])
+        self._record(
+            "shaped",
+            host=host,
+            address=hosts.addresses[host],
+            pipelines=sorted(on.get(host, ())),
+            bandwidth=now["bandwidth"],
+            cpu=now["cpu"],
+        )
         return now
 
     def set_policy(self, policy: Optional[str] = None, **params) -> None:
@@ -174,8 +183,10 @@ class Steering:
             raise ValueError(f"policy: {name!r} is not one of {', '.join(POLICIES)}")
         if name not in LIVE_POLICIES or self.config.policy not in LIVE_POLICIES:
             which = name if name not in LIVE_POLICIES else self.config.policy
-            raise ValueError(f"policy: {which!r} cannot be switched to or from while training; live switches are "
-                             f"between {', '.join(LIVE_POLICIES)}")
+            raise ValueError(
+                f"policy: {which!r} cannot be switched to or from while training; live switches are "
+                f"between {', '.join(LIVE_POLICIES)}"
+            )
         base = self.scheduler_policy if policy is None or policy == self.policy else POLICY_PRESETS[name]
         new = base.updated(**params)
         D = self.config.pipelines

@@ -49,8 +49,9 @@ class Launcher:
             finally:
                 del args
         except BaseException as e:  # the run ends with it: result() raises it, status says "error"
-            run._error = e if isinstance(e, Exception) else RunError(
-                f"the run's start was interrupted ({type(e).__name__})")
+            run._error = (
+                e if isinstance(e, Exception) else RunError(f"the run's start was interrupted ({type(e).__name__})")
+            )
             run._cleanup()
             run._done.set()
             return
@@ -98,8 +99,15 @@ class Launcher:
         service = GroupServiceClient(run.run_id, client=run._client, token=uuid.uuid4().hex)
         state = self._resume.scheduler if self._resume is not None else None
         try:
-            service.open(stages=cfg.stages, pipelines=cfg.pipelines, policy=run.scheduler_policy.to_dict(),
-                         policy_name=cfg.policy, topic=spec.topic, t0=run.t0, state=state)
+            service.open(
+                stages=cfg.stages,
+                pipelines=cfg.pipelines,
+                policy=run.scheduler_policy.to_dict(),
+                policy_name=cfg.policy,
+                topic=spec.topic,
+                t0=run.t0,
+                state=state,
+            )
         except GroupServiceError as e:
             if state is None:
                 raise
@@ -115,12 +123,24 @@ class Launcher:
         for rank, addr in enumerate(workers):
             s = rank % S
             resume = self._resume.stage_state(*divmod(rank, S)) if self._resume is not None else None
-            futures.append(run._client.submit(
-                worker_main, spec, rank, fX if s == 0 else None, fY if s == S - 1 else None,
-                fEX if s == 0 else None, fEY if s == S - 1 else None, resume,
-                key=f"sdpipe-{run.run_id}-rank{rank}", workers=[addr], allow_other_workers=False,
-                resources=resources, pure=False, retries=0,
-            ))
+            futures.append(
+                run._client.submit(
+                    worker_main,
+                    spec,
+                    rank,
+                    fX if s == 0 else None,
+                    fY if s == S - 1 else None,
+                    fEX if s == 0 else None,
+                    fEY if s == S - 1 else None,
+                    resume,
+                    key=f"sdpipe-{run.run_id}-rank{rank}",
+                    workers=[addr],
+                    allow_other_workers=False,
+                    resources=resources,
+                    pure=False,
+                    retries=0,
+                )
+            )
         return futures
 
     def _place_data(self, data) -> tuple:

@@ -63,8 +63,9 @@ def plain_config(config: TrainConfig) -> dict:
     return json.loads(json.dumps(config.to_dict(), default=str))
 
 
-def assemble(config: TrainConfig, stage_modules: list, results: dict, lost: dict, events: list,
-             from_sequential: bool) -> RunResult:
+def assemble(
+    config: TrainConfig, stage_modules: list, results: dict, lost: dict, events: list, from_sequential: bool
+) -> RunResult:
     """The run's :class:`RunResult` from each finished rank's result (its weights, steps, whether it stopped).
 
     A lost pipeline's model is None.  An ``nn.Sequential`` comes back with its original layer names; a list

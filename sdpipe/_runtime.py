@@ -87,8 +87,17 @@ class Run(Steering):
     blocks for the outcome; the steering calls are :class:`~sdpipe._control.Steering`'s.
     """
 
-    def __init__(self, config: TrainConfig, stage_modules, spec: WorkerSpec, data: tuple, cluster,
-                 from_sequential: bool = True, resume=None, security=None):
+    def __init__(
+        self,
+        config: TrainConfig,
+        stage_modules,
+        spec: WorkerSpec,
+        data: tuple,
+        cluster,
+        from_sequential: bool = True,
+        resume=None,
+        security=None,
+    ):
         from ._launch import Launcher  # loads torch and Dask: not at ``import sdpipe``
 
         self.config = config
@@ -100,8 +109,9 @@ class Run(Steering):
         #: Steps each pipeline takes per epoch.
         self.steps_per_epoch = spec.steps_per_epoch
         #: Steps of all pipelines together in one epoch.
-        self.updates_per_epoch = (spec.steps_per_epoch * config.pipelines if config.policy == "allreduce"
-                                  else spec.batches_per_epoch)
+        self.updates_per_epoch = (
+            spec.steps_per_epoch * config.pipelines if config.policy == "allreduce" else spec.batches_per_epoch
+        )
         self.policy = config.policy
         self.scheduler_policy = config.scheduler_policy()
         self.heterogeneity = config.heterogeneity or Heterogeneity()
@@ -168,8 +178,10 @@ class Run(Steering):
     def _count_ranks(self) -> None:
         """How many ranks started and connected (counters the workers add to in the run's store)."""
         try:
-            self._ranks = {"started": self._run_store.add(Keys.RANKS_STARTED, 0),
-                           "ready": self._run_store.add(Keys.RANKS_READY, 0)}
+            self._ranks = {
+                "started": self._run_store.add(Keys.RANKS_STARTED, 0),
+                "ready": self._run_store.add(Keys.RANKS_READY, 0),
+            }
         except Exception:  # the store is closing: the run is ending
             pass
 
@@ -180,8 +192,9 @@ class Run(Steering):
             if self._done.is_set():
                 raise RuntimeError(f"{what}: run {self.run_id} has already ended ({self.status})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: run {self.run_id} still starting after {self.config.timeout:.0f}s "
-                                   f"({self.startup})")
+                raise TimeoutError(
+                    f"{what}: run {self.run_id} still starting after {self.config.timeout:.0f}s ({self.startup})"
+                )
 
     @property
     def contention(self) -> Optional[str]:
@@ -191,8 +204,10 @@ class Run(Steering):
             return None
         h, n, c = over[0]
         where = f" on {h}" if len(self._hosts) > 1 else ""
-        return (f"{n} workers share {c} cores{where}: samples/s measure the machine's contention (a slowed or "
-                f"waiting worker's share goes to the others), not what each worker would do on its own core")
+        return (
+            f"{n} workers share {c} cores{where}: samples/s measure the machine's contention (a slowed or "
+            f"waiting worker's share goes to the others), not what each worker would do on its own core"
+        )
 
     # ------------------------------------------------------------ what it did so far
     @property
@@ -273,8 +288,12 @@ class Run(Steering):
         status = self.status
         startup = self.startup if status == "starting" else None
         note = self.contention
-        return (f"<sdpipe.Run {self.run_id} {c.stages}x{c.pipelines} policy={self.policy} {status}"
-                + (f" ({startup})" if startup else "") + (f"; note: {note}" if note else "") + ">")
+        return (
+            f"<sdpipe.Run {self.run_id} {c.stages}x{c.pipelines} policy={self.policy} {status}"
+            + (f" ({startup})" if startup else "")
+            + (f"; note: {note}" if note else "")
+            + ">"
+        )
 
     def _cleanup(self) -> None:
         """Close everything this run opened; safe to call more than once."""

@@ -138,8 +138,11 @@ class GroupService(SchedulerPlugin):
                 fut = st.waiters.pop((g.stage, m), None)
                 if fut is not None and not fut.done():
                     fut.set_result(answer)
-            records.append(events.group(g.stage, g.round, g.members, g.reason, g.opened, g.closed, g.wait,
-                                        g.connected, st.policy_name))
+            records.append(
+                events.group(
+                    g.stage, g.round, g.members, g.reason, g.opened, g.closed, g.wait, g.connected, st.policy_name
+                )
+            )
         self._log(st, records)
         self._arm_timer(run_id, st)
 
@@ -240,8 +243,14 @@ class GroupService(SchedulerPlugin):
         st.policy_name = policy_name
         st.version += 1
         decisions = st.core.set_policy(SchedulerPolicy(**policy), self._now(st))
-        self._log(st, [events.control("policy", self._now(st), applied_by="scheduler", policy=policy_name,
-                                      params=_plain(policy))])
+        self._log(
+            st,
+            [
+                events.control(
+                    "policy", self._now(st), applied_by="scheduler", policy=policy_name, params=_plain(policy)
+                )
+            ],
+        )
         self._dispatch(run_id, st, decisions)
         return {"ok": True, "version": st.version}
 

@@ -69,6 +69,7 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
         w.span("wait", step, None, t, time.time())
     return sum(losses) / len(losses) if losses else None
 
+
 def evaluate(w, step: int, X, Y) -> Optional[dict]:
     """Forward the eval data through this pipeline; the last stage returns loss and accuracy."""
     n = w.spec.eval_size

@@ -14,20 +14,21 @@ import time
 import uuid
 from typing import Optional
 
+from ._runtime import Run
 from .checkpoint import load_checkpoint
 from .config import TrainConfig, config_keywords
 from .data import as_tensors, steps_per_epoch
 from .partition import partition
 from .protocol import WorkerSpec
-from ._runtime import Run
 from .schedule import build_plan
 
 __all__ = ["train"]
 
 
 @config_keywords
-def train(model, train_data, *, eval_data=None, loss_fn=None, cluster=None, resume_from=None, security=None,
-          **options) -> Run:
+def train(
+    model, train_data, *, eval_data=None, loss_fn=None, cluster=None, resume_from=None, security=None, **options
+) -> Run:
     """Train ``model`` with ``stages`` x ``pipelines`` workers; returns a :class:`Run` at once.
 
     ``model`` is an ``nn.Sequential`` (cut into ``stages`` contiguous stages,
@@ -83,18 +84,37 @@ def _start(config: TrainConfig, model, train_data, eval_data, loss_fn, cluster, 
     if resume_from is not None:
         resume = _check_resume(resume_from, config, stage_modules)
         most = max(resume.steps.values())
-        start = {"start_epoch": resume.epoch,
-                 "start_steps": {str(p): resume.steps.get(p, most) for p in range(config.pipelines)}}
+        start = {
+            "start_epoch": resume.epoch,
+            "start_steps": {str(p): resume.steps.get(p, most) for p in range(config.pipelines)},
+        }
     _check_security(security, cluster)
     spec = WorkerSpec(
-        run_id=uuid.uuid4().hex[:10], config=config.to_dict(), backend=config.resolved_backend,
-        stage_modules=stage_modules, loss_fn=loss_fn, shapes=shapes,
-        plan=build_plan(config.schedule, config.stages, config.microbatches), train_size=len(X),
-        eval_size=0 if EX is None else len(EX), steps_per_epoch=steps,
-        batches_per_epoch=len(X) // config.batch_size, classify=not Y.is_floating_point(), t0=time.time(), **start,
+        run_id=uuid.uuid4().hex[:10],
+        config=config.to_dict(),
+        backend=config.resolved_backend,
+        stage_modules=stage_modules,
+        loss_fn=loss_fn,
+        shapes=shapes,
+        plan=build_plan(config.schedule, config.stages, config.microbatches),
+        train_size=len(X),
+        eval_size=0 if EX is None else len(EX),
+        steps_per_epoch=steps,
+        batches_per_epoch=len(X) // config.batch_size,
+        classify=not Y.is_floating_point(),
+        t0=time.time(),
+        **start,
     )
-    return Run(config, stage_modules, spec, (X, Y, EX, EY), cluster, from_sequential=isinstance(model, nn.Sequential),
-               resume=resume, security=security)
+    return Run(
+        config,
+        stage_modules,
+        spec,
+        (X, Y, EX, EY),
+        cluster,
+        from_sequential=isinstance(model, nn.Sequential),
+        resume=resume,
+        security=security,
+    )
 
 
 def _check_device(config: TrainConfig, cluster) -> None:
@@ -106,8 +126,10 @@ def _check_device(config: TrainConfig, cluster) -> None:
         raise ValueError("device: 'cuda' requested but this machine has no GPU; use device='cpu'")
     if config.resolved_backend == "nccl" and torch.cuda.device_count() < config.world_size:
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), seen on a 1-GPU machine after 14 s
-        raise ValueError(f"device: NCCL needs one GPU per worker: {config.world_size} workers (stages x pipelines), "
-                         f"{torch.cuda.device_count()} GPU(s) here; pass backend='gloo' to share GPUs")
+        raise ValueError(
+            f"device: NCCL needs one GPU per worker: {config.world_size} workers (stages x pipelines), "
+            f"{torch.cuda.device_count()} GPU(s) here; pass backend='gloo' to share GPUs"
+        )
 
 
 def _check_data(config: TrainConfig, n: int) -> int:
@@ -116,8 +138,10 @@ def _check_data(config: TrainConfig, n: int) -> int:
     if n < config.batch_size:
         raise ValueError(f"batch_size: {config.batch_size} exceeds the {n} training samples")
     if steps < 1 and config.policy == "allreduce":
-        raise ValueError(f"batch_size: {config.batch_size} x {config.pipelines} pipelines exceeds the {n} training "
-                         f"samples; no full step per epoch")
+        raise ValueError(
+            f"batch_size: {config.batch_size} x {config.pipelines} pipelines exceeds the {n} training "
+            f"samples; no full step per epoch"
+        )
     return steps
 
 
@@ -143,7 +167,9 @@ def _probe_shapes(stage_modules, sample):
             try:
                 x = copy.deepcopy(mod)(x)
             except Exception as e:
-                raise ValueError(f"model: stage {s} fails on a micro-batch of train_data: {type(e).__name__}: {e}") from None
+                raise ValueError(
+                    f"model: stage {s} fails on a micro-batch of train_data: {type(e).__name__}: {e}"
+                ) from None
             if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != sample.shape[0]:
                 raise ValueError(f"model: stage {s} must return one tensor with the micro-batch as dimension 0")
             shapes.append((tuple(x.shape[1:]), str(x.dtype).replace("torch.", "")))
@@ -184,8 +210,9 @@ def _unguarded_main_line() -> Optional[tuple]:
         if not isinstance(test, ast.Compare) or len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
             return False
         sides = [test.left, test.comparators[0]]
-        return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
-                and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
+        return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and any(
+            isinstance(x, ast.Constant) and x.value == "__main__" for x in sides
+        )
 
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and is_guard(node.test) and node.body:
@@ -203,7 +230,9 @@ def _check_main_guard() -> None:
         # a plain message and exit status 1, no traceback: the fix is one line in the user's script
         raise SystemExit(
             f"sdpipe: {Path(path).name} line {line} trains at the top level of the script; put that code under "
-            f"'if __name__ == \"__main__\":' (the embedded Dask cluster starts its workers by importing the script again)")
+            f"'if __name__ == \"__main__\":' (the embedded Dask cluster starts its workers by importing the script "
+            f"again)"
+        )
 
 
 def _check_resume(path, config: TrainConfig, stage_modules):
@@ -212,18 +241,27 @@ def _check_resume(path, config: TrainConfig, stage_modules):
     saved = ck.config
     for name in ("stages", "pipelines"):
         if saved[name] != getattr(config, name):
-            raise ValueError(f"{name}: the checkpoint at {ck.path} has {name}={saved[name]}, this run {getattr(config, name)}")
+            raise ValueError(
+                f"{name}: the checkpoint at {ck.path} has {name}={saved[name]}, this run {getattr(config, name)}"
+            )
     if ck.epoch >= config.epochs:
-        raise ValueError(f"epochs: the checkpoint at {ck.path} is at epoch {ck.epoch}; ask for more than {ck.epoch} epochs to resume")
+        raise ValueError(
+            f"epochs: the checkpoint at {ck.path} is at epoch {ck.epoch}; ask for more than {ck.epoch} epochs to resume"
+        )
     for s, module in enumerate(stage_modules):
         state = ck.stage_state(0, s)
         if state.get("optimizer_name") != config.optimizer:
-            raise ValueError(f"optimizer: the checkpoint at {ck.path} used {state.get('optimizer_name')!r}, this run {config.optimizer!r}")
+            raise ValueError(
+                f"optimizer: the checkpoint at {ck.path} used {state.get('optimizer_name')!r}, "
+                f"this run {config.optimizer!r}"
+            )
         mine = module.state_dict()
         theirs = state["model"]
         for key in sorted(set(mine) | set(theirs)):
             if key not in mine or key not in theirs or tuple(mine[key].shape) != tuple(theirs[key].shape):
                 have = tuple(theirs[key].shape) if key in theirs else "missing"
                 want = tuple(mine[key].shape) if key in mine else "missing"
-                raise ValueError(f"model: stage {s} parameter {key!r} is {have} in the checkpoint at {ck.path}, {want} in this model")
+                raise ValueError(
+                    f"model: stage {s} parameter {key!r} is {have} in the checkpoint at {ck.path}, {want} in this model"
+                )
     return ck

@@ -35,8 +35,15 @@ log = logging.getLogger("sdpipe")
 LOSS_TOLERANT = ("scheduled", "adpsgd", "none")
 #: Seconds a communication failure waits for the loss of a worker of its own pipeline to show.
 LOSS_GRACE = 10.0
-_COMM_FAILURES = ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "Broken pipe",
-                  "aborted", "Socket closed")
+_COMM_FAILURES = (
+    "Connection closed by peer",
+    "Connection reset",
+    "Timed out",
+    "timed out",
+    "Broken pipe",
+    "aborted",
+    "Socket closed",
+)
 
 
 class LostWorker(RunError):
@@ -93,8 +100,9 @@ class RunWatcher:
                 error = self._root_cause() or error
             run._inbox.wait_for({r: res["events"] for r, res in results.items()}, run.run_id)
             if error is None:
-                run._result = assemble(self.config, run._stage_modules, results, run._lost, run.events,
-                                       run._from_sequential)
+                run._result = assemble(
+                    self.config, run._stage_modules, results, run._lost, run.events, run._from_sequential
+                )
         except BaseException as e:  # keep the handle usable whatever happened
             error = error or e
         finally:
@@ -148,8 +156,11 @@ class RunWatcher:
                 error = self._on_lost(rank, "its worker process died")
             elif is_comm_failure(failure.__cause__):
                 # a peer of its pipeline may have died: give that loss time to show
-                error = failure if time.monotonic() - self._comm_seen.setdefault(rank, time.monotonic()) > LOSS_GRACE \
+                error = (
+                    failure
+                    if time.monotonic() - self._comm_seen.setdefault(rank, time.monotonic()) > LOSS_GRACE
                     else None
+                )
             else:
                 error = failure
             if error is not None:
@@ -163,7 +174,9 @@ class RunWatcher:
             alive = set(run._client.scheduler_info(n_workers=-1)["workers"])
         except Exception as e:
             return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
-        missing = {r for r, addr in enumerate(run._workers) if addr not in alive and run._futures[r].status == "pending"}
+        missing = {
+            r for r, addr in enumerate(run._workers) if addr not in alive and run._futures[r].status == "pending"
+        }
         confirmed, self._missing = sorted(missing & self._missing), missing
         for rank in confirmed:
             if rank // self.config.stages not in run._lost:
@@ -187,8 +200,11 @@ class RunWatcher:
         for rank in live:
             last = max(run._inbox.heard(rank), self._stall_base)
             if statuses[rank] == "pending" and now - last > limit:
-                return self._on_lost(rank, f"it sent nothing for {now - last:.0f}s, stalled in a wait that neither "
-                                           f"ended nor failed (each wait's bound is timeout={self.config.timeout:g}s)")
+                return self._on_lost(
+                    rank,
+                    f"it sent nothing for {now - last:.0f}s, stalled in a wait that neither "
+                    f"ended nor failed (each wait's bound is timeout={self.config.timeout:g}s)",
+                )
         return None
 
     def _poll_checkpoint(self) -> Optional[BaseException]:
@@ -198,16 +214,32 @@ class RunWatcher:
         try:
             if run._run_store.add(Keys.checkpoint_count(epoch), 0) < len(ranks):
                 return None
-            steps = {str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages)))
-                     for p in range(cfg.pipelines) if p not in run._lost}
+            steps = {
+                str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages)))
+                for p in range(cfg.pipelines)
+                if p not in run._lost
+            }
             scheduler = None
             if run._control.mode in ("scheduled", "adpsgd"):
                 scheduler = run._control.service.state()["core"]
-            folder = finish(cfg.checkpoint_dir, epoch, run.run_id, {
-                "run_id": run.run_id, "ranks": ranks, "steps": steps, "config": plain_config(cfg),
-                "policy": run.policy, "scheduler": scheduler, "lost": {str(p): w for p, w in run._lost.items()}})
+            folder = finish(
+                cfg.checkpoint_dir,
+                epoch,
+                run.run_id,
+                {
+                    "run_id": run.run_id,
+                    "ranks": ranks,
+                    "steps": steps,
+                    "config": plain_config(cfg),
+                    "policy": run.policy,
+                    "scheduler": scheduler,
+                    "lost": {str(p): w for p, w in run._lost.items()},
+                },
+            )
         except Exception as e:
-            return RunError(f"checkpoint_dir: could not write the checkpoint of epoch {epoch} ({type(e).__name__}: {e})")
+            return RunError(
+                f"checkpoint_dir: could not write the checkpoint of epoch {epoch} ({type(e).__name__}: {e})"
+            )
         run.checkpoints.append(str(folder))
         run._inbox.add(events.checkpoint(epoch, str(folder), time.time() - run.t0))
         self.ckpt_next = first_checkpoint(epoch, cfg.checkpoint_every, cfg.epochs)
@@ -234,8 +266,11 @@ class RunWatcher:
 
     def _collect(self) -> dict:
         run, S = self.run, self.config.stages
-        return {rank: f.result(timeout=self.config.timeout) for rank, f in enumerate(run._futures)
-                if f.status == "finished" and rank // S not in run._lost}
+        return {
+            rank: f.result(timeout=self.config.timeout)
+            for rank, f in enumerate(run._futures)
+            if f.status == "finished" and rank // S not in run._lost
+        }
 
     def _root_cause(self) -> Optional[BaseException]:
         """The failure that started it: peers of a failed worker fail after it with communication errors."""
@@ -246,8 +281,9 @@ class RunWatcher:
         primary = next((e for r, e in errors if not is_comm_failure(e.__cause__)), errors[0][1])
         if len(errors) > 1:
             others = "; ".join(f"rank {r}: {str(e.__cause__ or e)[:160]}" for r, e in errors if e is not primary)
-            primary.args = (f"{primary.args[0]} ({len(errors) - 1} other worker(s) failed after it: {others})"
-                            .replace("\n", " "),)
+            primary.args = (
+                f"{primary.args[0]} ({len(errors) - 1} other worker(s) failed after it: {others})".replace("\n", " "),
+            )
         return primary
 
     def _describe_failure(self, rank: int, future) -> BaseException:
@@ -256,7 +292,9 @@ class RunWatcher:
             exc = future.exception(timeout=5)
         except Exception as e:  # cancelled futures raise here
             exc = e
-        err = RunError(f"worker pipeline {p} stage {s} (rank {rank}, {self.run._workers[rank]}) failed: "
-                       f"{type(exc).__name__}: {exc}")
+        err = RunError(
+            f"worker pipeline {p} stage {s} (rank {rank}, {self.run._workers[rank]}) failed: "
+            f"{type(exc).__name__}: {exc}"
+        )
         err.__cause__ = exc if isinstance(exc, BaseException) else None
         return err

@@ -192,8 +192,11 @@ class Worker:
         self.plan = spec.plan[self.stage]
         self.link = None
         if self.stages > 1:
-            self.link = Link(self.group(f"pipe{self.pipeline}", self.stage, self.stages, pipelines=[self.pipeline]),
-                             self.device, self.backend)
+            self.link = Link(
+                self.group(f"pipe{self.pipeline}", self.stage, self.stages, pipelines=[self.pipeline]),
+                self.device,
+                self.backend,
+            )
         self.steps_per_epoch = spec.steps_per_epoch
         self.hetero_version = 0
         self.policy_version = 0
@@ -240,8 +243,17 @@ class Worker:
             gone = first_lost(self.store, watched)
             return None if gone is None else f"pipeline {gone} was lost"
 
-        g = make_group(self._rendezvous_store, name, rank, size, backend=self.backend, timeout=self.timeout,
-                       host=self.host, connect_timeout=connect_timeout, give_up=lost_member)
+        g = make_group(
+            self._rendezvous_store,
+            name,
+            rank,
+            size,
+            backend=self.backend,
+            timeout=self.timeout,
+            host=self.host,
+            connect_timeout=connect_timeout,
+            give_up=lost_member,
+        )
         self._groups.append(g)
         return g
 
@@ -253,8 +265,9 @@ class Worker:
 
     def span(self, kind: str, step, microbatch, start: float, end: float, **fields) -> None:
         """Record a span of this worker's work (``start``/``end``: ``time.time()`` values)."""
-        self.sink.add(events.span(kind, self.pipeline, self.stage, step, microbatch, start - self.t0,
-                                  end - self.t0, **fields))
+        self.sink.add(
+            events.span(kind, self.pipeline, self.stage, step, microbatch, start - self.t0, end - self.t0, **fields)
+        )
 
     def read_ctl(self, max_age: float = 0.0):
         """The driver's :class:`~sdpipe.protocol.Command` (see :meth:`PipelineControl.read`)."""
@@ -267,8 +280,9 @@ class Worker:
     def ask_group(self, step: int, global_sync: bool) -> dict:
         """Tell the group service this worker is ready; wait (bounded) for its group."""
         start = time.time()
-        answer = self.service.ready(stage=self.stage, pipeline=self.pipeline, step=step, global_sync=global_sync,
-                                    timeout=self.timeout)
+        answer = self.service.ready(
+            stage=self.stage, pipeline=self.pipeline, step=step, global_sync=global_sync, timeout=self.timeout
+        )
         self.span("wait", step, None, start, time.time(), what="group", group=answer["members"], round=answer["round"])
         return answer
 

@@ -48,7 +48,8 @@ class Checkpoint:
     states: dict
 
     def stage_state(self, pipeline: int, stage: int) -> dict:
-        """The state of (pipeline, stage), or of the first pipeline that has one (a pipeline lost before the checkpoint)."""
+        """The state of (pipeline, stage), or of the first pipeline that has one (a pipeline lost before the
+        checkpoint)."""
         if (pipeline, stage) in self.states:
             return self.states[(pipeline, stage)]
         for p in sorted({p for p, _ in self.states}):
@@ -69,7 +70,9 @@ def resolve(path) -> Path:
         q = p / latest.read_text().strip()
         if (q / "manifest.json").is_file():
             return q
-    raise ValueError(f"resume_from: no checkpoint at {str(p)!r} (neither a manifest.json nor a 'latest' file naming one)")
+    raise ValueError(
+        f"resume_from: no checkpoint at {str(p)!r} (neither a manifest.json nor a 'latest' file naming one)"
+    )
 
 
 def load_checkpoint(path, *, states: bool = True) -> Checkpoint:
@@ -82,15 +85,23 @@ def load_checkpoint(path, *, states: bool = True) -> Checkpoint:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"resume_from: {folder}/manifest.json is unreadable ({type(e).__name__}: {e})") from None
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"resume_from: {folder} has checkpoint format {manifest.get('format')!r}; this sdpipe reads {FORMAT}")
+        raise ValueError(
+            f"resume_from: {folder} has checkpoint format {manifest.get('format')!r}; this sdpipe reads {FORMAT}"
+        )
     loaded = {}
     if states:
         S = manifest["config"]["stages"]
         for rank in manifest["ranks"]:
             loaded[divmod(rank, S)] = torch.load(folder / f"rank{rank}.pt", map_location="cpu", weights_only=False)
-    return Checkpoint(path=str(folder), epoch=manifest["epoch"], steps={int(k): v for k, v in manifest["steps"].items()},
-                      config=manifest["config"], scheduler=manifest.get("scheduler"),
-                      lost={int(k): v for k, v in manifest.get("lost", {}).items()}, states=loaded)
+    return Checkpoint(
+        path=str(folder),
+        epoch=manifest["epoch"],
+        steps={int(k): v for k, v in manifest["steps"].items()},
+        config=manifest["config"],
+        scheduler=manifest.get("scheduler"),
+        lost={int(k): v for k, v in manifest.get("lost", {}).items()},
+        states=loaded,
+    )
 
 
 def staging(checkpoint_dir: str, epoch: int, run_id: str) -> Path:

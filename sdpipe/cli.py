@@ -35,8 +35,12 @@ def _add_fields(group, cls, names=None) -> None:
     kinds, docs = _flag_fields(cls), field_docs(cls)
     defaults = {f.name: f.default for f in fields(cls)}
     for name in names or kinds:
-        group.add_argument(f"--{name.replace('_', '-')}", type=kinds[name], default=defaults[name],
-                           help=docs[name].replace("%", "%%") or name.replace("_", " "))
+        group.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kinds[name],
+            default=defaults[name],
+            help=docs[name].replace("%", "%%") or name.replace("_", " "),
+        )
 
 
 def _slowdown(text: str):
@@ -46,7 +50,8 @@ def _slowdown(text: str):
         return key, float(factor)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--slowdown: {text!r} is not PIPELINE=FACTOR or PIPELINE,STAGE=FACTOR") from None
+            f"--slowdown: {text!r} is not PIPELINE=FACTOR or PIPELINE,STAGE=FACTOR"
+        ) from None
 
 
 class _Help(argparse.HelpFormatter):
@@ -61,8 +66,14 @@ class _Help(argparse.HelpFormatter):
 
 def _add_slowdowns(parser) -> None:
     group = parser.add_argument_group("heterogeneity", "emulated stragglers (the fields of sdpipe.Heterogeneity)")
-    group.add_argument("--slowdown", type=_slowdown, action="append", default=[], metavar="P=K",
-                       help="slow pipeline P (or P,S) by factor K; repeat for more")
+    group.add_argument(
+        "--slowdown",
+        type=_slowdown,
+        action="append",
+        default=[],
+        metavar="P=K",
+        help="slow pipeline P (or P,S) by factor K; repeat for more",
+    )
     _add_fields(group, Heterogeneity, ["straggle_prob", "straggle_delay"])
 
 
@@ -70,23 +81,45 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = _Help
     parser = argparse.ArgumentParser(prog="sdpipe", description="Heterogeneity-aware pipeline-parallel training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the built-in example (MLP on scikit-learn's digits)", formatter_class=fmt,
-                       description="Train the built-in example on an embedded Dask LocalCluster (or --cluster) and "
-                                   "print a progress bar per epoch and a summary.")
+    t = sub.add_parser(
+        "train",
+        help="train the built-in example (MLP on scikit-learn's digits)",
+        formatter_class=fmt,
+        description="Train the built-in example on an embedded Dask LocalCluster (or --cluster) and "
+        "print a progress bar per epoch and a summary.",
+    )
     t.add_argument("--example", choices=["digits"], default="digits", help="built-in model and data")
-    t.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
-                   help="the digits MLP or a small CNN (more compute per weight)")
+    t.add_argument(
+        "--model", choices=["mlp", "cnn"], default="mlp", help="the digits MLP or a small CNN (more compute per weight)"
+    )
     t.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
-    t.add_argument("--cluster", default=None,
-                   help="address of an existing Dask scheduler; none starts an embedded LocalCluster on this machine")
+    t.add_argument(
+        "--cluster",
+        default=None,
+        help="address of an existing Dask scheduler; none starts an embedded LocalCluster on this machine",
+    )
     t.add_argument("--resume-from", default=None, help="a checkpoint folder, or a checkpoint dir for its latest")
-    t.add_argument("--config", default=None, metavar="FILE",
-                   help="a .toml or .json file of these options (names with - or _); flags given here win")
-    _add_fields(t.add_argument_group("run", "the fields of sdpipe.TrainConfig (--seed also seeds the example's "
-                                            "initial weights and its train/held-out split)"), TrainConfig)
+    t.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a .toml or .json file of these options (names with - or _); flags given here win",
+    )
+    _add_fields(
+        t.add_argument_group(
+            "run",
+            "the fields of sdpipe.TrainConfig (--seed also seeds the example's "
+            "initial weights and its train/held-out split)",
+        ),
+        TrainConfig,
+    )
     _add_slowdowns(t)
-    m = sub.add_parser("simulate", help="simulate a run in simulated time on the scheduler core", formatter_class=fmt,
-                       description="Simulate a run with uniform per-stage costs and print its throughput.")
+    m = sub.add_parser(
+        "simulate",
+        help="simulate a run in simulated time on the scheduler core",
+        formatter_class=fmt,
+        description="Simulate a run with uniform per-stage costs and print its throughput.",
+    )
     m.add_argument("--stages", type=int, default=4, help="stages S")
     m.add_argument("--pipelines", type=int, default=64, help="pipelines D")
     m.add_argument("--policy", default="sdpipe", help="sdpipe, allreduce or none")
@@ -105,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
     """Options from a TOML or JSON file, checked against ``parser``'s options: one-line errors name the field."""
     import json
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     p = Path(path)
     try:
@@ -129,18 +163,23 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
         action = actions[dest]
         if action.choices is not None and value not in action.choices:
             raise ValueError(
-                f"config: {path}: field {key!r} is {value!r}; allowed: {', '.join(map(str, action.choices))}")
+                f"config: {path}: field {key!r} is {value!r}; allowed: {', '.join(map(str, action.choices))}"
+            )
         if dest == "slowdown":
             if not isinstance(value, dict):
-                raise ValueError(f"config: {path}: field 'slowdown' must be a table pipeline -> factor, "
-                                 f"got {type(value).__name__}")
+                raise ValueError(
+                    f"config: {path}: field 'slowdown' must be a table pipeline -> factor, got {type(value).__name__}"
+                )
             try:
                 value = [_slowdown(f"{k}={v}") for k, v in value.items()]
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"config: {path}: field 'slowdown': {e}") from None
         elif action.type in (int, float):
-            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-                  and (action.type is float or isinstance(value, int)))
+            ok = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and (action.type is float or isinstance(value, int))
+            )
             if not ok:
                 kind = "an integer" if action.type is int else "a number"
                 raise ValueError(f"config: {path}: field {key!r} must be {kind}, got {value!r}")
@@ -155,21 +194,38 @@ def _simulate(args) -> int:
     from . import Costs, Network, simulate
 
     S = args.stages
-    costs = Costs(forward=[args.forward] * S, backward=[args.backward] * S, weight_bytes=[args.weight_bytes] * S,
-                  activation_bytes=[args.activation_bytes] * (S - 1))
-    hetero = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob,
-                           straggle_delay=args.straggle_delay)
+    costs = Costs(
+        forward=[args.forward] * S,
+        backward=[args.backward] * S,
+        weight_bytes=[args.weight_bytes] * S,
+        activation_bytes=[args.activation_bytes] * (S - 1),
+    )
+    hetero = Heterogeneity(
+        slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay
+    )
     t = time.time()
-    result = simulate(S, args.pipelines, costs=costs, policy=args.policy, schedule=args.schedule,
-                      microbatches=args.microbatches, batch_size=args.batch_size, steps=args.steps,
-                      heterogeneity=hetero, network=Network(bandwidth=args.bandwidth),
-                      seed=args.seed, record=False)
+    result = simulate(
+        S,
+        args.pipelines,
+        costs=costs,
+        policy=args.policy,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        heterogeneity=hetero,
+        network=Network(bandwidth=args.bandwidth),
+        seed=args.seed,
+        record=False,
+    )
     samples = sum(h["samples"] for h in result.history)
     shares = sorted(h["share"] for h in result.history)
-    print(f"simulated {S} stages x {args.pipelines} pipelines, policy={args.policy}: "
-          f"{result.wall_time:.3f} simulated s, "
-          f"{samples / result.wall_time:.0f} samples/s, pipeline shares {shares[0]:.3f}..{shares[-1]:.3f}, "
-          f"worst proxy loss {max(h['loss'] for h in result.history):.4f} ({time.time() - t:.1f} s to simulate)")
+    print(
+        f"simulated {S} stages x {args.pipelines} pipelines, policy={args.policy}: "
+        f"{result.wall_time:.3f} simulated s, "
+        f"{samples / result.wall_time:.0f} samples/s, pipeline shares {shares[0]:.3f}..{shares[-1]:.3f}, "
+        f"worst proxy loss {max(h['loss'] for h in result.history):.4f} ({time.time() - t:.1f} s to simulate)"
+    )
     return 0
 
 
@@ -213,8 +269,9 @@ def _check(args) -> tuple[TrainConfig, dict]:
     (well under a second)."""
     options = {name: getattr(args, name) for name in _flag_fields(TrainConfig)}
     if args.slowdown or args.straggle_prob:
-        options["heterogeneity"] = Heterogeneity(slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob,
-                                                 straggle_delay=args.straggle_delay)
+        options["heterogeneity"] = Heterogeneity(
+            slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay
+        )
     if args.model == "cnn" and args.stages == 2:
         options["cuts"] = (6,)  # balanced by compute, not by weights
     return TrainConfig(**options), options
@@ -223,8 +280,11 @@ def _check(args) -> tuple[TrainConfig, dict]:
 def _train(args) -> int:
     config, options = _check(args)
     where = f"the Dask cluster at {args.cluster}" if args.cluster else "an embedded Dask cluster on this machine"
-    print(f"sdpipe: starting {config.world_size} workers ({args.stages} stages x {args.pipelines} pipelines, "
-          f"policy {args.policy}) on {where} ...", flush=True)
+    print(
+        f"sdpipe: starting {config.world_size} workers ({args.stages} stages x {args.pipelines} pipelines, "
+        f"policy {args.policy}) on {where} ...",
+        flush=True,
+    )
 
     from . import train
     from .data import digits, digits_cnn, digits_mlp
@@ -256,17 +316,22 @@ def _train(args) -> int:
     rows = [h for h in result.history if h["epoch"] == last]
     samples = sum(h["samples"] for h in result.history)
     epochs = len({h["epoch"] for h in result.history})
-    print(f"\nsummary: {args.stages} stages x {args.pipelines} pipelines, policy={args.policy}, "
-          f"schedule={args.schedule}")
+    print(
+        f"\nsummary: {args.stages} stages x {args.pipelines} pipelines, policy={args.policy}, schedule={args.schedule}"
+    )
     began = min((e["start"] for e in result.events if e["kind"] == "forward"), default=0.0)
     trained = max(result.wall_time - began, 1e-9)
-    print(f"  trained {epochs} epoch(s): {samples} samples over all pipelines in {trained:.1f} s from the first step "
-          f"({samples / trained:.0f} samples/s, evaluation included); the workers took {began:.1f} s to start")
+    print(
+        f"  trained {epochs} epoch(s): {samples} samples over all pipelines in {trained:.1f} s from the first step "
+        f"({samples / trained:.0f} samples/s, evaluation included); the workers took {began:.1f} s to start"
+    )
     print(f"  last epoch ({last + 1}), per pipeline:")
     for h in rows:
         acc = f"{h['accuracy']:.4f}" if "accuracy" in h else "-"
-        print(f"  pipeline {h['pipeline']}: loss {h['loss']:.4f}  held-out accuracy {acc}  "
-              f"{h['samples_per_s']:.0f} samples/s")
+        print(
+            f"  pipeline {h['pipeline']}: loss {h['loss']:.4f}  held-out accuracy {acc}  "
+            f"{h['samples_per_s']:.0f} samples/s"
+        )
     print(f"  max parameter difference between pipelines: {result.max_param_diff():.3g}")
     accs = [h["accuracy"] for h in rows if "accuracy" in h]
     if accs:

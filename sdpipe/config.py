@@ -30,8 +30,16 @@ from typing import Any, Mapping, Optional, Union
 
 from .scheduler import POLICY_PRESETS, SchedulerPolicy
 
-__all__ = ["Heterogeneity", "TrainConfig", "POLICIES", "SCHEDULE_NAMES", "OPTIMIZERS", "DEVICES", "field_docs",
-           "config_keywords"]
+__all__ = [
+    "Heterogeneity",
+    "TrainConfig",
+    "POLICIES",
+    "SCHEDULE_NAMES",
+    "OPTIMIZERS",
+    "DEVICES",
+    "field_docs",
+    "config_keywords",
+]
 
 POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 #: policies a running run can switch between with Run.set_policy
@@ -47,8 +55,9 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
-def _number(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False,
-            whole: bool = False) -> float:
+def _number(
+    name: str, value: Any, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False, whole: bool = False
+) -> float:
     """``value`` as a float (an int if ``whole``) if it is a number in the range, else a one-line ``ValueError``.
 
     A closed range reads "must be a number from 1 to 8", an open-ended one "must be >= 1.0" (or "> 0.0").
@@ -96,7 +105,8 @@ class Heterogeneity:
                     isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)
                 ):
                     raise ValueError(
-                        f"heterogeneity.{name}: key {key!r} must be a pipeline id or a (pipeline, stage) pair")
+                        f"heterogeneity.{name}: key {key!r} must be a pipeline id or a (pipeline, stage) pair"
+                    )
                 _number(f"heterogeneity.{name}[{key!r}]", value, lo)
         _number("heterogeneity.straggle_prob", self.straggle_prob, 0.0, 1.0)
         _number("heterogeneity.straggle_delay", self.straggle_delay, 0.0)
@@ -135,8 +145,9 @@ class Heterogeneity:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Heterogeneity":
-        dec = lambda t: {(tuple(int(x) for x in k.split(",")) if "," in str(k) else int(k)): v
-                         for k, v in (t or {}).items()}
+        dec = lambda t: {
+            (tuple(int(x) for x in k.split(",")) if "," in str(k) else int(k)): v for k, v in (t or {}).items()
+        }
         return cls(
             slowdown=dec(d.get("slowdown")),
             straggle_prob=d.get("straggle_prob", 0.0),
@@ -229,26 +240,33 @@ class TrainConfig:
             raise ValueError(f"seed: must be an integer >= 0, got {self.seed!r}")
         if self.heterogeneity is not None:
             if not isinstance(self.heterogeneity, Heterogeneity):
-                raise ValueError(f"heterogeneity: must be a sdpipe.Heterogeneity or None, "
-                                 f"got {type(self.heterogeneity).__name__}")
+                raise ValueError(
+                    f"heterogeneity: must be a sdpipe.Heterogeneity or None, got {type(self.heterogeneity).__name__}"
+                )
             self.heterogeneity.check_workers(self.pipelines, self.stages)
         if self.scheduler is not None:
             if isinstance(self.scheduler, dict):
                 object.__setattr__(self, "scheduler", SchedulerPolicy().updated(**self.scheduler))
             elif not isinstance(self.scheduler, SchedulerPolicy):
-                raise ValueError(f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, "
-                                 f"got {type(self.scheduler).__name__}")
+                raise ValueError(
+                    f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, "
+                    f"got {type(self.scheduler).__name__}"
+                )
         _number("timeout", self.timeout, 0.0, lo_open=True)
         if self.host is not None and (not isinstance(self.host, str) or not self.host):
-            raise ValueError(f"host: must be a non-empty address string or None (the address that routes to the "
-                             f"Dask scheduler), got {self.host!r}")
+            raise ValueError(
+                f"host: must be a non-empty address string or None (the address that routes to the "
+                f"Dask scheduler), got {self.host!r}"
+            )
         every = self.checkpoint_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"checkpoint_every: must be an integer >= 0 (epochs; 0 = none), got {every!r}")
         if self.checkpoint_every and self.checkpoint_every % self.sync_every:
-            raise ValueError(f"checkpoint_every: {self.checkpoint_every} is not a multiple of "
-                             f"sync_every={self.sync_every}; "
-                             "checkpoints follow global syncs")
+            raise ValueError(
+                f"checkpoint_every: {self.checkpoint_every} is not a multiple of "
+                f"sync_every={self.sync_every}; "
+                "checkpoints follow global syncs"
+            )
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_dir: needed when checkpoint_every > 0 (a folder every worker can write)")
         if self.checkpoint_dir is not None:
@@ -304,8 +322,13 @@ def _field_docs(cls) -> tuple[tuple[str, str], ...]:
             continue
         names = vars(inspect.getmodule(klass) or object)
         for node, under in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(under, ast.Expr)
-                    and isinstance(under.value, ast.Constant) and isinstance(under.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(under, ast.Expr)
+                and isinstance(under.value, ast.Constant)
+                and isinstance(under.value.value, str)
+            ):
                 docs[node.target.id] = _written_out(" ".join(under.value.value.split()), names)
     return tuple((f.name, docs.get(f.name, "")) for f in fields(cls))
 
@@ -343,17 +366,21 @@ def config_keywords(func):
     params = list(sig.parameters.values())
     var = [p for p in params if p.kind is p.VAR_KEYWORD]
     if not var:
-        raise TypeError(f"config_keywords: {func.__qualname__}() needs a **options parameter "
-                        "for the TrainConfig fields")
+        raise TypeError(
+            f"config_keywords: {func.__qualname__}() needs a **options parameter for the TrainConfig fields"
+        )
     own = [p for p in params if p.kind is not p.VAR_KEYWORD]
     config_fields = [f for f in fields(TrainConfig) if f.init]
     clash = sorted({p.name for p in own} & {f.name for f in config_fields})
     if clash:
-        raise TypeError(f"config_keywords: {func.__qualname__}() has parameters that are TrainConfig fields: "
-                        f"{', '.join(clash)}")
+        raise TypeError(
+            f"config_keywords: {func.__qualname__}() has parameters that are TrainConfig fields: {', '.join(clash)}"
+        )
     hints = typing.get_type_hints(TrainConfig)
-    added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f), annotation=hints[f.name])
-             for f in config_fields]
+    added = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f), annotation=hints[f.name])
+        for f in config_fields
+    ]
     own_keywords = [p.name for p in own if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
     allowed = set(own_keywords) | {f.name for f in config_fields}
     listed = ", ".join([*(p.name for p in own if p.kind is p.KEYWORD_ONLY), *(f.name for f in config_fields)])
@@ -364,8 +391,9 @@ def config_keywords(func):
             if name not in allowed:
                 near = difflib.get_close_matches(name, sorted(allowed), n=1)
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
-                raise TypeError(f"{func.__qualname__}() got an unexpected keyword argument {name!r}{hint}; "
-                                f"keywords are {listed}")
+                raise TypeError(
+                    f"{func.__qualname__}() got an unexpected keyword argument {name!r}{hint}; keywords are {listed}"
+                )
         return func(*args, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=[*own, *added])

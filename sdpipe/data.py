@@ -34,7 +34,9 @@ def as_tensors(data, name: str):
         X = torch.stack([torch.as_tensor(it[0]) for it in items])
         Y = torch.stack([torch.as_tensor(it[1]) for it in items])
     else:
-        raise ValueError(f"{name}: must be a torch Dataset or an (inputs, targets) pair of tensors, got {type(data).__name__}")
+        raise ValueError(
+            f"{name}: must be a torch Dataset or an (inputs, targets) pair of tensors, got {type(data).__name__}"
+        )
     if X.shape[0] != Y.shape[0]:
         raise ValueError(f"{name}: inputs hold {X.shape[0]} samples but targets hold {Y.shape[0]}")
     if X.shape[0] == 0:
@@ -91,9 +93,9 @@ def digits(test_fraction: float = 0.2, seed: int = 0):
 
     X, y = load_digits(return_X_y=True)
     Xtr, Xte, ytr, yte = train_test_split(X / 16.0, y, test_size=test_fraction, random_state=seed, stratify=y)
-    f = lambda a: torch.tensor(a, dtype=torch.float32)
-    l = lambda a: torch.tensor(a, dtype=torch.int64)
-    return (f(Xtr), l(ytr)), (f(Xte), l(yte))
+    features = lambda a: torch.tensor(a, dtype=torch.float32)
+    labels = lambda a: torch.tensor(a, dtype=torch.int64)
+    return (features(Xtr), labels(ytr)), (features(Xte), labels(yte))
 
 
 def digits_mlp(hidden: int = 128, layers: int = 2, seed: int = 0):
@@ -126,10 +128,13 @@ def digits_cnn(channels: int = 32, seed: int = 0):
     c = channels
     return nn.Sequential(
         nn.Unflatten(1, (1, 8, 8)),
-        nn.Conv2d(1, c, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(1, c, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(c, 2 * c, 3, padding=1),
+        nn.ReLU(),
         nn.MaxPool2d(2),  # 2c x 4 x 4
-        nn.Conv2d(2 * c, 4 * c, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(2 * c, 4 * c, 3, padding=1),
+        nn.ReLU(),
         nn.Flatten(),
         nn.Linear(4 * c * 16, 10),
     )

@@ -28,8 +28,20 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["SCHEMA", "COMMON", "span", "instant", "group", "control", "epoch", "stage_info", "checkpoint",
-           "worker_lost", "validate", "problems"]
+__all__ = [
+    "SCHEMA",
+    "COMMON",
+    "span",
+    "instant",
+    "group",
+    "control",
+    "epoch",
+    "stage_info",
+    "checkpoint",
+    "worker_lost",
+    "validate",
+    "problems",
+]
 
 #: the fields every record has
 COMMON = ("kind", "pipeline", "stage", "step", "microbatch", "start", "end")
@@ -52,22 +64,43 @@ SCHEMA: dict = {
     "stage": (("weight_bytes", "activation_bytes"), ("address",)),  # a worker describes its stage once
     "epoch": (("metrics",), ()),  # metrics: epoch, pipeline, loss, samples, share, samples_per_s, steps, complete, ...
     "group": (("round", "group", "reason", "wait", "connected", "policy"), ()),  # a decision of the group scheduler
-    "control": (("what",), ("applied_by", "version", "heterogeneity", "policy", "params", "host", "address",
-                            "pipelines", "bandwidth", "cpu")),
+    "control": (
+        ("what",),
+        (
+            "applied_by",
+            "version",
+            "heterogeneity",
+            "policy",
+            "params",
+            "host",
+            "address",
+            "pipelines",
+            "bandwidth",
+            "cpu",
+        ),
+    ),
     "checkpoint": (("epoch", "path"), ()),
     "worker-lost": (("worker", "reason"), ()),
 }
 
 
 def _record(kind: str, pipeline, stage, step, microbatch, start: float, end: float, fields: dict) -> dict:
-    rec = {"kind": kind, "pipeline": pipeline, "stage": stage, "step": step, "microbatch": microbatch,
-           "start": start, "end": end}
+    rec = {
+        "kind": kind,
+        "pipeline": pipeline,
+        "stage": stage,
+        "step": step,
+        "microbatch": microbatch,
+        "start": start,
+        "end": end,
+    }
     rec.update(fields)
     return rec
 
 
-def span(kind: str, pipeline: Optional[int], stage: Optional[int], step, microbatch, start: float, end: float,
-         **fields) -> dict:
+def span(
+    kind: str, pipeline: Optional[int], stage: Optional[int], step, microbatch, start: float, end: float, **fields
+) -> dict:
     """A span of one worker's work (``forward``, ``backward``, ``send``, ``recv``, ``wait``, ``sync``, ...)."""
     return _record(kind, pipeline, stage, step, microbatch, start, end, fields)
 
@@ -77,12 +110,35 @@ def instant(kind: str, at: float, *, pipeline=None, stage=None, step=None, **fie
     return _record(kind, pipeline, stage, step, None, at, at, fields)
 
 
-def group(stage: int, round_: int, members, reason: str, opened: float, closed: float, wait: float,
-          connected: bool, policy: str) -> dict:
+def group(
+    stage: int,
+    round_: int,
+    members,
+    reason: str,
+    opened: float,
+    closed: float,
+    wait: float,
+    connected: bool,
+    policy: str,
+) -> dict:
     """A group the scheduler decided for ``stage``: its round, members, why it closed, its window."""
-    return _record("group", None, stage, None, None, opened, closed,
-                   {"round": round_, "group": list(members), "reason": reason, "wait": wait,
-                    "connected": connected, "policy": policy})
+    return _record(
+        "group",
+        None,
+        stage,
+        None,
+        None,
+        opened,
+        closed,
+        {
+            "round": round_,
+            "group": list(members),
+            "reason": reason,
+            "wait": wait,
+            "connected": connected,
+            "policy": policy,
+        },
+    )
 
 
 def control(what: str, at: float, *, applied_by: str, pipeline=None, stage=None, step=None, **fields) -> dict:
@@ -96,12 +152,20 @@ def epoch(pipeline: int, stage: int, step: int, at: float, metrics: dict) -> dic
     return instant("epoch", at, pipeline=pipeline, stage=stage, step=step, metrics=metrics)
 
 
-def stage_info(pipeline: int, stage: int, at: float, weight_bytes: int, activation_bytes: int,
-               address: Optional[str] = None) -> dict:
+def stage_info(
+    pipeline: int, stage: int, at: float, weight_bytes: int, activation_bytes: int, address: Optional[str] = None
+) -> dict:
     """A worker's stage: bytes of its synchronized state and of one micro-batch's output."""
     extra = {} if address is None else {"address": address}
-    return instant("stage", at, pipeline=pipeline, stage=stage, weight_bytes=int(weight_bytes),
-                   activation_bytes=int(activation_bytes), **extra)
+    return instant(
+        "stage",
+        at,
+        pipeline=pipeline,
+        stage=stage,
+        weight_bytes=int(weight_bytes),
+        activation_bytes=int(activation_bytes),
+        **extra,
+    )
 
 
 def checkpoint(epoch_: int, path: str, at: float) -> dict:

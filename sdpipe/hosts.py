@@ -125,8 +125,14 @@ class EmulatedHosts:
     these hosts.  ``threads``: threads per worker (sdpipe needs one per rank).
     """
 
-    def __init__(self, workers: Sequence[int] = (2, 2), *, threads: int = 1, env: Optional[dict] = None,
-                 start_timeout: float = START_TIMEOUT):
+    def __init__(
+        self,
+        workers: Sequence[int] = (2, 2),
+        *,
+        threads: int = 1,
+        env: Optional[dict] = None,
+        start_timeout: float = START_TIMEOUT,
+    ):
         if not workers or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in workers):
             raise ValueError(f"workers: must be a non-empty list of worker counts (integers >= 0), got {workers!r}")
         why = unavailable()
@@ -166,8 +172,16 @@ class EmulatedHosts:
     def _save_state(self) -> None:
         os.makedirs(STATE_DIR, exist_ok=True)
         with open(os.path.join(STATE_DIR, f"{self.id}.json"), "w") as f:
-            json.dump({"pid": os.getpid(), "bridge": self.bridge, "namespaces": self.namespaces, "links": self._outer,
-                       "cgroups": [_cgroup_path(self.id, i) for i in range(len(self.addresses))]}, f)
+            json.dump(
+                {
+                    "pid": os.getpid(),
+                    "bridge": self.bridge,
+                    "namespaces": self.namespaces,
+                    "links": self._outer,
+                    "cgroups": [_cgroup_path(self.id, i) for i in range(len(self.addresses))],
+                },
+                f,
+            )
 
     def _make_network(self) -> None:
         prefix = self.subnet.prefixlen
@@ -207,25 +221,30 @@ class EmulatedHosts:
         return subprocess.Popen(cmd, start_new_session=True, **kwargs)
 
     def _spawn(self, host: int, args: list, log: str) -> subprocess.Popen:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
-                   DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False", **self._env)
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
+            DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False",
+            **self._env,
+        )
         with open(log, "wb") as out:
-            p = self.popen(host, [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
-                           stdin=subprocess.DEVNULL, env=env)
+            p = self.popen(
+                host, [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
         self._procs.append((host, p))
         return p
 
     def _start(self, timeout: float) -> None:
         self.log_dir = os.path.join(STATE_DIR, self.id)
         os.makedirs(self.log_dir, exist_ok=True)
-        self._spawn(0, ["-m", "distributed.cli.dask_scheduler", "--host", self.addresses[0], "--port",
-                        str(SCHEDULER_PORT), "--no-dashboard"], os.path.join(self.log_dir, "scheduler.log"))
+        self._spawn(0, _scheduler_args(self.addresses[0]), os.path.join(self.log_dir, "scheduler.log"))
         for i, n in enumerate(self.workers, start=1):
             if n:
-                self._spawn(i, ["-m", "distributed.cli.dask_worker", self.scheduler_address, "--host", self.addresses[i],
-                                "--nworkers", str(n), "--nthreads", str(self.threads), "--no-dashboard",
-                                "--name", f"h{i}"], os.path.join(self.log_dir, f"host{i}.log"))
+                args = _worker_args(self.scheduler_address, self.addresses[i], n, self.threads, f"h{i}")
+                self._spawn(i, args, os.path.join(self.log_dir, f"host{i}.log"))
         self.wait_for_workers(sum(self.workers), timeout)
 
     def wait_for_workers(self, n: int, timeout: float = START_TIMEOUT) -> None:
@@ -237,8 +256,9 @@ class EmulatedHosts:
         while time.monotonic() < deadline:
             for host, p in self._procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"emulated host {host}: its Dask process exited with {p.returncode}; "
-                                       f"see {self.log_dir}")
+                    raise RuntimeError(
+                        f"emulated host {host}: its Dask process exited with {p.returncode}; see {self.log_dir}"
+                    )
             try:
                 with Client(self.scheduler_address, timeout=5, set_as_default=False) as c:
                     if n:
@@ -248,8 +268,10 @@ class EmulatedHosts:
                 seen += 1
                 last = e
                 time.sleep(0.5)
-        raise TimeoutError(f"emulated hosts: {n} Dask workers did not start within {timeout:.0f}s "
-                           f"({type(last).__name__ if seen else 'no answer'}); see {self.log_dir}")
+        raise TimeoutError(
+            f"emulated hosts: {n} Dask workers did not start within {timeout:.0f}s "
+            f"({type(last).__name__ if seen else 'no answer'}); see {self.log_dir}"
+        )
 
     # ------------------------------------------------------------ shaping
     def host_of(self, address: str) -> int:
@@ -268,26 +290,10 @@ class EmulatedHosts:
         """
         if isinstance(host, bool) or not isinstance(host, int) or not 0 <= host < len(self.addresses):
             raise ValueError(f"host: must be a host index 0..{len(self.addresses) - 1}, got {host!r}")
-        if bandwidth is not ... and bandwidth is not None:
-            if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not 1000 <= bandwidth <= 1e11:
-                raise ValueError(f"bandwidth: must be bytes/s between 1e3 and 1e11, or None for no limit, got {bandwidth!r}")
-        if cpu is not ... and cpu is not None:
-            if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not 0.01 <= cpu <= 1024:
-                raise ValueError(f"cpu: must be cores between 0.01 and 1024, or None for no limit, got {cpu!r}")
-            why = cpu_shaping_unavailable()
-            if why:
-                raise HostsUnavailable(f"cpu: cannot cap a host's CPU here: {why}")
+        _check_shaping(bandwidth, cpu)
         if bandwidth is not ...:
-            devices = [(None, self._outer[host]), (self.namespaces[host], "eth0")]
-            for ns, dev in devices:
-                where = ("-n", ns) if ns else ()
-                if bandwidth is None:
-                    _run("tc", *where, "qdisc", "del", "dev", dev, "root", check=False)
-                else:
-                    rate = int(bandwidth * 8)
-                    burst = max(int(bandwidth / 50), 16384)
-                    _run("tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-                         "burst", str(burst), "latency", "100ms")
+            for ns, dev in [(None, self._outer[host]), (self.namespaces[host], "eth0")]:
+                _set_bandwidth(ns, dev, bandwidth)
             self.shaping[host]["bandwidth"] = None if bandwidth is None else float(bandwidth)
         if cpu is not ...:
             _set_quota(self.cgroups[host], cpu)
@@ -330,7 +336,9 @@ class EmulatedHosts:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-        _remove(self.bridge, self.namespaces, [_cgroup_path(self.id, i) for i in range(len(self.addresses))], self._outer)
+        _remove(
+            self.bridge, self.namespaces, [_cgroup_path(self.id, i) for i in range(len(self.addresses))], self._outer
+        )
         try:
             os.remove(os.path.join(STATE_DIR, f"{self.id}.json"))
         except FileNotFoundError:
@@ -344,9 +352,72 @@ class EmulatedHosts:
         self.close()
 
     def __repr__(self) -> str:
-        hosts = ", ".join(f"h{i}={a}" + (" (scheduler)" if i == 0 else f" ({self.workers[i - 1]} workers)")
-                          for i, a in enumerate(self.addresses))
+        hosts = ", ".join(
+            f"h{i}={a}" + (" (scheduler)" if i == 0 else f" ({self.workers[i - 1]} workers)")
+            for i, a in enumerate(self.addresses)
+        )
         return f"EmulatedHosts({hosts}; driver {self.driver_address}{', closed' if self._closed else ''})"
+
+
+def _check_shaping(bandwidth, cpu) -> None:
+    """One-line errors for limits out of range (``...``: left as it is; None: no limit)."""
+    if bandwidth is not ... and bandwidth is not None:
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not 1000 <= bandwidth <= 1e11:
+            raise ValueError(
+                f"bandwidth: must be bytes/s between 1e3 and 1e11, or None for no limit, got {bandwidth!r}"
+            )
+    if cpu is not ... and cpu is not None:
+        if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not 0.01 <= cpu <= 1024:
+            raise ValueError(f"cpu: must be cores between 0.01 and 1024, or None for no limit, got {cpu!r}")
+        why = cpu_shaping_unavailable()
+        if why:
+            raise HostsUnavailable(f"cpu: cannot cap a host's CPU here: {why}")
+
+
+def _set_bandwidth(namespace: Optional[str], dev: str, bandwidth: Optional[float]) -> None:
+    """A token bucket of ``bandwidth`` bytes/s on ``dev`` (in ``namespace``, None: this one); None removes it."""
+    where = ("-n", namespace) if namespace else ()
+    if bandwidth is None:
+        _run("tc", *where, "qdisc", "del", "dev", dev, "root", check=False)
+        return
+    rate, burst = int(bandwidth * 8), max(int(bandwidth / 50), 16384)
+    _run(
+        "tc",
+        *where,
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{rate}bit",
+        "burst",
+        str(burst),
+        "latency",
+        "100ms",
+    )
+
+
+def _scheduler_args(address: str) -> list:
+    return ["-m", "distributed.cli.dask_scheduler", "--host", address, "--port", str(SCHEDULER_PORT), "--no-dashboard"]
+
+
+def _worker_args(scheduler: str, address: str, n: int, threads: int, name: str) -> list:
+    return [
+        "-m",
+        "distributed.cli.dask_worker",
+        scheduler,
+        "--host",
+        address,
+        "--nworkers",
+        str(n),
+        "--nthreads",
+        str(threads),
+        "--no-dashboard",
+        "--name",
+        name,
+    ]
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -429,12 +500,19 @@ def clean_stale() -> list:
 
 def leftovers() -> dict:
     """Namespaces, links and cgroups named like emulated hosts' that exist now (for tests and for ``clean``)."""
-    ns = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines()
-          if line.startswith("sdpipe-")]
-    links = [line.split(":")[1].strip().split("@")[0] for line in _run("ip", "-o", "link", check=False).stdout.splitlines()
-             if line.split(":")[1].strip().startswith(("sdb-", "sdv-", "sdi-"))]
-    groups = [d for base in (CGROUP_V1, CGROUP_V2) if os.path.isdir(base)
-              for d in os.listdir(base) if d.startswith("sdpipe-")]
+    ns = [
+        line.split()[0]
+        for line in _run("ip", "netns", "list", check=False).stdout.splitlines()
+        if line.startswith("sdpipe-")
+    ]
+    links = [
+        line.split(":")[1].strip().split("@")[0]
+        for line in _run("ip", "-o", "link", check=False).stdout.splitlines()
+        if line.split(":")[1].strip().startswith(("sdb-", "sdv-", "sdi-"))
+    ]
+    groups = [
+        d for base in (CGROUP_V1, CGROUP_V2) if os.path.isdir(base) for d in os.listdir(base) if d.startswith("sdpipe-")
+    ]
     return {"namespaces": ns, "links": links, "cgroups": groups}
 
 

@@ -55,7 +55,11 @@ def check_cuts(cuts: Sequence[int], layers: int, stages: int) -> list[int]:
     cuts = list(cuts)
     if len(cuts) != stages - 1:
         raise ValueError(f"cuts: {stages} stages need {stages - 1} cut points, got {len(cuts)}")
-    if any(not isinstance(c, int) for c in cuts) or cuts != sorted(set(cuts)) or (cuts and (cuts[0] < 1 or cuts[-1] > layers - 1)):
+    if (
+        any(not isinstance(c, int) for c in cuts)
+        or cuts != sorted(set(cuts))
+        or (cuts and (cuts[0] < 1 or cuts[-1] > layers - 1))
+    ):
         raise ValueError(f"cuts: must be strictly increasing integers in 1..{layers - 1}, got {cuts}")
     return cuts
 
@@ -90,6 +94,8 @@ def partition(model, stages: int, cuts: Sequence[int] | None = None) -> list:
         cuts = balanced_cuts([sum(p.numel() for p in m.parameters()) for m in layers], stages)
     else:
         if stages > len(layers):
-            raise ValueError(f"stages: {stages} exceeds the {len(layers)} layers of the model; allowed 1..{len(layers)}")
+            raise ValueError(
+                f"stages: {stages} exceeds the {len(layers)} layers of the model; allowed 1..{len(layers)}"
+            )
         cuts = check_cuts(cuts, len(layers), stages)
     return [nn.Sequential(*layers[a:b]) for a, b in stage_bounds(cuts, len(layers))]

@@ -76,8 +76,16 @@ from . import sync_rules as rules
 from ._comm import CONNECT_TIMEOUT, allreduce_mean_, flatten, pipeline_lost, unflatten_
 from .protocol import Keys
 
-__all__ = ["SyncPolicy", "AllReduce", "NoSync", "Scheduled", "GossipPairs", "ParameterServer", "make_policy",
-           "WORKER_MODES"]
+__all__ = [
+    "SyncPolicy",
+    "AllReduce",
+    "NoSync",
+    "Scheduled",
+    "GossipPairs",
+    "ParameterServer",
+    "make_policy",
+    "WORKER_MODES",
+]
 
 TAG_SERVE = 7  # point-to-point traffic of the gossip and parameter-server exchanges
 #: seconds after stage 0 first read the driver's stop before a group policy takes it without its group's word
@@ -294,17 +302,36 @@ class _GroupPolicy(SyncPolicy):
             pg = self.groups.get(answer["name"])
             if pg is None:
                 if not self._all_arrive(worker, answer):
-                    worker.span("sync", step, None, start, time.time(), **fields,
-                                failed="a member's pipeline was lost before the group formed")
+                    worker.span(
+                        "sync",
+                        step,
+                        None,
+                        start,
+                        time.time(),
+                        **fields,
+                        failed="a member's pipeline was lost before the group formed",
+                    )
                     return False
-                pg = worker.group(f"avg/{answer['name']}/r{answer['round']}", members.index(worker.pipeline),
-                                  len(members), connect_timeout=CONNECT_TIMEOUT, pipelines=members)
+                pg = worker.group(
+                    f"avg/{answer['name']}/r{answer['round']}",
+                    members.index(worker.pipeline),
+                    len(members),
+                    connect_timeout=CONNECT_TIMEOUT,
+                    pipelines=members,
+                )
                 self.groups[answer["name"]] = pg
             worker.delay_link()
             before = self.mass
             # the masses travel as an extra under either weighting; "uniform" weights every member 1
-            total = allreduce_mean_(tensors, pg, len(members), extras=(self.mass,), comm_device=worker.link_device,
-                                    timeout=worker.timeout, weight=rules.member_weight(self.mass, weighting))[0]
+            total = allreduce_mean_(
+                tensors,
+                pg,
+                len(members),
+                extras=(self.mass,),
+                comm_device=worker.link_device,
+                timeout=worker.timeout,
+                weight=rules.member_weight(self.mass, weighting),
+            )[0]
             self.mass = rules.mass_after_round(rules.mass_after_group(total, len(members)), answer["reason"])
         except RuntimeError as e:
             # a member died during the collective (its pipeline is being lost): this worker keeps its own
@@ -361,8 +388,9 @@ class Scheduled(_GroupPolicy):
         driver's flag in the run's store is the fallback, taken
         ``STOP_GRACE`` seconds after this worker first read it.
         """
-        stop, self.stop_seen_at = rules.group_stop(self.stop_answered, store_stop, self.stop_seen_at,
-                                                   time.monotonic(), STOP_GRACE)
+        stop, self.stop_seen_at = rules.group_stop(
+            self.stop_answered, store_stop, self.stop_seen_at, time.monotonic(), STOP_GRACE
+        )
         return stop
 
     def _ask(self, worker, step: int, global_sync: bool) -> dict:
@@ -534,8 +562,6 @@ class _Server(threading.Thread):
         self.join(max(0.0, deadline - time.monotonic()) + 1.0)
 
 
-
-
 class GossipPairs(_GroupPolicy):
     """``adpsgd``: random pairs, no central view (AD-PSGD, Lian et al. 2018).
 
@@ -642,8 +668,10 @@ class GossipPairs(_GroupPolicy):
             issued = self.server.mailbox.issued()
             if not self.server.settle(issued, worker.timeout):
                 self.server.check()
-                raise TimeoutError(f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served "
-                                   f"{self.server.served} of {issued} exchanges within {worker.timeout:.0f}s")
+                raise TimeoutError(
+                    f"adpsgd: stage {worker.stage} pipeline {worker.pipeline} served "
+                    f"{self.server.served} of {issued} exchanges within {worker.timeout:.0f}s"
+                )
             self._apply_pending()
         self._global_sync(worker, step, answer)
 
@@ -681,10 +709,13 @@ class GossipPairs(_GroupPolicy):
                 stage = self.worker.stage
 
                 def done():
-                    if not all(self.store.check([Keys.gossip_left(stage, p)]) or pipeline_lost(self.store, p)
-                               for p in self.actives):
+                    if not all(
+                        self.store.check([Keys.gossip_left(stage, p)]) or pipeline_lost(self.store, p)
+                        for p in self.actives
+                    ):
                         return False
                     return self.server.settle(self.server.mailbox.issued(), 0.0)
+
                 self.server.finish(self.worker.timeout, done)
                 self.server.check()
             self.server = None
@@ -824,8 +855,16 @@ class ParameterServer(SyncPolicy):
         unflatten_(self.tensors, w.to(self.tensors[0].device))
         self.pulled = w
         members = list(range(worker.pipelines)) if kind == rules.GLOBAL else [worker.pipeline]
-        worker.span("sync", step, None, start, time.time(), group=members,
-                    reason=kind if kind == rules.GLOBAL else "ps", server=0)
+        worker.span(
+            "sync",
+            step,
+            None,
+            start,
+            time.time(),
+            group=members,
+            reason=kind if kind == rules.GLOBAL else "ps",
+            server=0,
+        )
 
     def after_step(self, worker, step: int) -> None:
         self._exchange(worker, step, rules.STEP)
@@ -852,8 +891,14 @@ class ParameterServer(SyncPolicy):
 
 
 #: worker-side behaviour by policy name
-WORKER_MODES = {"allreduce": AllReduce, "none": NoSync, "sdpipe": Scheduled, "scheduled": Scheduled,
-                "adpsgd": GossipPairs, "ps": ParameterServer}
+WORKER_MODES = {
+    "allreduce": AllReduce,
+    "none": NoSync,
+    "sdpipe": Scheduled,
+    "scheduled": Scheduled,
+    "adpsgd": GossipPairs,
+    "ps": ParameterServer,
+}
 
 
 def make_policy(name: str) -> SyncPolicy:

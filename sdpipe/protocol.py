@@ -21,8 +21,17 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-__all__ = ["WorkerSpec", "Command", "Op", "ControlMessage", "Keys", "run_prefix", "GroupServiceError",
-           "GroupServiceClient", "SERVICE_TIMEOUT"]
+__all__ = [
+    "WorkerSpec",
+    "Command",
+    "Op",
+    "ControlMessage",
+    "Keys",
+    "run_prefix",
+    "GroupServiceError",
+    "GroupServiceClient",
+    "SERVICE_TIMEOUT",
+]
 
 #: seconds a driver's call to the group service may take
 SERVICE_TIMEOUT = 30.0
@@ -203,7 +212,7 @@ class Keys:
 
     @staticmethod
     def verdict(stage: int, round_: int, group: str) -> str:
-        """"go" or "skip" for that group, set once by compare-and-set."""
+        """ "go" or "skip" for that group, set once by compare-and-set."""
         return f"arrive/s{stage}/r{round_}/{group}/verdict"
 
     @staticmethod
@@ -245,8 +254,9 @@ class GroupServiceClient:
     :class:`PermissionError` for a control call without the run's token.
     """
 
-    def __init__(self, run_id: str, *, client=None, worker=None, token: Optional[str] = None,
-                 timeout: float = SERVICE_TIMEOUT):
+    def __init__(
+        self, run_id: str, *, client=None, worker=None, token: Optional[str] = None, timeout: float = SERVICE_TIMEOUT
+    ):
         if (client is None) == (worker is None):
             raise ValueError("GroupServiceClient: pass one of client (the driver's) or worker (inside a task)")
         self.run_id, self.token, self.timeout = run_id, token, timeout
@@ -267,13 +277,33 @@ class GroupServiceClient:
         except GroupServiceError as e:  # the route's own refusal, one line
             raise GroupServiceError(f"group service: {e}") from None
         except Exception as e:  # the call itself failed: timed out, or the scheduler is gone
-            raise GroupServiceError(f"group service: {route.removeprefix('sdpipe_')}: {type(e).__name__}: {e}") from None
+            raise GroupServiceError(
+                f"group service: {route.removeprefix('sdpipe_')}: {type(e).__name__}: {e}"
+            ) from None
 
     # driver routes
-    def open(self, *, stages: int, pipelines: int, policy: dict, policy_name: str, topic: str, t0: float,
-             state: Optional[dict] = None) -> dict:
-        return self._call("sdpipe_open", token=self.token, stages=stages, pipelines=pipelines, policy=policy,
-                          policy_name=policy_name, topic=topic, t0=t0, state=state)
+    def open(
+        self,
+        *,
+        stages: int,
+        pipelines: int,
+        policy: dict,
+        policy_name: str,
+        topic: str,
+        t0: float,
+        state: Optional[dict] = None,
+    ) -> dict:
+        return self._call(
+            "sdpipe_open",
+            token=self.token,
+            stages=stages,
+            pipelines=pipelines,
+            policy=policy,
+            policy_name=policy_name,
+            topic=topic,
+            t0=t0,
+            state=state,
+        )
 
     def set_policy(self, policy: dict, policy_name: str) -> dict:
         return self._call("sdpipe_set_policy", token=self.token, policy=policy, policy_name=policy_name)
@@ -297,8 +327,15 @@ class GroupServiceClient:
     # worker routes
     def ready(self, *, stage: int, pipeline: int, step: int, global_sync: bool, timeout: float) -> dict:
         """This worker is ready; its group once decided (waits up to ``timeout``, the route's own bound)."""
-        return self._call("sdpipe_ready", within=timeout + 10, stage=stage, pipeline=pipeline, step=step,
-                          global_sync=global_sync, timeout=timeout)
+        return self._call(
+            "sdpipe_ready",
+            within=timeout + 10,
+            stage=stage,
+            pipeline=pipeline,
+            step=step,
+            global_sync=global_sync,
+            timeout=timeout,
+        )
 
     def leave(self, *, stage: int, pipeline: int) -> dict:
         return self._call("sdpipe_leave", within=10, stage=stage, pipeline=pipeline)

@@ -90,7 +90,8 @@ class SchedulerPolicy:
     shrink: float = 0.9
     """Factor of the window after a large enough group."""
     staleness: int = 10
-    """P: the groups of every P x D updates of a stage connect all its D live workers (for "ps": steps a worker may run ahead)."""
+    """P: the groups of every P x D updates of a stage connect all its D live workers (for "ps": steps a worker
+    may run ahead)."""
     pair_threshold: int = 8
     """Above this many live workers, ordinary rounds pair their members."""
     weighting: str = "progress"
@@ -104,16 +105,28 @@ class SchedulerPolicy:
             if not ok:
                 raise ValueError(f"policy.{name}: {getattr(self, name)!r} is not allowed; {allowed}")
 
-        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))
-        check("max_group", self.max_group is None or (isinstance(self.max_group, int) and self.max_group >= 1), "use None or an integer >= 1")
+        num = lambda v: (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))
+        )
+        check(
+            "max_group",
+            self.max_group is None or (isinstance(self.max_group, int) and self.max_group >= 1),
+            "use None or an integer >= 1",
+        )
         check("min_group", isinstance(self.min_group, int) and self.min_group >= 1, "use an integer >= 1")
         check("window_min", num(self.window_min) and self.window_min >= 0, "use seconds >= 0")
         check("window_max", num(self.window_max) and self.window_max >= self.window_min, "use seconds >= window_min")
-        check("window_init", num(self.window_init) and self.window_min <= self.window_init <= self.window_max, "use seconds within [window_min, window_max]")
+        check(
+            "window_init",
+            num(self.window_init) and self.window_min <= self.window_init <= self.window_max,
+            "use seconds within [window_min, window_max]",
+        )
         check("grow", num(self.grow) and self.grow >= 1, "use a factor >= 1")
         check("shrink", num(self.shrink) and 0 < self.shrink <= 1, "use a factor in (0, 1]")
         check("staleness", isinstance(self.staleness, int) and self.staleness >= 1, "use an integer >= 1")
-        check("pair_threshold", isinstance(self.pair_threshold, int) and self.pair_threshold >= 2, "use an integer >= 2")
+        check(
+            "pair_threshold", isinstance(self.pair_threshold, int) and self.pair_threshold >= 2, "use an integer >= 2"
+        )
         check("weighting", self.weighting in WEIGHTINGS, f"use one of {', '.join(map(repr, WEIGHTINGS))}")
 
     def to_dict(self) -> dict:
@@ -122,15 +135,18 @@ class SchedulerPolicy:
     def updated(self, **changes) -> "SchedulerPolicy":
         unknown = set(changes) - set(self.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"policy: unknown parameter(s) {sorted(unknown)}; allowed {sorted(self.__dataclass_fields__)}")
+            raise ValueError(
+                f"policy: unknown parameter(s) {sorted(unknown)}; allowed {sorted(self.__dataclass_fields__)}"
+            )
         return replace(self, **changes)
 
 
 #: Scheduler settings by policy name; "allreduce" waits for every worker each round (no window, no pairing).
 POLICY_PRESETS = {
     "sdpipe": SchedulerPolicy(),
-    "allreduce": SchedulerPolicy(window_init=math.inf, window_min=math.inf, window_max=math.inf, pair_threshold=2**31,
-                                 weighting="uniform"),
+    "allreduce": SchedulerPolicy(
+        window_init=math.inf, window_min=math.inf, window_max=math.inf, pair_threshold=2**31, weighting="uniform"
+    ),
     "none": SchedulerPolicy(max_group=1, window_init=0.0, window_min=0.0, staleness=2**31),
 }
 
@@ -373,7 +389,9 @@ class StageScheduler:
             return []
         members = tuple(sorted(self.global_waiting))
         self.global_waiting.clear()
-        g = Group(self.stage, self.round, members, "global", now, now, tuple((m, self.windows[m]) for m in members), True)
+        g = Group(
+            self.stage, self.round, members, "global", now, now, tuple((m, self.windows[m]) for m in members), True
+        )
         self.round += 1
         self.dsu = DisjointSet(self.live)
         self.since_reset = 0
@@ -415,8 +433,23 @@ class StageScheduler:
                 else:
                     wnd = max(wnd * self.policy.shrink, self.policy.window_min)
                 self.windows[m] = wnd
-            why = reason if len(g) > 1 or reason in ("graph", "preempted") else ("alone" if reason == "window" else reason)
-            out.append(Group(self.stage, self.round, tuple(g), why, r.opened, now, tuple((m, self.windows[m]) for m in g), connected))
+            why = (
+                reason
+                if len(g) > 1 or reason in ("graph", "preempted")
+                else ("alone" if reason == "window" else reason)
+            )
+            out.append(
+                Group(
+                    self.stage,
+                    self.round,
+                    tuple(g),
+                    why,
+                    r.opened,
+                    now,
+                    tuple((m, self.windows[m]) for m in g),
+                    connected,
+                )
+            )
         self.round += 1
         if connected:
             self.dsu = DisjointSet(self.live)
@@ -459,8 +492,11 @@ class GroupScheduler:
 
     def snapshot(self) -> dict:
         """Plain data: every stage's state and the graph-sync token."""
-        return {"stages": [st.snapshot() for st in self.stages], "graph_holder": self.graph_holder,
-                "policy": self.policy.to_dict()}
+        return {
+            "stages": [st.snapshot() for st in self.stages],
+            "graph_holder": self.graph_holder,
+            "policy": self.policy.to_dict(),
+        }
 
     @classmethod
     def restore(cls, snap: dict) -> "GroupScheduler":

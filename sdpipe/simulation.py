@@ -98,8 +98,9 @@ class Costs:
         object.__setattr__(self, "forward", _seconds("forward", self.forward, S))
         object.__setattr__(self, "backward", _seconds("backward", self.backward, S))
         object.__setattr__(self, "optimizer", _seconds("optimizer", self.optimizer or [0.0] * S, S))
-        object.__setattr__(self, "activation_bytes",
-                           _seconds("activation_bytes", self.activation_bytes or [0.0] * links, links))
+        object.__setattr__(
+            self, "activation_bytes", _seconds("activation_bytes", self.activation_bytes or [0.0] * links, links)
+        )
         object.__setattr__(self, "weight_bytes", _seconds("weight_bytes", self.weight_bytes or [0.0] * S, S))
         v = self.step_overhead
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
@@ -185,31 +186,44 @@ def calibrate(result) -> Calibration:
     are not undone).  Costs no event measured keep their defaults.
     """
     if not all(hasattr(result, a) for a in ("config", "events")) or not isinstance(result.config, TrainConfig):
-        raise ValueError(f"result: must be a sdpipe.RunResult of a real run (run.result()), "
-                         f"got {type(result).__name__}")
+        raise ValueError(
+            f"result: must be a sdpipe.RunResult of a real run (run.result()), got {type(result).__name__}"
+        )
     config = result.config
     S = config.stages
     hetero = config.heterogeneity or Heterogeneity()
     by_kind = _after_warm_up(result.events)
-    forward, backward, optimizer = ([_stage_mean(by_kind, kind, s, hetero) for s in range(S)]
-                                    for kind in ("forward", "backward", "optimizer"))
+    forward, backward, optimizer = (
+        [_stage_mean(by_kind, kind, s, hetero) for s in range(S)] for kind in ("forward", "backward", "optimizer")
+    )
     shown = _shown_heterogeneity(by_kind, hetero, forward, backward)
     weight_bytes, activation_bytes = _stage_bytes(by_kind, S)
-    costs = Costs(forward=forward, backward=backward, optimizer=optimizer, weight_bytes=weight_bytes,
-                  activation_bytes=activation_bytes, step_overhead=_mean(_untraced(by_kind, config.pipelines)),
-                  jitter=_jitter(by_kind, S))
+    costs = Costs(
+        forward=forward,
+        backward=backward,
+        optimizer=optimizer,
+        weight_bytes=weight_bytes,
+        activation_bytes=activation_bytes,
+        step_overhead=_mean(_untraced(by_kind, config.pipelines)),
+        jitter=_jitter(by_kind, S),
+    )
     return Calibration(costs, _network(by_kind, weight_bytes), shown)
 
 
 def _after_warm_up(records) -> dict:
     """kind -> records, without the first epoch's spans (it warms up process groups and caches) when there are more."""
-    epoch_of = {(e["pipeline"], e["stage"], e["step"]): e.get("epoch", 0)
-                for e in records if e.get("kind") == "optimizer"}
+    epoch_of = {
+        (e["pipeline"], e["stage"], e["step"]): e.get("epoch", 0) for e in records if e.get("kind") == "optimizer"
+    }
     warm = max(epoch_of.values(), default=0) > 0
     by_kind: dict = {}
     for e in records:
-        if warm and e.get("step") is not None and e.get("pipeline") is not None and \
-                epoch_of.get((e["pipeline"], e.get("stage"), e["step"]), 1) == 0:
+        if (
+            warm
+            and e.get("step") is not None
+            and e.get("pipeline") is not None
+            and epoch_of.get((e["pipeline"], e.get("stage"), e["step"]), 1) == 0
+        ):
             continue
         by_kind.setdefault(e.get("kind"), []).append(e)
     return by_kind
@@ -278,10 +292,19 @@ def _untraced(by_kind: dict, pipelines: int) -> list:
     """Untraced seconds of each step on stage 0: between consecutive optimizer ends, minus every span inside."""
     untraced = []
     for p in range(pipelines):
-        opt = sorted((e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == 0),
-                     key=lambda e: e["start"])
-        spans = sorted(((e["start"], e["end"]) for k in _COVERED for e in by_kind.get(k, ())
-                        if e.get("pipeline") == p and e.get("stage") == 0), key=lambda x: x[0])
+        opt = sorted(
+            (e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == 0),
+            key=lambda e: e["start"],
+        )
+        spans = sorted(
+            (
+                (e["start"], e["end"])
+                for k in _COVERED
+                for e in by_kind.get(k, ())
+                if e.get("pipeline") == p and e.get("stage") == 0
+            ),
+            key=lambda x: x[0],
+        )
         j = 0
         for a, b in zip(opt, opt[1:]):
             if b["step"] != a["step"] + 1 or b.get("epoch") != a.get("epoch"):
@@ -319,8 +342,11 @@ def _network(by_kind: dict, weight_bytes: list) -> Network:
         num, den = sum(x * x for x, _ in xs), sum(x * y for x, y in xs)
         bandwidth = num / den if den > 0 and num > 0 else 1e15  # all latency: as good as unlimited
     decided = {(e["stage"], e["round"]): e["end"] for e in by_kind.get("group", ())}
-    trips = [max(0.0, e["end"] - decided[(e["stage"], e["round"])]) for e in by_kind.get("wait", ())
-             if e.get("what") == "group" and (e.get("stage"), e.get("round")) in decided]
+    trips = [
+        max(0.0, e["end"] - decided[(e["stage"], e["round"])])
+        for e in by_kind.get("wait", ())
+        if e.get("what") == "group" and (e.get("stage"), e.get("round")) in decided
+    ]
     rtt = 2 * _mean(trips) if trips else default.scheduler_rtt
     return Network(bandwidth=bandwidth, latency=latency, scheduler_rtt=rtt)
 
@@ -335,6 +361,7 @@ def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
 def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches: int) -> tuple:
     """(per-stage finish times of one step, per-stage compute seconds) of a pipeline slowed by ``slowdown``
     (one factor per stage), from the dry run of ``plan``."""
+
     def cost(a):
         if a.op == "F":
             return costs.forward[a.stage] * slowdown[a.stage]
@@ -349,8 +376,18 @@ def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches
     S = len(slowdown)
     # a stage's step ends when its own actions are done and the receives of what it sent
     # completed (the runtime waits for its sends at the end of the step)
-    ends = [max((e for a, _, e in run.spans if a.stage == s or (a.op == "RF" and a.stage == s + 1)
-                 or (a.op == "RB" and a.stage == s - 1)), default=0.0) + costs.optimizer[s] for s in range(S)]
+    ends = [
+        max(
+            (
+                e
+                for a, _, e in run.spans
+                if a.stage == s or (a.op == "RF" and a.stage == s + 1) or (a.op == "RB" and a.stage == s - 1)
+            ),
+            default=0.0,
+        )
+        + costs.optimizer[s]
+        for s in range(S)
+    ]
     busy = [microbatches * (costs.forward[s] + costs.backward[s]) * slowdown[s] for s in range(S)]
     return ends, busy
 
@@ -413,8 +450,9 @@ class _Simulation:
     """One simulated epoch: a heap of ``(time, seq, kind, data)`` events, one handler per kind, and the
     scheduler core's deadlines as ticks in between (see the module's docstring)."""
 
-    def __init__(self, config: TrainConfig, *, costs: Costs, network: Network, steps: int, record: bool,
-                 lr: float, noise: float):
+    def __init__(
+        self, config: TrainConfig, *, costs: Costs, network: Network, steps: int, record: bool, lr: float, noise: float
+    ):
         S, D, M = config.stages, config.pipelines, config.microbatches
         self.config, self.costs, self.net = config, costs, network
         self.S, self.D, self.steps, self.record, self.policy = S, D, steps, record, config.policy
@@ -432,7 +470,7 @@ class _Simulation:
         # its events (see _apply), not at every one of ours
         self.deadline: Optional[float] = self.core.next_deadline() if self.core is not None else None
         self.proxy = _Proxy(S, D, self.rng, lr, noise)
-        self.jitter_sigma = [math.sqrt(math.log1p(j ** 2)) for j in costs.jitter]  # log-normal, mean 1
+        self.jitter_sigma = [math.sqrt(math.log1p(j**2)) for j in costs.jitter]  # log-normal, mean 1
         # heterogeneity holds still in a simulation: each pipeline's step costs and each worker's link delay, once
         plan = build_plan(config.schedule, S, M)  # with its sends and receives
         finish: dict = {}
@@ -476,7 +514,7 @@ class _Simulation:
         pipe.synced = {}
         ends, busy, forward = self.step_costs[p]
         rng, hetero, step = self.rng, self.hetero, pipe.step
-        scale = [rng.lognormvariate(-sg ** 2 / 2, sg) if sg > 0 else 1.0 for sg in self.jitter_sigma]
+        scale = [rng.lognormvariate(-(sg**2) / 2, sg) if sg > 0 else 1.0 for sg in self.jitter_sigma]
         extra = self.costs.step_overhead
         if hetero.straggle_prob > 0:
             hits = [rng.random() < hetero.straggle_prob for _ in range(self.S)]  # all S draws, as the runtime's
@@ -547,13 +585,19 @@ class _Simulation:
             end = g.closed + rtt + delay + ring_allreduce_seconds(costs.weight_bytes[stage], len(members), net)
             self.proxy.mix(stage, members, by_progress, g.reason == "global")
             if record:
-                keep(events.group(stage, g.round, members, g.reason, g.opened, g.closed, g.wait, g.connected,
-                                  self.policy))
+                keep(
+                    events.group(
+                        stage, g.round, members, g.reason, g.opened, g.closed, g.wait, g.connected, self.policy
+                    )
+                )
             for m in members:
                 step = pipes[m].step
                 if record:
-                    keep(events.span("sync", m, stage, step, None, g.closed, end, group=members, round=g.round,
-                                     reason=g.reason))
+                    keep(
+                        events.span(
+                            "sync", m, stage, step, None, g.closed, end, group=members, round=g.round, reason=g.reason
+                        )
+                    )
                 if g.reason != "global":
                     self._push(end, "synced", (m, stage, step))
 
@@ -572,20 +616,48 @@ class _Simulation:
         history = []
         for p, pipe in enumerate(self.pipes):
             samples = pipe.step * self.config.batch_size
-            metrics = {"epoch": 0, "pipeline": p, "loss": self.proxy.loss(p), "samples": samples,
-                       "share": samples / share_of, "samples_per_s": samples / end if end > 0 else 0.0,
-                       "steps": pipe.step, "complete": True}
+            metrics = {
+                "epoch": 0,
+                "pipeline": p,
+                "loss": self.proxy.loss(p),
+                "samples": samples,
+                "share": samples / share_of,
+                "samples_per_s": samples / end if end > 0 else 0.0,
+                "steps": pipe.step,
+                "complete": True,
+            }
             history.append(metrics)
             if self.record:
                 self.records.append(events.epoch(p, self.S - 1, pipe.step, end, metrics))
-        return RunResult(models=[], history=history, events=self.records, config=self.config, wall_time=end,
-                         stopped=False, steps={p: pipe.step for p, pipe in enumerate(self.pipes)})
+        return RunResult(
+            models=[],
+            history=history,
+            events=self.records,
+            config=self.config,
+            wall_time=end,
+            stopped=False,
+            steps={p: pipe.step for p, pipe in enumerate(self.pipes)},
+        )
 
 
-def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe", schedule: str = "1f1b",
-             microbatches: int = 4, batch_size: int = 32, steps: int = 100,
-             heterogeneity: Optional[Heterogeneity] = None, network: Network = Network(), scheduler=None,
-             seed: int = 0, record: bool = True, lr: float = 0.1, noise: float = 1.0):
+def simulate(
+    stages: int,
+    pipelines: int,
+    *,
+    costs: Costs,
+    policy: str = "sdpipe",
+    schedule: str = "1f1b",
+    microbatches: int = 4,
+    batch_size: int = 32,
+    steps: int = 100,
+    heterogeneity: Optional[Heterogeneity] = None,
+    network: Network = Network(),
+    scheduler=None,
+    seed: int = 0,
+    record: bool = True,
+    lr: float = 0.1,
+    noise: float = 1.0,
+):
     """Simulate ``steps`` steps' worth of batches per pipeline; returns a :class:`sdpipe.RunResult`.
 
     Under ``allreduce`` every pipeline takes ``steps`` steps; under ``sdpipe``
@@ -609,8 +681,17 @@ def simulate(stages: int, pipelines: int, *, costs: Costs, policy: str = "sdpipe
         raise ValueError(f"costs: has {costs.stages} stages, the simulation {stages}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: must be an integer >= 1, got {steps!r}")
-    config = TrainConfig(stages=stages, pipelines=pipelines, policy=policy, schedule=schedule,
-                         microbatches=microbatches, batch_size=batch_size, epochs=1, heterogeneity=heterogeneity,
-                         scheduler=scheduler, seed=seed)
+    config = TrainConfig(
+        stages=stages,
+        pipelines=pipelines,
+        policy=policy,
+        schedule=schedule,
+        microbatches=microbatches,
+        batch_size=batch_size,
+        epochs=1,
+        heterogeneity=heterogeneity,
+        scheduler=scheduler,
+        seed=seed,
+    )
     sim = _Simulation(config, costs=costs, network=network, steps=steps, record=record, lr=lr, noise=noise)
     return sim.run().result()

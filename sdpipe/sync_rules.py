@@ -27,8 +27,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-__all__ = ["PsRelease", "ps_release", "held_step_pulls", "gossip_roles", "choose_peer", "member_weight",
-           "mass_after_step", "mass_after_group", "mass_after_round", "group_stop"]
+__all__ = [
+    "PsRelease",
+    "ps_release",
+    "held_step_pulls",
+    "gossip_roles",
+    "choose_peer",
+    "member_weight",
+    "mass_after_step",
+    "mass_after_group",
+    "mass_after_round",
+    "group_stop",
+]
 
 #: kinds of a pull waiting at the parameter server
 STEP, GLOBAL = "step", "global"
@@ -119,8 +129,7 @@ def mass_after_round(mass: float, reason: str) -> float:
 
 
 # ------------------------------------------------------------------ the group policy's stop
-def group_stop(answered: bool, store_stop: bool, first_seen: Optional[float], now: float,
-               grace: float) -> tuple:
+def group_stop(answered: bool, store_stop: bool, first_seen: Optional[float], now: float, grace: float) -> tuple:
     """Stage 0 at a step boundary under a group policy: ``(stop now, when the driver's stop was first seen)``.
 
     ``answered``: an answer of the group service said the run stops (the members of a round get the same

@@ -3,7 +3,6 @@ import time
 import psutil
 import pytest
 
-
 # Python's own per-interpreter helpers: started once, they live as long as the interpreter.
 _INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
@@ -50,7 +49,11 @@ def shared_cluster():
     from distributed import Client, LocalCluster
 
     cluster = LocalCluster(
-        n_workers=4, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
+        n_workers=4,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
         env={"OMP_NUM_THREADS": "1"},
     )
     client = Client(cluster, set_as_default=False)

@@ -25,8 +25,16 @@ def _final(result):
 
 def test_adpsgd_pairs_active_with_passive_and_ends_epochs_in_sync(data, shared_cluster):
     train_data, eval_data = data
-    result = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="adpsgd",
-                          epochs=6, cluster=shared_cluster).result(timeout=300)
+    result = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        eval_data=eval_data,
+        stages=2,
+        pipelines=2,
+        policy="adpsgd",
+        epochs=6,
+        cluster=shared_cluster,
+    ).result(timeout=300)
     assert_records_valid(result.events)
     assert all(h["accuracy"] >= 0.88 for h in _final(result)), _final(result)
     assert result.max_param_diff() < 1e-6  # the global sync at each epoch end
@@ -48,15 +56,27 @@ def test_ps_bounds_staleness_and_pulls_the_same_weights_at_epoch_end(data, share
     train_data, eval_data = data
     s = 1
     hetero = sdpipe.Heterogeneity(slowdown={1: 6.0})
-    result = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=1, pipelines=3, policy="ps", epochs=4,
-                          heterogeneity=hetero, scheduler={"staleness": s}, cluster=shared_cluster).result(timeout=300)
+    result = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        eval_data=eval_data,
+        stages=1,
+        pipelines=3,
+        policy="ps",
+        epochs=4,
+        heterogeneity=hetero,
+        scheduler={"staleness": s},
+        cluster=shared_cluster,
+    ).result(timeout=300)
     assert_records_valid(result.events)
     assert all(h["accuracy"] >= 0.88 for h in _final(result)), _final(result)
     assert result.max_param_diff() < 1e-6
     # while the slow pipeline trains an epoch, no pipeline starts a step more than s steps (plus the one in flight)
     # ahead of it; once it is out of the epoch (its global sync began) the others finish the epoch's batches
     opt = [e for e in result.events if e["kind"] == "optimizer"]
-    slow_out = sorted(e["start"] for e in result.events if e["kind"] == "sync" and e["reason"] == "global" and e["pipeline"] == 1)
+    slow_out = sorted(
+        e["start"] for e in result.events if e["kind"] == "sync" and e["reason"] == "global" and e["pipeline"] == 1
+    )
     checked = 0
     for epoch in range(4):
         slow_ends = sorted(e["end"] for e in opt if e["pipeline"] == 1 and e["epoch"] == epoch)
@@ -76,8 +96,17 @@ def test_ps_bounds_staleness_and_pulls_the_same_weights_at_epoch_end(data, share
 def test_ps_without_bound_pressure_lets_the_fast_pipelines_train_more(data, shared_cluster):
     train_data, _ = data
     hetero = sdpipe.Heterogeneity(slowdown={1: 6.0})
-    result = sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=3, policy="ps", epochs=2, heterogeneity=hetero,
-                          scheduler={"staleness": 100}, cluster=shared_cluster).result(timeout=300)
+    result = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        stages=1,
+        pipelines=3,
+        policy="ps",
+        epochs=2,
+        heterogeneity=hetero,
+        scheduler={"staleness": 100},
+        cluster=shared_cluster,
+    ).result(timeout=300)
     share = Counter()
     for h in result.history:
         share[h["pipeline"]] += h["samples"]
@@ -93,7 +122,9 @@ def test_server_policies_are_not_switched_live(data, shared_cluster, policy):
             run.set_policy("sdpipe")
     finally:
         run.result(timeout=120)
-    run = sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=shared_cluster
+    )
     try:
         with pytest.raises(ValueError, match=f"policy: '{policy}' cannot be switched"):
             run.set_policy(policy)
@@ -104,8 +135,16 @@ def test_server_policies_are_not_switched_live(data, shared_cluster, policy):
 @pytest.mark.parametrize("policy", ["ps", "adpsgd"])
 def test_stop_mid_epoch_ends_servers_and_groups(data, shared_cluster, policy, no_leaks):
     train_data, _ = data
-    run = sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=3, policy=policy, epochs=200,
-                       heterogeneity=sdpipe.Heterogeneity(slowdown={2: 3.0}), cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        stages=1,
+        pipelines=3,
+        policy=policy,
+        epochs=200,
+        heterogeneity=sdpipe.Heterogeneity(slowdown={2: 3.0}),
+        cluster=shared_cluster,
+    )
     deadline = time.monotonic() + 120
     while not any(e["kind"] == "sync" for e in run.events):
         assert time.monotonic() < deadline and not run.done()

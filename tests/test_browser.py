@@ -20,13 +20,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from lab_browser import CHROMIUM, chromium_page, copy_notebooks, jupyterlab, notebook_done, notebook_errors, run_notebook, wait_js  # noqa: E402
+from lab_browser import (  # noqa: E402 -- importable only once tools/ is on sys.path (above)
+    CHROMIUM,
+    chromium_page,
+    copy_notebooks,
+    jupyterlab,
+    notebook_done,
+    notebook_errors,
+    run_notebook,
+    wait_js,
+)  # noqa: E402
 
 from sdpipe.widgets.dashboard import COLORS  # noqa: E402
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Chromium at {CHROMIUM} (Debian: apt-get install chromium)"),
+    pytest.mark.skipif(
+        not os.path.exists(CHROMIUM), reason=f"needs Chromium at {CHROMIUM} (Debian: apt-get install chromium)"
+    ),
 ]
 
 ARTIFACTS = Path(os.environ.get("SDPIPE_ARTIFACTS", ROOT / "artifacts")) / "browser"
@@ -56,19 +67,21 @@ LIVE_JS = """() => {
         drawn: bars.filter(b => b.name === 'compute').reduce((a, b) => a + b.n, 0),
         markers: control ? (control.text || []) : [],
         figure_width: gd.getBoundingClientRect().width,
-        svg_width: Math.max(...Array.from(gd.querySelectorAll('svg.main-svg')).map(s => s.getBoundingClientRect().width)),
+        svg_width: Math.max(...Array.from(gd.querySelectorAll('svg.main-svg'))
+            .map(s => s.getBoundingClientRect().width)),
         area_width: out.getBoundingClientRect().width,
         text: Array.from(out.querySelectorAll('.widget-html')).map(e => e.textContent).join(' | '),
     };
 }"""
 
 
-HEADER_RUNNING = """() => Array.from(document.querySelectorAll('.widget-html')).some(e => /status running \\(live/.test(e.textContent))"""
+HEADER_RUNNING = """() => Array.from(document.querySelectorAll('.widget-html'))
+    .some(e => /status running \\(live/.test(e.textContent))"""
 
 
 def rgb(hex_color: str) -> str:
     h = hex_color.lstrip("#")
-    return "rgb({},{},{})".format(*(int(h[i:i + 2], 16) for i in (0, 2, 4)))
+    return "rgb({},{},{})".format(*(int(h[i : i + 2], 16) for i in (0, 2, 4)))
 
 
 def live(page):
@@ -78,11 +91,15 @@ def live(page):
 def wait_live(page, test, timeout: float, what: str):
     """Poll the live dashboard until ``test(state)`` holds; returns the state (the last one seen in the error)."""
     try:
-        return wait_js(page, f"() => {{ const s = ({LIVE_JS})(); return s && ({test}) ? s : null; }}", timeout, what, poll=1.0)
+        return wait_js(
+            page, f"() => {{ const s = ({LIVE_JS})(); return s && ({test}) ? s : null; }}", timeout, what, poll=1.0
+        )
     except TimeoutError as e:
         state = live(page) or {}
         seen = {k: state.get(k) for k in ("traces", "drawn", "markers", "svg_width", "area_width", "text")}
-        raise TimeoutError(f"{e}; the dashboard showed {seen}; the page's kernel connection: {connection(page)}") from None
+        raise TimeoutError(
+            f"{e}; the dashboard showed {seen}; the page's kernel connection: {connection(page)}"
+        ) from None
 
 
 def connection(page) -> dict:
@@ -119,17 +136,22 @@ def click(page, name: str) -> None:
     that the run's workers keep busy, Playwright's own click (scrolling, waiting for the layout to
     hold still over several frames) can take longer than the run lasts.
     """
-    pressed = page.evaluate("""(name) => {
-        const b = Array.from(document.querySelectorAll('button.sdpipe-button')).find(b => b.textContent.trim() === name);
+    pressed = page.evaluate(
+        """(name) => {
+        const b = Array.from(document.querySelectorAll('button.sdpipe-button'))
+            .find(b => b.textContent.trim() === name);
         if (b) b.click();
         return !!b;
-    }""", name)
+    }""",
+        name,
+    )
     assert pressed, f"no {name!r} button in the page"
 
 
 def slide(page, label: str, value: float) -> None:
     """Move the live dashboard's slider ``label`` to ``value`` as a user's drag does (the page's input events)."""
-    moved = page.evaluate("""([label, value]) => {
+    moved = page.evaluate(
+        """([label, value]) => {
         const row = Array.from(document.querySelectorAll('.sdpipe-controls label')).find(
             r => r.querySelector('span').textContent.trim() === label && r.querySelector('input[type=range]'));
         if (!row) return false;
@@ -138,7 +160,9 @@ def slide(page, label: str, value: float) -> None:
         input.dispatchEvent(new Event('input', {bubbles: true}));
         input.dispatchEvent(new Event('change', {bubbles: true}));
         return true;
-    }""", [label, value])
+    }""",
+        [label, value],
+    )
     assert moved, f"no slider {label!r} in the page"
 
 
@@ -191,43 +215,67 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
     # redraw), a tall one for the screenshots (a dashboard taller than the viewport photographs cut off)
     with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
         run_notebook(page, url, token, NOTEBOOK)
-        page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")  # the file browser open, as users have it
+        page.evaluate(
+            "() => window.jupyterapp.shell.activateById('filebrowser')"
+        )  # the file browser open, as users have it
         # pause as soon as the run trains (a cheap look at the header: the run lasts under a minute)
         try:
             wait_js(page, HEADER_RUNNING, 240, "the live dashboard's header saying the run is running", poll=0.25)
         except TimeoutError as e:
-            headers = page.evaluate("() => Array.from(document.querySelectorAll('.widget-html')).map(e => e.textContent).slice(0, 3)")
+            headers = page.evaluate(
+                "() => Array.from(document.querySelectorAll('.widget-html')).map(e => e.textContent).slice(0, 3)"
+            )
             raise TimeoutError(f"{e}; the page showed {headers}; its kernel connection: {connection(page)}") from None
-        state = press(page, "pause", "/status paused/.test(s.text) && s.markers.includes('pause') && /pause applied at t = /.test(s.text)",
-                      "the run paused from the page, with its control event in the timeline")
+        state = press(
+            page,
+            "pause",
+            "/status paused/.test(s.text) && s.markers.includes('pause') && /pause applied at t = /.test(s.text)",
+            "the run paused from the page, with its control event in the timeline",
+        )
         check_drawn(state)
         page.set_viewport_size({"width": 1440, "height": 3000})
         shots = [screenshot(page, "live-1440-filebrowser.png")]
         page.set_viewport_size({"width": 1000, "height": 3000})
-        fitted = "s.svg_width <= s.area_width + 1 && s.svg_width >= s.area_width - 40"  # the figure takes the area's width
+        fitted = (
+            "s.svg_width <= s.area_width + 1 && s.svg_width >= s.area_width - 40"  # the figure takes the area's width
+        )
         state = wait_live(page, f"{fitted} && s.area_width < 900", 30, "the figure fitted to 1000 px")
         check_drawn(state, bars=False)
         shots.append(screenshot(page, "live-1000-filebrowser.png"))
         page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
-        state = wait_live(page, f"{fitted} && s.area_width > 700", 30,
-                          "the figure fitted to 1000 px without the file browser")
+        state = wait_live(
+            page, f"{fitted} && s.area_width > 700", 30, "the figure fitted to 1000 px without the file browser"
+        )
         check_drawn(state, bars=False)
         shots.append(screenshot(page, "live-1000.png"))
         page.set_viewport_size({"width": 1000, "height": 1000})
         # sliders moved while the notebook's cell awaits the run reach the kernel with the press (twice: with
         # ipywidgets' sliders the page held every change after the first until the cell ended)
         slide(page, "pipeline 1", 3.0)
-        press(page, "slowdowns", "/slowdowns applied at t = [0-9.]+ s: pipeline 1 x3, /.test(s.text)",
-              "the slowdown set in the page applied")
+        press(
+            page,
+            "slowdowns",
+            "/slowdowns applied at t = [0-9.]+ s: pipeline 1 x3, /.test(s.text)",
+            "the slowdown set in the page applied",
+        )
         slide(page, "pipeline 1", 1.0)
         slide(page, "pipeline 2", 2.5)
-        press(page, "slowdowns", "/slowdowns applied at t = [0-9.]+ s: pipeline 2 x2\\.5, /.test(s.text)",
-              "the second slowdown set in the page applied")
-        press(page, "resume", "/status running/.test(s.text) && s.markers.includes('resume')",
-              "the run resumed from the page, with its control event in the timeline")
+        press(
+            page,
+            "slowdowns",
+            "/slowdowns applied at t = [0-9.]+ s: pipeline 2 x2\\.5, /.test(s.text)",
+            "the second slowdown set in the page applied",
+        )
+        press(
+            page,
+            "resume",
+            "/status running/.test(s.text) && s.markers.includes('resume')",
+            "the run resumed from the page, with its control event in the timeline",
+        )
         finish(page)
-        (ARTIFACTS / "live.json").write_text(json.dumps({**{k: v for k, v in state.items() if k != "bars"},
-                                                         "repeated_presses": REPEATED}, indent=1))
+        (ARTIFACTS / "live.json").write_text(
+            json.dumps({**{k: v for k, v in state.items() if k != "bars"}, "repeated_presses": REPEATED}, indent=1)
+        )
         if REPEATED:
             print(f"presses repeated: {REPEATED}")
     for shot in shots:

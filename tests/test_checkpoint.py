@@ -26,15 +26,22 @@ def max_diff(a, b) -> float:
 
 def test_allreduce_resumed_from_a_checkpoint_equals_the_uninterrupted_run(data, shared_cluster, tmp_path):
     train_data, eval_data = data
-    common = dict(stages=2, pipelines=2, policy="allreduce", epochs=4, batch_size=32, eval_data=eval_data,
-                  cluster=shared_cluster)
+    common = dict(
+        stages=2, pipelines=2, policy="allreduce", epochs=4, batch_size=32, eval_data=eval_data, cluster=shared_cluster
+    )
     whole = sdpipe.train(digits_mlp(), train_data, checkpoint_every=2, checkpoint_dir=tmp_path, **common)
     uninterrupted = whole.result(timeout=300)
     assert_records_valid(uninterrupted.events)  # checkpoint and save records among them
     assert [os.path.basename(p) for p in whole.checkpoints] == ["epoch-0002", "epoch-0004"]
     assert sorted(os.listdir(tmp_path)) == ["epoch-0002", "epoch-0004", "latest"]  # no staging folder left
     assert (tmp_path / "latest").read_text().strip() == "epoch-0004"
-    assert sorted(os.listdir(tmp_path / "epoch-0002")) == ["manifest.json", "rank0.pt", "rank1.pt", "rank2.pt", "rank3.pt"]
+    assert sorted(os.listdir(tmp_path / "epoch-0002")) == [
+        "manifest.json",
+        "rank0.pt",
+        "rank1.pt",
+        "rank2.pt",
+        "rank3.pt",
+    ]
     assert [e["epoch"] for e in uninterrupted.events if e["kind"] == "checkpoint"] == [2, 4]
 
     ck = sdpipe.load_checkpoint(tmp_path / "epoch-0002")
@@ -43,7 +50,9 @@ def test_allreduce_resumed_from_a_checkpoint_equals_the_uninterrupted_run(data, 
     assert ck.config["policy"] == "allreduce" and set(ck.states) == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert ck.states[(0, 1)]["optimizer"]["state"]  # Adam's moments are in it
 
-    resumed = sdpipe.train(digits_mlp(seed=1), train_data, resume_from=tmp_path / "epoch-0002", **common).result(timeout=300)
+    resumed = sdpipe.train(digits_mlp(seed=1), train_data, resume_from=tmp_path / "epoch-0002", **common).result(
+        timeout=300
+    )
     assert sorted({h["epoch"] for h in resumed.history}) == [2, 3]
     assert resumed.steps == uninterrupted.steps == {0: 4 * steps_per_epoch, 1: 4 * steps_per_epoch}
     for a, b in zip(uninterrupted.models, resumed.models):
@@ -56,7 +65,9 @@ def test_allreduce_resumed_from_a_checkpoint_equals_the_uninterrupted_run(data, 
 def test_sdpipe_checkpoint_keeps_the_scheduler_and_resumes_from_latest(data, shared_cluster, tmp_path):
     train_data, _ = data
     common = dict(stages=2, pipelines=2, policy="sdpipe", batch_size=32, cluster=shared_cluster)
-    sdpipe.train(digits_mlp(), train_data, epochs=2, checkpoint_every=1, checkpoint_dir=tmp_path, **common).result(timeout=300)
+    sdpipe.train(digits_mlp(), train_data, epochs=2, checkpoint_every=1, checkpoint_dir=tmp_path, **common).result(
+        timeout=300
+    )
     manifest = json.loads((tmp_path / "epoch-0002" / "manifest.json").read_text())
     core = manifest["scheduler"]
     assert [st["stage"] for st in core["stages"]] == [0, 1] and all(st["round"] > 0 for st in core["stages"])
@@ -66,12 +77,18 @@ def test_sdpipe_checkpoint_keeps_the_scheduler_and_resumes_from_latest(data, sha
     assert min(rounds) >= core["stages"][0]["round"]  # the rounds go on from the checkpoint's
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(resume_from="/nonexistent/ck"), "resume_from: no checkpoint at '/nonexistent/ck'"),
-    (dict(checkpoint_every=2), "checkpoint_dir: needed when checkpoint_every > 0"),
-    (dict(checkpoint_every=-1, checkpoint_dir="x"), "checkpoint_every: must be an integer >= 0"),
-    (dict(checkpoint_every=3, sync_every=2, checkpoint_dir="x", policy="sdpipe"), "checkpoint_every: 3 is not a multiple of sync_every=2"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(resume_from="/nonexistent/ck"), "resume_from: no checkpoint at '/nonexistent/ck'"),
+        (dict(checkpoint_every=2), "checkpoint_dir: needed when checkpoint_every > 0"),
+        (dict(checkpoint_every=-1, checkpoint_dir="x"), "checkpoint_every: must be an integer >= 0"),
+        (
+            dict(checkpoint_every=3, sync_every=2, checkpoint_dir="x", policy="sdpipe"),
+            "checkpoint_every: 3 is not a multiple of sync_every=2",
+        ),
+    ],
+)
 def test_bad_checkpoint_input_is_named_before_anything_starts(data, kwargs, message):
     with pytest.raises(ValueError) as e:
         sdpipe.train(digits_mlp(), data[0], cluster="tcp://127.0.0.1:1", **kwargs)
@@ -80,8 +97,16 @@ def test_bad_checkpoint_input_is_named_before_anything_starts(data, kwargs, mess
 
 def test_a_checkpoint_that_does_not_fit_is_refused(data, shared_cluster, tmp_path):
     train_data, _ = data
-    sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, epochs=1, checkpoint_every=1, checkpoint_dir=tmp_path,
-                 cluster=shared_cluster).result(timeout=300)
+    sdpipe.train(
+        digits_mlp(),
+        train_data,
+        stages=2,
+        pipelines=2,
+        epochs=1,
+        checkpoint_every=1,
+        checkpoint_dir=tmp_path,
+        cluster=shared_cluster,
+    ).result(timeout=300)
     cases = [
         (dict(pipelines=1), "pipelines: the checkpoint at"),
         (dict(epochs=1), "epochs: the checkpoint at"),

@@ -13,8 +13,9 @@ def sdpipe(*args, timeout=300):
 @pytest.mark.cluster
 @pytest.mark.parametrize("policy", ["none", "sdpipe"])
 def test_cli_train_prints_progress_and_summary(policy, no_leaks):
-    out = sdpipe("train", "--epochs", "2", "--pipelines", "2", "--stages", "2", "--policy", policy,
-                 "--schedule", "gpipe")
+    out = sdpipe(
+        "train", "--epochs", "2", "--pipelines", "2", "--stages", "2", "--policy", policy, "--schedule", "gpipe"
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "epoch 2/2: 100%" in out.stderr  # tqdm writes its bars to stderr
     assert f"summary: 2 stages x 2 pipelines, policy={policy}, schedule=gpipe" in out.stdout
@@ -38,11 +39,14 @@ def test_cli_bad_input_is_one_clear_line(args, message):
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("args", [["--pipelines", "0"], ["--policy", "gossip"], ["--batch-size", "30"],
-                                  ["--checkpoint-every", "2"]])
+@pytest.mark.parametrize(
+    "args", [["--pipelines", "0"], ["--policy", "gossip"], ["--batch-size", "30"], ["--checkpoint-every", "2"]]
+)
 def test_cli_rejects_bad_options_before_loading_torch_or_data(args):
-    code = ("import sys; from sdpipe.cli import main; rc = main(['train', *sys.argv[1:]]); "
-            "print(rc, sorted(m for m in ('torch', 'sklearn', 'distributed') if m in sys.modules))")
+    code = (
+        "import sys; from sdpipe.cli import main; rc = main(['train', *sys.argv[1:]]); "
+        "print(rc, sorted(m for m in ('torch', 'sklearn', 'distributed') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "2 []", (out.stdout, out.stderr[-2000:])
     assert out.stderr.startswith("sdpipe: error: ") and len(out.stderr.strip().splitlines()) == 1
@@ -77,14 +81,30 @@ def test_cli_train_flags_are_the_train_config_fields():
         action = flags[f.name]
         assert action.option_strings == [f"--{f.name.replace('_', '-')}"] and action.default == f.default, f.name
         assert action.type is {"int": int, "float": float}.get(f.type, str) and action.help == docs[f.name], f.name
-    args = parser.parse_args(["train", "--weight-decay", "0.01", "--host", "10.0.0.2", "--timeout", "30",
-                              "--batch-size", "64", "--slowdown", "1=2", "--model", "cnn"])
+    args = parser.parse_args(
+        [
+            "train",
+            "--weight-decay",
+            "0.01",
+            "--host",
+            "10.0.0.2",
+            "--timeout",
+            "30",
+            "--batch-size",
+            "64",
+            "--slowdown",
+            "1=2",
+            "--model",
+            "cnn",
+        ]
+    )
     config, options = _check(args)
     assert config == TrainConfig(**options)
     assert (config.weight_decay, config.host, config.timeout, config.batch_size) == (0.01, "10.0.0.2", 30.0, 64)
     assert config.heterogeneity.slowdown == {1: 2.0} and config.cuts == (6,)
-    assert {k: v for k, v in config.to_dict().items() if k not in ("heterogeneity", "scheduler", "cuts")} == \
-        {f.name: getattr(args, f.name) for f in scalar}
+    assert {k: v for k, v in config.to_dict().items() if k not in ("heterogeneity", "scheduler", "cuts")} == {
+        f.name: getattr(args, f.name) for f in scalar
+    }
 
 
 def test_cli_simulate_prints_throughput():
@@ -95,17 +115,23 @@ def test_cli_simulate_prints_throughput():
     assert bad.returncode == 2 and "sdpipe: error: policy: 'ps' is not one of sdpipe, allreduce, none" in bad.stderr
 
 
-@pytest.mark.parametrize("name, text, message", [
-    ("run.toml", "epoch = 3\n", "config: {path}: unknown field 'epoch'; allowed: backend, batch_size,"),
-    ("run.toml", 'epochs = "ten"\n', "config: {path}: field 'epochs' must be an integer, got 'ten'"),
-    ("run.toml", "epochs = 2\n[nested\n", "config: {path} is not valid TOML"),
-    ("run.json", '{"model": "rnn"}', "config: {path}: field 'model' is 'rnn'; allowed: mlp, cnn"),
-    ("run.json", '{"slowdown": {"x": 2}}',
-     "config: {path}: field 'slowdown': --slowdown: 'x=2' is not PIPELINE=FACTOR"),
-    ("run.json", '[1, 2]', "config: {path} must hold a table of options, got list"),
-    ("run.json", '{"pipelines": 0}', "pipelines: must be an integer >= 1, got 0"),
-    ("run.json", '{"timeout": "soon"}', "config: {path}: field 'timeout' must be a number, got 'soon'"),
-])
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("run.toml", "epoch = 3\n", "config: {path}: unknown field 'epoch'; allowed: backend, batch_size,"),
+        ("run.toml", 'epochs = "ten"\n', "config: {path}: field 'epochs' must be an integer, got 'ten'"),
+        ("run.toml", "epochs = 2\n[nested\n", "config: {path} is not valid TOML"),
+        ("run.json", '{"model": "rnn"}', "config: {path}: field 'model' is 'rnn'; allowed: mlp, cnn"),
+        (
+            "run.json",
+            '{"slowdown": {"x": 2}}',
+            "config: {path}: field 'slowdown': --slowdown: 'x=2' is not PIPELINE=FACTOR",
+        ),
+        ("run.json", "[1, 2]", "config: {path} must hold a table of options, got list"),
+        ("run.json", '{"pipelines": 0}', "pipelines: must be an integer >= 1, got 0"),
+        ("run.json", '{"timeout": "soon"}', "config: {path}: field 'timeout' must be a number, got 'soon'"),
+    ],
+)
 def test_cli_config_file_errors_name_the_field(tmp_path, name, text, message):
     path = tmp_path / name
     path.write_text(text)
@@ -119,8 +145,10 @@ def test_cli_config_file_errors_name_the_field(tmp_path, name, text, message):
 @pytest.mark.cluster
 def test_cli_config_file_with_flags_winning_and_a_checkpoint(tmp_path, no_leaks):
     config = tmp_path / "run.toml"
-    config.write_text(f'epochs = 5\nstages = 1\npipelines = 2\npolicy = "sdpipe"\nslowdown = {{ 1 = 2.0 }}\n'
-                      f'checkpoint-every = 1\ncheckpoint_dir = "{tmp_path / "ck"}"\n')
+    config.write_text(
+        f'epochs = 5\nstages = 1\npipelines = 2\npolicy = "sdpipe"\nslowdown = {{ 1 = 2.0 }}\n'
+        f'checkpoint-every = 1\ncheckpoint_dir = "{tmp_path / "ck"}"\n'
+    )
     out = sdpipe("train", "--config", str(config), "--epochs", "1")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "epoch 1/1: 100%" in out.stderr and "summary: 1 stages x 2 pipelines, policy=sdpipe" in out.stdout
@@ -140,8 +168,10 @@ train_data, eval_data = digits()
 {body}
 """
 
-TRAIN = ("run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=1, epochs=1)\n"
-         "print('accuracy', run.result().history[-1]['accuracy'])")
+TRAIN = (
+    "run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=1, epochs=1)\n"
+    "print('accuracy', run.result().history[-1]['accuracy'])"
+)
 
 
 def test_a_script_without_the_main_guard_gets_one_line(tmp_path):
@@ -152,13 +182,13 @@ def test_a_script_without_the_main_guard_gets_one_line(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert lines == [lines[0]] and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert lines[0].startswith("sdpipe: train_digits.py line 6 trains at the top level of the script")
-    assert "if __name__ == \"__main__\":" in lines[0]
+    assert 'if __name__ == "__main__":' in lines[0]
 
 
 @pytest.mark.cluster
 def test_a_script_with_the_main_guard_trains(tmp_path, no_leaks):
     script = tmp_path / "train_digits.py"
-    body = "if __name__ == \"__main__\":\n" + "".join("    " + line + "\n" for line in TRAIN.splitlines())
+    body = 'if __name__ == "__main__":\n' + "".join("    " + line + "\n" for line in TRAIN.splitlines())
     script.write_text(SCRIPT.format(indent_note="", body=body))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

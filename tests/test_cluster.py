@@ -38,7 +38,9 @@ def max_diff(a, b):
 
 def test_allreduce_demo_accuracy_identical_models(data, no_leaks):
     (train_data, eval_data) = data
-    run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="allreduce", epochs=10)
+    run = sdpipe.train(
+        digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="allreduce", epochs=10
+    )
     result = run.result(timeout=300)
     assert_records_valid(result.events)
     final = [h for h in result.history if h["epoch"] == 9]
@@ -68,7 +70,9 @@ def test_allreduce_demo_accuracy_identical_models(data, no_leaks):
 
 def test_none_policy_models_differ(data, shared_cluster, no_leaks):
     train_data, _ = data
-    result = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="none", epochs=1, cluster=shared_cluster).result(timeout=300)
+    result = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, policy="none", epochs=1, cluster=shared_cluster
+    ).result(timeout=300)
     assert_records_valid(result.events)
     assert result.max_param_diff() > 1e-3
     assert not any(e["kind"] == "sync" for e in result.events)
@@ -78,7 +82,17 @@ def test_none_policy_models_differ(data, shared_cluster, no_leaks):
 @pytest.mark.parametrize("stages", [2, 4])
 def test_gpipe_and_1f1b_match_single_process(data, shared_cluster, stages):
     (X, Y), _ = data
-    common = dict(stages=stages, pipelines=1, epochs=2, optimizer="sgd", lr=0.05, momentum=0.9, batch_size=32, microbatches=4, cluster=shared_cluster)
+    common = dict(
+        stages=stages,
+        pipelines=1,
+        epochs=2,
+        optimizer="sgd",
+        lr=0.05,
+        momentum=0.9,
+        batch_size=32,
+        microbatches=4,
+        cluster=shared_cluster,
+    )
     r1 = sdpipe.train(digits_mlp(), (X, Y), schedule="1f1b", **common).result(timeout=300)
     r2 = sdpipe.train(digits_mlp(), (X, Y), schedule="gpipe", **common).result(timeout=300)
     ref = reference_training(digits_mlp(), X, Y, epochs=2, batch_size=32, lr=0.05)
@@ -105,7 +119,11 @@ def test_existing_cluster_by_address_and_stop(data, shared_cluster, no_leaks):
     assert live_process_groups(shared_cluster) == 0
     assert port_closed(run.store_port)
     # the cluster stays usable for the next run
-    assert sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=4, epochs=1, cluster=shared_cluster).result(timeout=120).history
+    assert (
+        sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=4, epochs=1, cluster=shared_cluster)
+        .result(timeout=120)
+        .history
+    )
 
 
 def test_events_stream_while_running(data, shared_cluster):
@@ -179,7 +197,10 @@ def test_worker_exception_ends_the_run_with_its_error(data, shared_cluster):
             return x
 
     boom = Boom()
-    model = [torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()), torch.nn.Sequential(boom, torch.nn.Linear(32, 10))]
+    model = [
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()),
+        torch.nn.Sequential(boom, torch.nn.Linear(32, 10)),
+    ]
     boom.armed = True  # set after the driver's shape probe would also see it; the probe runs without grad
     run = sdpipe.train(model, (X, Y), stages=2, pipelines=2, epochs=1, cluster=shared_cluster)
     t = time.monotonic()

@@ -28,8 +28,16 @@ def _member(rank: int, size: int, joining: int, port: int, delay: float, out, we
     store = dist.TCPStore("127.0.0.1", port, joining, rank == 0, timeout=datetime.timedelta(seconds=RUN_TIMEOUT))
     start = time.monotonic()
     try:
-        pg = make_group(store, "avg/test", rank, size, backend="gloo", timeout=RUN_TIMEOUT, host="127.0.0.1",
-                        connect_timeout=CONNECT)
+        pg = make_group(
+            store,
+            "avg/test",
+            rank,
+            size,
+            backend="gloo",
+            timeout=RUN_TIMEOUT,
+            host="127.0.0.1",
+            connect_timeout=CONNECT,
+        )
     except RuntimeError as e:
         out.put((rank, "connect-failed", time.monotonic() - start, str(e)[:80]))
         return

@@ -27,8 +27,9 @@ def data():
 def cluster8():
     """Eight single-threaded worker processes; a killed one is restarted by its nanny (under a new address)."""
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
-        lc = LocalCluster(n_workers=8, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
-                          env={"OMP_NUM_THREADS": "1"})
+        lc = LocalCluster(
+            n_workers=8, threads_per_worker=1, host="127.0.0.1", dashboard_address=None, env={"OMP_NUM_THREADS": "1"}
+        )
     client = Client(lc, set_as_default=False)
     yield client
     client.close()
@@ -54,7 +55,9 @@ def all_workers_ready(client):
     deadline = time.monotonic() + 180
     topped_up = False
     while True:
-        assert time.monotonic() < deadline, f"the cluster did not get back to 8 workers: {len(client.scheduler_info()['workers'])}"
+        assert time.monotonic() < deadline, (
+            f"the cluster did not get back to 8 workers: {len(client.scheduler_info()['workers'])}"
+        )
         try:
             client.wait_for_workers(8, timeout=60)
         except TimeoutError:
@@ -92,7 +95,9 @@ def final_accuracy(result) -> float:
 
 def test_sdpipe_goes_on_with_three_pipelines_after_a_worker_is_killed(data, cluster8):
     train_data, eval_data = data
-    common = dict(stages=2, pipelines=4, policy="sdpipe", epochs=8, batch_size=32, eval_data=eval_data, cluster=cluster8)
+    common = dict(
+        stages=2, pipelines=4, policy="sdpipe", epochs=8, batch_size=32, eval_data=eval_data, cluster=cluster8
+    )
     reference = sdpipe.train(digits_mlp(), train_data, **common).result(timeout=600)
 
     all_workers_ready(cluster8)
@@ -112,7 +117,10 @@ def test_sdpipe_goes_on_with_three_pipelines_after_a_worker_is_killed(data, clus
     # the three pipelines trained every remaining epoch, and as well as four did
     last = max(h["epoch"] for h in result.history)
     assert last == 7 and sorted(h["pipeline"] for h in result.history if h["epoch"] == last) == [0, 1, 3]
-    assert abs(final_accuracy(result) - final_accuracy(reference)) <= 0.02, (final_accuracy(result), final_accuracy(reference))
+    assert abs(final_accuracy(result) - final_accuracy(reference)) <= 0.02, (
+        final_accuracy(result),
+        final_accuracy(reference),
+    )
     assert time.monotonic() - killed_at < 300
     assert port_closed(run.store_port)
     assert live_process_groups(cluster8) == 0
@@ -121,8 +129,9 @@ def test_sdpipe_goes_on_with_three_pipelines_after_a_worker_is_killed(data, clus
 def test_allreduce_stops_with_an_error_naming_the_killed_worker(data, cluster8):
     train_data, eval_data = data
     all_workers_ready(cluster8)
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy="allreduce", epochs=50, batch_size=32,
-                       cluster=cluster8)
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=4, policy="allreduce", epochs=50, batch_size=32, cluster=cluster8
+    )
     addr = run.workers[KILLED_RANK]
     killed_at = kill_rank_when(run, cluster8, KILLED_RANK, epoch=0)
     with pytest.raises(sdpipe.RunError) as err:
@@ -139,14 +148,25 @@ def test_adpsgd_and_none_go_on_after_a_worker_is_killed(data, cluster8, policy):
     """Pipeline 2 is passive under adpsgd: the active workers stop pairing with it."""
     train_data, eval_data = data
     all_workers_ready(cluster8)
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy=policy, epochs=5, batch_size=32,
-                       eval_data=eval_data, cluster=cluster8)
+    run = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        stages=2,
+        pipelines=4,
+        policy=policy,
+        epochs=5,
+        batch_size=32,
+        eval_data=eval_data,
+        cluster=cluster8,
+    )
     kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
     result = run.result(timeout=600)
     assert set(result.lost) == {2} and result.finished_pipelines == [0, 1, 3]
     last = [h for h in result.history if h["epoch"] == 4]
     # the survivors took every batch of the last epoch between them
-    assert {h["pipeline"] for h in last} <= {0, 1, 3} and sum(h["samples"] for h in last) == len(train_data[0]) // 32 * 32
+    assert {h["pipeline"] for h in last} <= {0, 1, 3} and sum(h["samples"] for h in last) == len(
+        train_data[0]
+    ) // 32 * 32
     if policy == "adpsgd":  # its epochs end in a global sync, so every survivor trains in every epoch
         assert {h["pipeline"] for h in last} == {0, 1, 3}
     # (under none nothing holds the pipelines together: one held up for a whole epoch, as by the killed
@@ -163,8 +183,17 @@ def test_a_pipeline_whose_workers_stall_is_dropped_after_the_stall_limit(data, c
     train_data, _ = data
     all_workers_ready(cluster8)
     timeout = 20.0
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=4, policy="none", epochs=30, batch_size=32,
-                       cluster=cluster8, timeout=timeout)
+    run = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        stages=2,
+        pipelines=4,
+        policy="none",
+        epochs=30,
+        batch_size=32,
+        cluster=cluster8,
+        timeout=timeout,
+    )
     wait_for_epoch(run, 0)
     pids = [pid_of(run, cluster8, rank) for rank in (4, 5)]
     for pid in pids:
@@ -192,7 +221,9 @@ def test_control_routes_refuse_a_caller_without_the_run_token(data, shared_clust
     from distributed import Client
 
     train_data, _ = data
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=300, cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=300, cluster=shared_cluster
+    )
     try:
         # every worker joined (a pipeline forms its first groups, of one, while the other may still start)
         wait_for = time.monotonic() + 120
@@ -200,13 +231,17 @@ def test_control_routes_refuse_a_caller_without_the_run_token(data, shared_clust
             assert time.monotonic() < wait_for and not run.done(), run
             time.sleep(0.05)
         with Client(shared_cluster.scheduler.address, set_as_default=False) as other:
+
             def call(route, **kw):
                 return other.sync(getattr(other.scheduler, route), run_id=run.run_id, **kw)
 
             assert call("sdpipe_state")["policy"] == "sdpipe"
-            for route, kw in [("sdpipe_set_policy", dict(policy={}, policy_name="none")),
-                              ("sdpipe_pause", dict(paused=True)), ("sdpipe_close", {}),
-                              ("sdpipe_leave", dict(stage=None, pipeline=1))]:
+            for route, kw in [
+                ("sdpipe_set_policy", dict(policy={}, policy_name="none")),
+                ("sdpipe_pause", dict(paused=True)),
+                ("sdpipe_close", {}),
+                ("sdpipe_leave", dict(stage=None, pipeline=1)),
+            ]:
                 for token in (None, "0" * 32):
                     with pytest.raises(PermissionError, match="token: does not match run"):
                         call(route, token=token, **kw)
@@ -251,14 +286,21 @@ def test_tls_secured_scheduler(data, no_leaks):
 
     train_data, _ = data
     security = Security.temporary()
-    with LocalCluster(n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=None, protocol="tls://",
-                      security=security) as cluster:
+    with LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        host="127.0.0.1",
+        dashboard_address=None,
+        protocol="tls://",
+        security=security,
+    ) as cluster:
         addr = cluster.scheduler_address
         assert addr.startswith("tls://127.0.0.1:")
         with pytest.raises(ValueError, match="security: 'tls://127.0.0.1:.*' speaks TLS; pass security="):
             sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=2, epochs=1, cluster=addr, security=None)
-        result = sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=addr,
-                              security=security).result(timeout=300)
+        result = sdpipe.train(
+            digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=addr, security=security
+        ).result(timeout=300)
         assert len(result.history) == 2
     with pytest.raises(ValueError, match="security: must be a distributed.Security or None, got str"):
         sdpipe.train(digits_mlp(), train_data, cluster="tls://127.0.0.1:1", security="certs.pem")

@@ -11,7 +11,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_cuda_nccl_single_worker():
     train_data, eval_data = digits()
-    result = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=1, pipelines=1, epochs=3, device="cuda").result(timeout=300)
+    result = sdpipe.train(
+        digits_mlp(), train_data, eval_data=eval_data, stages=1, pipelines=1, epochs=3, device="cuda"
+    ).result(timeout=300)
     assert result.history[-1]["accuracy"] > 0.85
     assert next(result.models[0].parameters()).device.type == "cpu"
 
@@ -19,7 +21,9 @@ def test_cuda_nccl_single_worker():
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="NCCL needs one GPU per worker: 4 GPUs for 2x2")
 def test_cuda_nccl_2x2_allreduce_identical():
     train_data, eval_data = digits()
-    result = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, epochs=10, device="cuda").result(timeout=300)
+    result = sdpipe.train(
+        digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, epochs=10, device="cuda"
+    ).result(timeout=300)
     assert result.max_param_diff() < 1e-6 and result.history[-1]["accuracy"] >= 0.95
 
 

@@ -43,16 +43,20 @@ def test_training_on_emulated_hosts_uses_each_hosts_own_address(data, hosts, pol
     from distributed import Client
 
     train_data, eval_data = data
-    run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy=policy,
-                       epochs=10, cluster=hosts)
+    run = sdpipe.train(
+        digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy=policy, epochs=10, cluster=hosts
+    )
     # the store listens on the driver's address toward the scheduler: the bridge's, not loopback
     wait_for_epoch(run, 0)
     assert run.store_host == hosts.driver_address
+
     def tcp_sockets():  # runs in each worker process (nested, so it travels by value)
         import psutil
 
-        return [(c.status, tuple(c.laddr), tuple(c.raddr) if c.raddr else None)
-                for c in psutil.Process().net_connections("tcp")]
+        return [
+            (c.status, tuple(c.laddr), tuple(c.raddr) if c.raddr else None)
+            for c in psutil.Process().net_connections("tcp")
+        ]
 
     with Client(hosts.scheduler_address, set_as_default=False) as c:
         seen = c.run(tcp_sockets, workers=run._workers)
@@ -77,8 +81,11 @@ def test_training_on_emulated_hosts_uses_each_hosts_own_address(data, hosts, pol
         established = [(local, remote) for status, local, remote in socks if status == "ESTABLISHED"]
         assert established and all(local[0] == own for local, _ in established), (addr, socks)
         assert any(remote == (hosts.driver_address, run.store_port) for _, remote in established), (addr, socks)
-        ours = [(local, remote) for local, remote in established
-                if remote[0] in worker_hosts and local[1] not in dask_ports and remote[1] not in dask_ports]
+        ours = [
+            (local, remote)
+            for local, remote in established
+            if remote[0] in worker_hosts and local[1] not in dask_ports and remote[1] not in dask_ports
+        ]
         assert ours, f"{addr}: no connection to another worker outside Dask's ports: {socks}"
         listening = [local for status, local, _ in socks if status == "LISTEN" and local[1] not in dask_ports]
         assert all(ip in (own, "0.0.0.0") for ip, _ in listening), (addr, listening)  # 0.0.0.0: Dask's HTTP routes
@@ -88,8 +95,9 @@ def test_a_worker_that_cannot_reach_the_store_fails_in_one_line(data, hosts):
     """host= forced to loopback: the store listens on the driver's loopback, which no other host reaches."""
     train_data, _ = data
     start = time.monotonic()
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=2, cluster=hosts,
-                       host="127.0.0.1")
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=2, cluster=hosts, host="127.0.0.1"
+    )
     with pytest.raises(sdpipe.RunError) as err:
         run.result(timeout=120)
     took = time.monotonic() - start
@@ -105,8 +113,11 @@ def _latest(run) -> float:
 
 
 def _step_rate(events, pipeline, t0, t1):
-    ends = [e["end"] for e in events if e["kind"] == "optimizer" and e["pipeline"] == pipeline and e["stage"] == 0
-            and t0 <= e["end"] < t1]
+    ends = [
+        e["end"]
+        for e in events
+        if e["kind"] == "optimizer" and e["pipeline"] == pipeline and e["stage"] == 0 and t0 <= e["end"] < t1
+    ]
     return len(ends) / (t1 - t0)
 
 
@@ -147,7 +158,8 @@ def test_run_shape_caps_a_hosts_cpu_live_recorded_and_shown_as_shaped(data, host
 
 
 def test_shaping_limits_a_hosts_link_and_cpu(no_leaks):
-    """Measured from processes on the host: a transfer to it under a 1 MB/s token bucket, a busy loop under 0.25 cores."""
+    """Measured from processes on the host: a transfer to it under a 1 MB/s token bucket, a busy loop under 0.25
+    cores."""
     with EmulatedHosts([0]) as h:
         receiver = h.popen(1, [sys.executable, "-c", _RECEIVER, h.addresses[1]], stdout=subprocess.PIPE, text=True)
         try:
@@ -194,8 +206,17 @@ def _send(address, n):
 
 def _busy_share(h) -> float:
     """CPU seconds per wall second of a busy loop on host 1."""
-    p = h.popen(1, [sys.executable, "-c", "import time\nt=time.monotonic()\nwhile time.monotonic()-t<2: pass\n"
-                    "print(time.process_time()/(time.monotonic()-t))"], stdout=subprocess.PIPE, text=True)
+    p = h.popen(
+        1,
+        [
+            sys.executable,
+            "-c",
+            "import time\nt=time.monotonic()\nwhile time.monotonic()-t<2: pass\n"
+            "print(time.process_time()/(time.monotonic()-t))",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     out, _ = p.communicate(timeout=30)
     return float(out)
 
@@ -205,8 +226,9 @@ def test_a_host_that_disappears(data, policy, no_leaks):
     """Every process of host 2 (pipeline 1's workers) killed at once, mid-run."""
     train_data, eval_data = data
     with EmulatedHosts([2, 2]) as h:
-        run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy=policy,
-                           epochs=8, cluster=h)
+        run = sdpipe.train(
+            digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy=policy, epochs=8, cluster=h
+        )
         wait_for_epoch(run, 1)
         assert {h.host_of(a) for a in run._workers[2:]} == {2}
         h.kill(2)

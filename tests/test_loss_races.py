@@ -114,6 +114,14 @@ def test_a_rendezvous_gives_up_once_a_member_pipeline_is_marked_lost(store):
     threading.Timer(0.5, mark_lost, args=(store, 1, "its worker process died")).start()
     start = time.monotonic()
     with pytest.raises(RendezvousTimeout, match="pipeline 1 was lost"):
-        make_group(rendezvous, "pipe1", 0, 2, backend="gloo", timeout=60.0, host="127.0.0.1",
-                   give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost")
+        make_group(
+            rendezvous,
+            "pipe1",
+            0,
+            2,
+            backend="gloo",
+            timeout=60.0,
+            host="127.0.0.1",
+            give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost",
+        )
     assert time.monotonic() - start < 5.0  # not the 60 s timeout

@@ -77,8 +77,10 @@ def test_partition_sequential_and_list():
         (dict(backend="nccl"), "backend: 'nccl' needs device='cuda'"),
         (dict(timeout=-1), "timeout: must be > 0.0"),
         (dict(heterogeneity=Heterogeneity(slowdown={5: 2.0})), r"heterogeneity.slowdown: key 5 names no worker"),
-        (dict(scheduler={"weighting": "by-speed"}),
-         r"policy.weighting: 'by-speed' is not allowed; use one of 'progress', 'uniform'"),
+        (
+            dict(scheduler={"weighting": "by-speed"}),
+            r"policy.weighting: 'by-speed' is not allowed; use one of 'progress', 'uniform'",
+        ),
         (dict(momentum=1.5), r"momentum: must be a number from 0 to 1, got 1.5"),
         (dict(lr="fast"), r"lr: must be a number, got 'fast'"),
     ],
@@ -104,10 +106,12 @@ def test_field_docs_are_the_strings_under_the_fields():
     docs = field_docs(TrainConfig)
     assert list(docs) == [f.name for f in fields(TrainConfig)] and all(docs.values())
     assert docs["stages"] == "Number of stages S the model is cut into."
-    assert docs["sync_every"].startswith("Epochs between global syncs (every pipeline stops at one step and the "
-                                         "replicas are averaged) under")  # two source lines, one line here
-    assert docs["policy"] == ("How the D replicas of a stage synchronize: "
-                              "one of POLICIES (sdpipe, allreduce, ps, adpsgd, none).")
+    assert docs["sync_every"].startswith(
+        "Epochs between global syncs (every pipeline stops at one step and the replicas are averaged) under"
+    )  # two source lines, one line here
+    assert docs["policy"] == (
+        "How the D replicas of a stage synchronize: one of POLICIES (sdpipe, allreduce, ps, adpsgd, none)."
+    )
     assert field_docs(Heterogeneity)["straggle_delay"] == "Seconds a transient straggle adds to the step."
 
 
@@ -129,8 +133,10 @@ def test_config_keywords_lists_the_fields_and_passes_only_them():
     assert _train(1, 2, eval_data=3, stages=4, lr=0.1) == (1, 2, 3, {"stages": 4, "lr": 0.1})
     with pytest.raises(TypeError) as err:
         _train(1, 2, stagez=4)
-    assert str(err.value).startswith("_train() got an unexpected keyword argument 'stagez' (did you mean 'stages'?); "
-                                     "keywords are eval_data, loss_fn, stages, pipelines, policy,")
+    assert str(err.value).startswith(
+        "_train() got an unexpected keyword argument 'stagez' (did you mean 'stages'?); "
+        "keywords are eval_data, loss_fn, stages, pipelines, policy,"
+    )
     assert "\n" not in str(err.value)
     with pytest.raises(TypeError, match=r"^_train\(\) got an unexpected keyword argument 'xyz'; keywords are "):
         _train(1, 2, xyz=4)

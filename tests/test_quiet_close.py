@@ -30,8 +30,16 @@ def test_closing_a_notebook_style_cluster_after_training_warns_of_nothing(no_lea
         cluster = LocalCluster(n_workers=8, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
         client = Client(cluster, set_as_default=False)
         train_data, eval_data = digits()
-        result = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=4, epochs=2,
-                              policy="adpsgd", cluster=client).result(timeout=300)
+        result = sdpipe.train(
+            digits_mlp(),
+            train_data,
+            eval_data=eval_data,
+            stages=2,
+            pipelines=4,
+            epochs=2,
+            policy="adpsgd",
+            cluster=client,
+        ).result(timeout=300)
         assert result.finished_pipelines == [0, 1, 2, 3]
         client.close()
         cluster.close()

@@ -61,11 +61,17 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None):
         deadline = sched.next_deadline()
         if deadline is not None and deadline <= heap[0][0]:
             now = deadline
-            before = {s: (set(sched.stages[s].live), sched.stages[s].waiting | sched.stages[s].global_waiting) for s in range(stages)}
+            before = {
+                s: (set(sched.stages[s].live), sched.stages[s].waiting | sched.stages[s].global_waiting)
+                for s in range(stages)
+            }
             apply(sched.tick(now), before)
             continue
         now, _, kind, args = heapq.heappop(heap)
-        before = {s: (set(sched.stages[s].live), sched.stages[s].waiting | sched.stages[s].global_waiting) for s in range(stages)}
+        before = {
+            s: (set(sched.stages[s].live), sched.stages[s].waiting | sched.stages[s].global_waiting)
+            for s in range(stages)
+        }
         if kind == "lost":
             lost.add(args[0])
             apply(sched.lost(args[0], now), before)
@@ -99,7 +105,14 @@ speeds_st = st.lists(st.floats(min_value=0.05, max_value=5.0), min_size=1, max_s
 )
 def test_invariants_under_random_speeds_and_losses(speeds, staleness, max_group, window, seed, n_losses, stages):
     D = len(speeds)
-    policy = SchedulerPolicy(max_group=max_group, window_init=window, window_min=0.0, window_max=max(window, 4.0), staleness=staleness, pair_threshold=6)
+    policy = SchedulerPolicy(
+        max_group=max_group,
+        window_init=window,
+        window_min=0.0,
+        window_max=max(window, 4.0),
+        staleness=staleness,
+        pair_threshold=6,
+    )
     rng = random.Random(seed)
     losses = [(rng.uniform(0, 30), rng.randrange(D)) for _ in range(min(n_losses, D - 1))]
     sched, log, _, lost = drive(stages, speeds, policy, steps=25, losses=losses, seed=seed)
@@ -139,7 +152,9 @@ def test_invariants_under_random_speeds_and_losses(speeds, staleness, max_group,
 def test_every_staleness_rounds_connect_the_stage(speeds, seed, staleness):
     """Single stage, no losses: the updates before each connecting round stay below P x D."""
     D = len(speeds)
-    policy = SchedulerPolicy(window_init=0.05, window_min=0.0, window_max=0.2, staleness=staleness, max_group=max(1, D // 2))
+    policy = SchedulerPolicy(
+        window_init=0.05, window_min=0.0, window_max=0.2, staleness=staleness, max_group=max(1, D // 2)
+    )
     sched, log, _, _ = drive(1, speeds, policy, steps=30, seed=seed)
     rounds = {}
     for _, g, state in log:
@@ -217,7 +232,9 @@ def test_progress_weighting_conserves_the_mass_weighted_sum(values, events):
 
 def test_straggler_is_left_out_of_most_groups():
     speeds = [1.0, 1.0, 1.0, 0.25]
-    sched, log, _, _ = drive(1, speeds, SchedulerPolicy(window_init=0.05, window_max=0.2, window_min=0.001, staleness=3), steps=40)
+    sched, log, _, _ = drive(
+        1, speeds, SchedulerPolicy(window_init=0.05, window_max=0.2, window_min=0.001, staleness=3), steps=40
+    )
     groups = [g for _, g, _ in log if len(g.members) > 1]
     with_slow = sum(3 in g.members for g in groups)
     assert with_slow < len(groups) / 2

@@ -28,8 +28,16 @@ def wait_for(run, pred, timeout=120):
 
 def test_sdpipe_trains_with_partial_groups_and_global_sync(data, shared_cluster):
     train_data, eval_data = data
-    run = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="sdpipe",
-                       epochs=6, cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        eval_data=eval_data,
+        stages=2,
+        pipelines=2,
+        policy="sdpipe",
+        epochs=6,
+        cluster=shared_cluster,
+    )
     result = run.result(timeout=300)
     assert_records_valid(result.events)
     final = [h for h in result.history if h["epoch"] == 5]
@@ -55,9 +63,18 @@ def test_straggler_is_left_out_and_bound_holds(data, shared_cluster):
     train_data, _ = data
     P = 4
     hetero = sdpipe.Heterogeneity(slowdown={3: 6.0})
-    result = sdpipe.train(digits_mlp(hidden=256), train_data, stages=1, pipelines=4, policy="sdpipe", epochs=3,
-                          batch_size=32, heterogeneity=hetero, scheduler={"staleness": P, "window_init": 0.002},
-                          cluster=shared_cluster).result(timeout=300)
+    result = sdpipe.train(
+        digits_mlp(hidden=256),
+        train_data,
+        stages=1,
+        pipelines=4,
+        policy="sdpipe",
+        epochs=3,
+        batch_size=32,
+        heterogeneity=hetero,
+        scheduler={"staleness": P, "window_init": 0.002},
+        cluster=shared_cluster,
+    ).result(timeout=300)
     share = Counter()
     for h in result.history:
         share[h["pipeline"]] += h["samples"]
@@ -97,13 +114,21 @@ def test_straggler_is_left_out_and_bound_holds(data, shared_cluster):
 
 def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluster):
     train_data, _ = data
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="allreduce", epochs=40, cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, policy="allreduce", epochs=40, cluster=shared_cluster
+    )
     steps = lambda evs: max([e["step"] for e in evs if e["kind"] == "optimizer"] + [-1])
     wait_for(run, lambda evs: steps(evs) >= 5)
     run.set_policy("sdpipe", staleness=3)
     wait_for(run, lambda evs: any(e["kind"] == "group" and e["reason"] != "global" for e in evs))
     run.set_heterogeneity(slowdown={1: 3.0})
-    wait_for(run, lambda evs: sum(e["kind"] == "control" and e.get("what") == "heterogeneity" and e["pipeline"] is not None for e in evs) == 4)
+    wait_for(
+        run,
+        lambda evs: (
+            sum(e["kind"] == "control" and e.get("what") == "heterogeneity" and e["pipeline"] is not None for e in evs)
+            == 4
+        ),
+    )
     run.set_policy("allreduce")
     s = steps(run.events)
     wait_for(run, lambda evs: steps(evs) >= s + 10)
@@ -122,26 +147,45 @@ def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluste
     # policy's answers average uniformly, and the stop ends with a global sync: the replicas are identical
     back = max(e["start"] for e in ctl if e.get("policy") == "allreduce" and e["applied_by"] == "scheduler")
     after = [e for e in result.events if e["kind"] == "group" and e["start"] > back]
-    global_rounds = {(g["stage"], g["round"]) for g in result.events if g["kind"] == "group" and g["reason"] == "global"}
-    at_global = [e for e in result.events if e["kind"] == "wait" and e.get("what") == "group"
-                 and (e["stage"], e["round"]) in global_rounds]
+    global_rounds = {
+        (g["stage"], g["round"]) for g in result.events if g["kind"] == "group" and g["reason"] == "global"
+    }
+    at_global = [
+        e
+        for e in result.events
+        if e["kind"] == "wait" and e.get("what") == "group" and (e["stage"], e["round"]) in global_rounds
+    ]
 
     def others_at_global(g):  # every pipeline missing from g waited at its stage's global sync meanwhile
-        return all(any(w["pipeline"] == q and w["stage"] == g["stage"] and w["start"] - 0.05 <= g["end"] <= w["end"] + 0.05
-                       for w in at_global) for q in {0, 1} - set(g["group"]))
+        return all(
+            any(
+                w["pipeline"] == q and w["stage"] == g["stage"] and w["start"] - 0.05 <= g["end"] <= w["end"] + 0.05
+                for w in at_global
+            )
+            for q in {0, 1} - set(g["group"])
+        )
 
-    odd = [(g["stage"], g["round"], g["group"], g["reason"], round(g["start"], 3)) for g in after
-           if g["group"] != [0, 1] and not others_at_global(g)]
+    odd = [
+        (g["stage"], g["round"], g["group"], g["reason"], round(g["start"], 3))
+        for g in after
+        if g["group"] != [0, 1] and not others_at_global(g)
+    ]
     assert after and not odd, (odd, back)
     for stage in (0, 1):
         last = [g for g in after if g["stage"] == stage][-1]
         assert last["group"] == [0, 1] and last["reason"] == "global"
     rounds = {(g["stage"], g["round"]) for g in after}
-    synced = [e for e in result.events if e["kind"] == "sync" and (e["stage"], e.get("round")) in rounds and "weighting" in e]
+    synced = [
+        e for e in result.events if e["kind"] == "sync" and (e["stage"], e.get("round")) in rounds and "weighting" in e
+    ]
     assert synced and all(e["weighting"] == "uniform" for e in synced)
     assert result.max_param_diff() < 1e-6
     # the slowdown took effect on pipeline 1 only
-    fwd = lambda p, after: [e["end"] - e["start"] for e in result.events if e["kind"] == "forward" and e["pipeline"] == p and e["start"] > after]
+    fwd = lambda p, after: [
+        e["end"] - e["start"]
+        for e in result.events
+        if e["kind"] == "forward" and e["pipeline"] == p and e["start"] > after
+    ]
     t_set = next(e["start"] for e in ctl if e["what"] == "heterogeneity")
     assert sum(fwd(1, t_set)) / len(fwd(1, t_set)) > 1.5 * sum(fwd(0, t_set)) / len(fwd(0, t_set))
     assert live_process_groups(shared_cluster) == 0
@@ -149,7 +193,9 @@ def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluste
 
 def test_stop_under_sdpipe_ends_every_pipeline(data, shared_cluster):
     train_data, _ = data
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=200, cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=200, cluster=shared_cluster
+    )
     wait_for(run, lambda evs: any(e["kind"] == "group" for e in evs))
     run.stop()
     result = run.result(timeout=60)
@@ -160,7 +206,9 @@ def test_stop_under_sdpipe_ends_every_pipeline(data, shared_cluster):
 
 def test_bad_control_calls_are_rejected(data, shared_cluster):
     train_data, _ = data
-    run = sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=shared_cluster
+    )
     try:
         with pytest.raises(ValueError, match="policy: 'gossip' is not one of"):
             run.set_policy("gossip")
@@ -177,8 +225,9 @@ def test_bad_control_calls_are_rejected(data, shared_cluster):
 @pytest.mark.parametrize("policy", ["allreduce", "sdpipe", "ps", "adpsgd"])
 def test_pause_holds_every_pipeline_longer_than_the_timeout_and_resumes(data, shared_cluster, policy):
     train_data, _ = data
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy=policy, epochs=200, timeout=3.0,
-                       cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, policy=policy, epochs=200, timeout=3.0, cluster=shared_cluster
+    )
     opt = lambda evs: [e for e in evs if e["kind"] == "optimizer"]
     wait_for(run, lambda evs: len(opt(evs)) >= 8)
     run.pause()
@@ -196,5 +245,9 @@ def test_pause_holds_every_pipeline_longer_than_the_timeout_and_resumes(data, sh
     assert {e["pipeline"] for e in pauses} == {0, 1} and all(e["end"] - e["start"] > 3.5 for e in pauses)
     if policy == "allreduce":  # coupled replicas paused at the same step
         assert len({e["step"] for e in pauses}) == 1
-    assert [e["what"] for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"] == ["pause", "resume", "stop"]
+    assert [e["what"] for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"] == [
+        "pause",
+        "resume",
+        "stop",
+    ]
     assert live_process_groups(shared_cluster) == 0

@@ -65,7 +65,10 @@ def test_worker_exception_closes_everything(data, no_leaks):
             return x
 
     boom = Boom()
-    model = [torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()), torch.nn.Sequential(boom, torch.nn.Linear(32, 10))]
+    model = [
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()),
+        torch.nn.Sequential(boom, torch.nn.Linear(32, 10)),
+    ]
     boom.armed = True
     run = sdpipe.train(model, (X, Y), stages=2, pipelines=2, policy="sdpipe", epochs=50)
     t = time.monotonic()
@@ -112,7 +115,9 @@ def test_closing_the_client_ends_the_run(data, no_leaks):
             while live_process_groups(again) or server_threads(again):
                 assert time.monotonic() < deadline, "the workers still hold the closed run's groups"
                 time.sleep(0.5)
-            result = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, epochs=1, cluster=again).result(timeout=300)
+            result = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, epochs=1, cluster=again).result(
+                timeout=300
+            )
             assert len(result.history) == 2
     finally:
         cluster.close()

@@ -60,11 +60,14 @@ def test_a_simulated_run_replays_in_the_dashboard():
     assert len(dash.trace("loss/0").y) > 10
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(policy="ps"), "policy: 'ps' is not one of sdpipe, allreduce, none (the simulator's policies)"),
-    (dict(steps=0), "steps: must be an integer >= 1, got 0"),
-    (dict(costs=Costs(forward=[0.1], backward=[0.1])), "costs: has 1 stages, the simulation 2"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(policy="ps"), "policy: 'ps' is not one of sdpipe, allreduce, none (the simulator's policies)"),
+        (dict(steps=0), "steps: must be an integer >= 1, got 0"),
+        (dict(costs=Costs(forward=[0.1], backward=[0.1])), "costs: has 1 stages, the simulation 2"),
+    ],
+)
 def test_bad_input_is_named(kwargs, message):
     args = {**dict(costs=COSTS, policy="sdpipe", steps=5), **kwargs}
     with pytest.raises(ValueError) as e:
@@ -93,8 +96,9 @@ def test_jitter_makes_lock_step_wait_for_the_slowest():
         Costs(forward=[0.1], backward=[0.1], jitter=-1)
 
 
-HETERO = sdpipe.Heterogeneity(slowdown={3: 4.0, (1, 0): 1.5}, link_delay={2: 2e-3}, straggle_prob=0.2,
-                               straggle_delay=0.01)
+HETERO = sdpipe.Heterogeneity(
+    slowdown={3: 4.0, (1, 0): 1.5}, link_delay={2: 2e-3}, straggle_prob=0.2, straggle_delay=0.01
+)
 
 
 @pytest.mark.parametrize("policy", SIM_POLICIES)
@@ -132,9 +136,18 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
     from sdpipe.data import digits, digits_cnn
 
     (train_data, eval_data) = digits()
-    result = sdpipe.train(digits_cnn(8), train_data, stages=2, pipelines=2, cuts=(6,), policy="sdpipe", epochs=3,
-                          batch_size=64, heterogeneity=sdpipe.Heterogeneity(slowdown={1: 3.0}),
-                          cluster=shared_cluster).result(timeout=300)
+    result = sdpipe.train(
+        digits_cnn(8),
+        train_data,
+        stages=2,
+        pipelines=2,
+        cuts=(6,),
+        policy="sdpipe",
+        epochs=3,
+        batch_size=64,
+        heterogeneity=sdpipe.Heterogeneity(slowdown={1: 3.0}),
+        cluster=shared_cluster,
+    ).result(timeout=300)
     costs, net, shown = sdpipe.calibrate(result)
     stages = sdpipe.partition(digits_cnn(8), 2, (6,))
     assert costs.weight_bytes == tuple(float(sum(p.numel() * 4 for p in m.parameters())) for m in stages)
@@ -144,20 +157,34 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
     assert set(shown.slowdown) == {(1, 0), (1, 1)} and all(2.0 < k < 6.0 for k in shown.slowdown.values())
     epochs = sorted({h["epoch"] for h in result.history})[1:]
     real = sorted(sum(h["samples_per_s"] for h in result.history if h["epoch"] == e) for e in epochs)[0]
-    sim = simulate(2, 2, costs=costs, network=net, heterogeneity=shown, policy="sdpipe", batch_size=64,
-                   steps=len(train_data[0]) // 64 // 2, record=False)
+    sim = simulate(
+        2,
+        2,
+        costs=costs,
+        network=net,
+        heterogeneity=shown,
+        policy="sdpipe",
+        batch_size=64,
+        steps=len(train_data[0]) // 64 // 2,
+        record=False,
+    )
     assert 0.5 < sum(h["samples_per_s"] for h in sim.history) / real < 2.0
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: sdpipe.calibrate("run"), "result: must be a sdpipe.RunResult of a real run (run.result()), got str"),
-    (lambda: simulate(2, 2, costs=COSTS, network="fast"), "network: must be a sdpipe.Network, got str"),
-    (lambda: simulate(2, 2, costs=COSTS, lr="a"), "lr: must be a finite number >= 0, got 'a'"),
-    (lambda: simulate(0, 2, costs=COSTS), "stages: must be an integer >= 1, got 0"),
-    (lambda: Costs(forward="fast", backward=[0.1]),
-     "costs.forward: needs one finite number >= 0 per stage, got 'fast'"),
-    (lambda: sdpipe.load_checkpoint(123), "resume_from: must be a folder path, got int"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: sdpipe.calibrate("run"), "result: must be a sdpipe.RunResult of a real run (run.result()), got str"),
+        (lambda: simulate(2, 2, costs=COSTS, network="fast"), "network: must be a sdpipe.Network, got str"),
+        (lambda: simulate(2, 2, costs=COSTS, lr="a"), "lr: must be a finite number >= 0, got 'a'"),
+        (lambda: simulate(0, 2, costs=COSTS), "stages: must be an integer >= 1, got 0"),
+        (
+            lambda: Costs(forward="fast", backward=[0.1]),
+            "costs.forward: needs one finite number >= 0 per stage, got 'fast'",
+        ),
+        (lambda: sdpipe.load_checkpoint(123), "resume_from: must be a folder path, got int"),
+    ],
+)
 def test_public_entry_points_name_the_bad_field(call, message):
     with pytest.raises(ValueError) as e:
         call()

@@ -16,15 +16,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdpipe.data import leaves_tail
-from sdpipe.sync_rules import (GLOBAL, STEP, PsRelease, choose_peer, gossip_roles, group_stop, held_step_pulls,
-                               mass_after_group, mass_after_round, mass_after_step, member_weight, ps_release)
+from sdpipe.sync_rules import (
+    GLOBAL,
+    STEP,
+    PsRelease,
+    choose_peer,
+    gossip_roles,
+    group_stop,
+    held_step_pulls,
+    mass_after_group,
+    mass_after_round,
+    mass_after_step,
+    member_weight,
+    ps_release,
+)
 
 FAST = settings(max_examples=100, deadline=None)
 
 
 def test_the_rules_import_neither_torch_nor_dask():
-    code = ("import sys, sdpipe.sync_rules; "
-            "print(sorted(m for m in ('torch', 'distributed', 'dask') if m in sys.modules))")
+    code = (
+        "import sys, sdpipe.sync_rules; print(sorted(m for m in ('torch', 'distributed', 'dask') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -251,8 +264,11 @@ def test_group_stop_cases():
 
 
 @FAST
-@given(st.lists(st.floats(0, 3, allow_nan=False), min_size=1, max_size=30), st.floats(0, 10, allow_nan=False),
-       st.floats(0, 100, allow_nan=False))
+@given(
+    st.lists(st.floats(0, 3, allow_nan=False), min_size=1, max_size=30),
+    st.floats(0, 10, allow_nan=False),
+    st.floats(0, 100, allow_nan=False),
+)
 def test_group_stop_takes_the_store_flag_exactly_after_the_grace(gaps, grace, t0):
     # the driver's flag stays set (it is never cleared); no group answer says stop
     first_seen, now, stopped = None, t0, False
@@ -320,7 +336,13 @@ def test_policy_interface_coupled_and_decide_stop():
     with pytest.raises(TypeError):
         policy.SyncPolicy()  # abstract: every policy says what it does after a step and at an epoch's end
     assert {name: cls.coupled for name, cls in policy.WORKER_MODES.items()} == {
-        "allreduce": True, "none": False, "sdpipe": False, "scheduled": False, "adpsgd": False, "ps": False}
+        "allreduce": True,
+        "none": False,
+        "sdpipe": False,
+        "scheduled": False,
+        "adpsgd": False,
+        "ps": False,
+    }
     for cls in set(policy.WORKER_MODES.values()):
         assert not hasattr(cls, "carries_stop") and not hasattr(cls, "stop_now")
         p = policy.make_policy(cls.name)

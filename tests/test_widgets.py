@@ -39,8 +39,11 @@ def test_view_keeps_recent_spans_and_totals_of_all():
     from sdpipe.widgets import RunView
 
     v = RunView(1, 2, 32, window=1.0)
-    spans = [{"kind": "forward", "pipeline": p, "stage": 0, "step": i, "start": i * 0.5, "end": i * 0.5 + 0.2}
-             for i in range(10) for p in range(2)]
+    spans = [
+        {"kind": "forward", "pipeline": p, "stage": 0, "step": i, "start": i * 0.5, "end": i * 0.5 + 0.2}
+        for i in range(10)
+        for p in range(2)
+    ]
     v.add(spans)
     tl = v.timeline(bins=100)
     assert len(tl["compute"]["x"]) == 2 * 2  # the last second holds the spans of steps 8 and 9 (and 7's end)
@@ -61,10 +64,23 @@ def test_ratio_to_the_ideal_is_the_steps_without_their_synchronization():
             end = (k + 1) * step_s
             for s in (0, 1):
                 if s == 0:
-                    events.append({"kind": "wait", "what": "group", "pipeline": p, "stage": s, "step": k,
-                                   "start": end - wait_s - 0.3, "end": end - 0.3})
-                    events.append({"kind": "sync", "pipeline": p, "stage": s, "step": k, "start": end - 0.3, "end": end - 0.05})
-                events.append({"kind": "optimizer", "pipeline": p, "stage": s, "step": k, "start": end - 0.05, "end": end})
+                    events.append(
+                        {
+                            "kind": "wait",
+                            "what": "group",
+                            "pipeline": p,
+                            "stage": s,
+                            "step": k,
+                            "start": end - wait_s - 0.3,
+                            "end": end - 0.3,
+                        }
+                    )
+                    events.append(
+                        {"kind": "sync", "pipeline": p, "stage": s, "step": k, "start": end - 0.3, "end": end - 0.05}
+                    )
+                events.append(
+                    {"kind": "optimizer", "pipeline": p, "stage": s, "step": k, "start": end - 0.05, "end": end}
+                )
     v.add(sorted(events, key=lambda e: e["end"]))
     tp = v.throughput()
     # samples/s: 10/1 + 10/2; ideal: 10/(1 - 0.5) + 10/(2 - 1.25)
@@ -79,16 +95,31 @@ def test_control_panel_applies_the_values_sent_with_a_press_and_refuses_bad_ones
     from sdpipe.widgets.controls import ControlPanel
 
     pressed = []
-    panel = ControlPanel(lambda action, error=None: pressed.append((action, error)), policies=["sdpipe", "ps"],
-                         policy="sdpipe", pipelines=2, slowdown=[1.0, 1.0], staleness=4)
-    page = {"policy": "ps", "staleness": 8, "max_group": 2, "slowdown": [1.0, 2.5], "straggle_prob": 0.1, "straggle_delay": 0.05}
+    panel = ControlPanel(
+        lambda action, error=None: pressed.append((action, error)),
+        policies=["sdpipe", "ps"],
+        policy="sdpipe",
+        pipelines=2,
+        slowdown=[1.0, 1.0],
+        staleness=4,
+    )
+    page = {
+        "policy": "ps",
+        "staleness": 8,
+        "max_group": 2,
+        "slowdown": [1.0, 2.5],
+        "straggle_prob": 0.1,
+        "straggle_delay": 0.05,
+    }
     panel._on_message(panel, {"action": "slowdowns", "values": page}, [])
     assert pressed == [("slowdowns", None)]
     assert (panel.policy, panel.staleness, panel.max_group, panel.slowdown) == ("ps", 8, 2, [1.0, 2.5])
-    for bad, field in (({"slowdown": [1.0, 9.0]}, "slowdown of pipeline 1: must be a number from 1 to 8"),
-                       ({"slowdown": [2.0]}, "slowdown: must be 2 numbers"),
-                       ({"staleness": 0.5}, "P (staleness): must be a whole number from 1 to 1000"),
-                       ({"policy": "allreduce"}, "policy: must be one of sdpipe, ps")):
+    for bad, field in (
+        ({"slowdown": [1.0, 9.0]}, "slowdown of pipeline 1: must be a number from 1 to 8"),
+        ({"slowdown": [2.0]}, "slowdown: must be 2 numbers"),
+        ({"staleness": 0.5}, "P (staleness): must be a whole number from 1 to 1000"),
+        ({"policy": "allreduce"}, "policy: must be one of sdpipe, ps"),
+    ):
         pressed.clear()
         panel._on_message(panel, {"action": "policy", "values": bad}, [])
         [(action, error)] = pressed
@@ -105,15 +136,28 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     from sdpipe.widgets import Dashboard
 
     train_data, eval_data = data
-    result = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, stages=2, pipelines=2, policy="sdpipe", epochs=3,
-                          heterogeneity=sdpipe.Heterogeneity(slowdown={1: 4.0}), cluster=shared_cluster).result(timeout=300)
+    result = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        eval_data=eval_data,
+        stages=2,
+        pipelines=2,
+        policy="sdpipe",
+        epochs=3,
+        heterogeneity=sdpipe.Heterogeneity(slowdown={1: 4.0}),
+        cluster=shared_cluster,
+    ).result(timeout=300)
     dash = Dashboard(result)
     assert dash.panel is None  # nothing to steer in a finished run
     layout = dash.figure.layout[dash._timeline_xaxis.replace("xaxis", "yaxis")]
     rows = dict(zip(layout.tickvals, layout.ticktext))
     compute = dash.trace("timeline/compute")
     assert compute.name == "compute" and len(compute.x) > 10
-    shown = {rows[y] for c in ("compute", "communication", "synchronization", "waiting", "eval") for y in dash.trace(f"timeline/{c}").y}
+    shown = {
+        rows[y]
+        for c in ("compute", "communication", "synchronization", "waiting", "eval")
+        for y in dash.trace(f"timeline/{c}").y
+    }
     assert shown == {f"pipeline {p} stage {s}" for p in (0, 1) for s in (0, 1)}
     z = dash.trace("groups/0").z  # stage 0 membership strip
     assert any(4 in row for row in z) and len(z) == 2  # global syncs shown, one row per pipeline
@@ -129,7 +173,9 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
     from sdpipe.widgets import Dashboard
 
     train_data, _ = data
-    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=100, cluster=shared_cluster)
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=100, cluster=shared_cluster
+    )
     dash = Dashboard(run, interval=0.25)
     try:
         deadline = time.monotonic() + 60

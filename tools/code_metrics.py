@@ -65,11 +65,19 @@ def measure() -> dict:
         tree = ast.parse(text)
         units += list(_units(tree, rel))
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
-                    and rel not in POLICY_MODULES and len(node.args) == 2):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and rel not in POLICY_MODULES
+                and len(node.args) == 2
+            ):
                 target = node.args[1]
-                names = [e.id for e in (target.elts if isinstance(target, ast.Tuple) else [target])
-                         if isinstance(e, ast.Name)]
+                names = [
+                    e.id
+                    for e in (target.elts if isinstance(target, ast.Tuple) else [target])
+                    if isinstance(e, ast.Name)
+                ]
                 if any(n in policy_classes for n in names):
                     isinstance_checks.append(f"{rel}:{node.lineno}")
         for fn in ast.walk(tree):
@@ -97,7 +105,9 @@ def _policy_tests() -> int:
     for f in sorted((ROOT / "tests").glob("test_*.py")):
         text = f.read_text()
         tree = ast.parse(text)
-        if any(m in text for m in ("pytest.mark.cluster", "pytest.mark.hosts", "pytest.mark.browser", "pytest.mark.gpu")):
+        if any(
+            m in text for m in ("pytest.mark.cluster", "pytest.mark.hosts", "pytest.mark.browser", "pytest.mark.gpu")
+        ):
             continue
         imported = set()
         for node in ast.walk(tree):

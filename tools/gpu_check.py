@@ -30,11 +30,17 @@ def main(argv=None) -> int:
     import sdpipe
     from sdpipe.data import digits, digits_mlp
 
-    report = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
-              "names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-              "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None}
+    report = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": torch.cuda.device_count(),
+        "names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+    }
     try:
-        report["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.strip()
+        report["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         report["nvidia_smi"] = repr(e)
     print(json.dumps(report), flush=True)
@@ -46,10 +52,13 @@ def main(argv=None) -> int:
         try:
             r = sdpipe.train(digits_mlp(), train_data, eval_data=eval_data, **kw).result(timeout=240)
             last = max(h["epoch"] for h in r.history)
-            row.update(ok=True, accuracy=min(h["accuracy"] for h in r.history if h["epoch"] == last),
-                       max_param_diff=r.max_param_diff(), samples_per_s=sum(h["samples_per_s"] for h in r.history
-                                                                           if h["epoch"] == last),
-                       model_device=str(next(r.models[0].parameters()).device))
+            row.update(
+                ok=True,
+                accuracy=min(h["accuracy"] for h in r.history if h["epoch"] == last),
+                max_param_diff=r.max_param_diff(),
+                samples_per_s=sum(h["samples_per_s"] for h in r.history if h["epoch"] == last),
+                model_device=str(next(r.models[0].parameters()).device),
+            )
         except BaseException as e:  # recorded, not raised: the next check still runs
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], trace=traceback.format_exc()[-1500:])
         row["seconds"] = round(time.monotonic() - t, 1)
@@ -61,8 +70,11 @@ def main(argv=None) -> int:
     attempt("2x2 cpu (for comparison)", stages=2, pipelines=2, epochs=10)
     attempt("2x1 nccl on fewer GPUs than workers", stages=2, pipelines=1, epochs=2, device="cuda", timeout=60)
     attempt("2x1 cuda, gloo staging", stages=2, pipelines=1, epochs=3, device="cuda", backend="gloo")
-    leftovers = [c for c in __import__("psutil").Process().children(recursive=True)
-                 if "resource_tracker" not in " ".join(c.cmdline())]
+    leftovers = [
+        c
+        for c in __import__("psutil").Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(c.cmdline())
+    ]
     report["processes_left"] = [" ".join(c.cmdline())[:120] for c in leftovers]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:

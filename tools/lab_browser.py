@@ -21,8 +21,16 @@ import urllib.request
 from pathlib import Path
 
 CHROMIUM = os.environ.get("SDPIPE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-quic",
+]
 
 # JavaScript run in the page: the plotly graphs of the dashboard, by title, with their data
 PLOTS_JS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(gd => ({
@@ -30,7 +38,9 @@ PLOTS_JS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map
     drawn_bars: gd.querySelectorAll('.barlayer .point').length,
     drawn_heatmaps: gd.querySelectorAll('.heatmaplayer image, .hm image').length,
     traces: (gd.data || []).map(t => ({type: t.type, name: t.name || '',
-        n: t.type === 'heatmap' ? (t.z || []).reduce((a, row) => a + row.filter(v => v > 0).length, 0) : (t.x || []).length}))
+        n: t.type === 'heatmap'
+            ? (t.z || []).reduce((a, row) => a + row.filter(v => v > 0).length, 0)
+            : (t.x || []).length}))
 }))"""
 
 
@@ -46,15 +56,36 @@ def jupyterlab(root: Path, timeout: float = 90.0):
     port, token = free_port(), secrets.token_hex(16)
     settings = root / ".lab-settings"  # user settings of this server only: no news pop-up
     (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True, exist_ok=True)
-    (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings), "JUPYTERLAB_WORKSPACES_DIR": str(root / ".lab-workspaces")}
+    (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+        '{"fetchNews": "false"}'
+    )
+    env = {
+        **os.environ,
+        "JUPYTERLAB_SETTINGS_DIR": str(settings),
+        "JUPYTERLAB_WORKSPACES_DIR": str(root / ".lab-workspaces"),
+    }
     log = open(root / "jupyterlab.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -107,12 +138,17 @@ def wait_js(page, expression: str, timeout: float, what: str, poll: float = 0.5)
 def run_notebook(page, url: str, token: str, name: str, timeout: float = 120.0) -> None:
     """Open ``name`` in JupyterLab, wait for an idle connected kernel, and run all cells (not waiting for them)."""
     page.goto(f"{url}/lab/tree/{name}?token={token}", timeout=timeout * 1000)
-    wait_js(page, """() => {
+    wait_js(
+        page,
+        """() => {
         const app = window.jupyterapp; if (!app) return false;
         const w = app.shell.currentWidget; if (!w || !w.sessionContext) return false;
         const k = w.sessionContext.session && w.sessionContext.session.kernel;
         return !!k && k.connectionStatus === 'connected' && k.status === 'idle';
-    }""", timeout, "an idle kernel")
+    }""",
+        timeout,
+        "an idle kernel",
+    )
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return true; }")
 
 
@@ -127,7 +163,8 @@ def notebook_done(page) -> bool:
 
 
 def notebook_errors(page) -> list:
-    return page.evaluate("""() => Array.from(document.querySelectorAll('.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"], .jp-OutputArea-output pre'))
+    return page.evaluate("""() => Array.from(document.querySelectorAll(
+            '.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"], .jp-OutputArea-output pre'))
         .map(e => e.textContent).filter(t => /Traceback|Error:/.test(t)).map(t => t.slice(0, 500))""")
 
 

@@ -29,8 +29,9 @@ from sdpipe.widgets import Dashboard
 cluster = LocalCluster(n_workers=8, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
 client = Client(cluster)
 train_data, eval_data = digits()""",
-    """run = sdpipe.train(digits_cnn(64), train_data, eval_data=eval_data, stages=2, pipelines=4, cuts=(6,), policy="sdpipe",
-                   epochs=12, batch_size=64, heterogeneity=sdpipe.Heterogeneity(slowdown={3: 4.0}), cluster=client)
+    """run = sdpipe.train(digits_cnn(64), train_data, eval_data=eval_data, stages=2, pipelines=4, cuts=(6,),
+                   policy="sdpipe", epochs=12, batch_size=64, heterogeneity=sdpipe.Heterogeneity(slowdown={3: 4.0}),
+                   cluster=client)
 dash = Dashboard(run)
 dash""",
     """result = run.result(timeout=600)
@@ -56,8 +57,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        nb = new_notebook(cells=[new_code_cell(c) for c in CELLS],
-                          metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+        nb = new_notebook(
+            cells=[new_code_cell(c) for c in CELLS],
+            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        )
         nbformat.write(nb, root / "straggler.ipynb")
         with jupyterlab(root) as (url, token), chromium_page() as page:
             run_notebook(page, url, token, "straggler.ipynb")

@@ -190,4 +190,3 @@ class ControlPanel(anywidget.AnyWidget):
         with self.hold_sync():
             for k, v in checked.items():
                 setattr(self, k, v)
-

@@ -48,6 +48,7 @@ def r_list(xs):
     """Numbers rounded for the wire (figure updates travel as JSON)."""
     return [round(x, 5) for x in xs]
 
+
 COLORS = {
     "compute": "#4C78A8",
     "communication": "#F58518",
@@ -56,19 +57,55 @@ COLORS = {
     "eval": "#B279A2",
 }
 #: membership strip: not in a group, alone, in a group, graph sync, global sync
-STRIP = [[0.0, "#FFFFFF"], [0.2, "#FFFFFF"], [0.2, "#D8D8D8"], [0.4, "#D8D8D8"], [0.4, "#4C78A8"], [0.6, "#4C78A8"],
-         [0.6, "#E45756"], [0.8, "#E45756"], [0.8, "#54A24B"], [1.0, "#54A24B"]]
+STRIP = [
+    [0.0, "#FFFFFF"],
+    [0.2, "#FFFFFF"],
+    [0.2, "#D8D8D8"],
+    [0.4, "#D8D8D8"],
+    [0.4, "#4C78A8"],
+    [0.6, "#4C78A8"],
+    [0.6, "#E45756"],
+    [0.8, "#E45756"],
+    [0.8, "#54A24B"],
+    [1.0, "#54A24B"],
+]
 #: the figure's look: plotly's default background and grid, without its per-trace-type defaults (building
 #: those is a third of a first Dashboard's time; every trace here sets its colours)
-TEMPLATE = {"layout": {
-    "plot_bgcolor": "#E5ECF6", "paper_bgcolor": "white", "font": {"color": "#2a3f5f"}, "hovermode": "closest",
-    "xaxis": {"gridcolor": "white", "linecolor": "white", "zerolinecolor": "white", "ticks": "", "automargin": True,
-              "title": {"standoff": 6}},
-    "yaxis": {"gridcolor": "white", "linecolor": "white", "zerolinecolor": "white", "ticks": "", "automargin": True},
-}}
-PIPELINE_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC"]
-
-
+TEMPLATE = {
+    "layout": {
+        "plot_bgcolor": "#E5ECF6",
+        "paper_bgcolor": "white",
+        "font": {"color": "#2a3f5f"},
+        "hovermode": "closest",
+        "xaxis": {
+            "gridcolor": "white",
+            "linecolor": "white",
+            "zerolinecolor": "white",
+            "ticks": "",
+            "automargin": True,
+            "title": {"standoff": 6},
+        },
+        "yaxis": {
+            "gridcolor": "white",
+            "linecolor": "white",
+            "zerolinecolor": "white",
+            "ticks": "",
+            "automargin": True,
+        },
+    }
+}
+PIPELINE_COLORS = [
+    "#4C78A8",
+    "#F58518",
+    "#54A24B",
+    "#E45756",
+    "#72B7B2",
+    "#EECA3B",
+    "#B279A2",
+    "#FF9DA6",
+    "#9D755D",
+    "#BAB0AC",
+]
 
 
 def _load_plotly() -> None:
@@ -79,9 +116,16 @@ def _load_plotly() -> None:
     pay for it while the workers train.
     """
     fig = make_subplots(rows=1, cols=2, figure=go.Figure(layout={"template": TEMPLATE}))
-    fig.add_trace(go.Bar(x=[0], y=[0], base=[0], orientation="h", marker_color="#000000", hoverinfo="name+x"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=[0], y=[0], mode="markers+text", text=[""], marker=dict(symbol="triangle-down"),
-                             line=dict(dash="dash")), row=1, col=1)
+    fig.add_trace(
+        go.Bar(x=[0], y=[0], base=[0], orientation="h", marker_color="#000000", hoverinfo="name+x"), row=1, col=1
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=[0], y=[0], mode="markers+text", text=[""], marker=dict(symbol="triangle-down"), line=dict(dash="dash")
+        ),
+        row=1,
+        col=1,
+    )
     fig.add_trace(go.Heatmap(z=[[0]], colorscale=STRIP, hovertemplate="%{x}"), row=1, col=2)
     fig.update_xaxes(title_text="x", tickangle=0, type="category")
     fig.update_yaxes(tickvals=[0], ticktext=["a"], autorange="reversed", dtick=1)
@@ -173,6 +217,7 @@ class _Width(anywidget.AnyWidget):
         if isinstance(content, dict) and isinstance(content.get("width"), int):
             self.width = content["width"]
 
+
 class Dashboard:
     """Live (``Dashboard(run)``) or replayed (``Dashboard(result)``) view of a training run.
 
@@ -184,7 +229,9 @@ class Dashboard:
     redraw.
     """
 
-    def __init__(self, source, *, interval: float = 0.25, window: float = 4.0, controls: bool = True, start: bool = True):
+    def __init__(
+        self, source, *, interval: float = 0.25, window: float = 4.0, controls: bool = True, start: bool = True
+    ):
         from sdpipe import Run, RunResult
 
         if not isinstance(source, (Run, RunResult)):
@@ -219,35 +266,63 @@ class Dashboard:
         """(template figure, key -> (row, col), height) of the wide (3 columns) or the narrow (1 column) layout."""
         cfg, n = self.config, len(self.view.workers)
         S = cfg.stages
-        titles = {"timeline": "Stage timeline (recent seconds)",
-                  "stragglers": "Stragglers: compute per step (red: above 2x the median; p: pipeline, s: stage)",
-                  "loss": "training loss per step", "accuracy": "held-out accuracy per epoch",
-                  "shares": "Whole run: seconds by kind"}
+        titles = {
+            "timeline": "Stage timeline (recent seconds)",
+            "stragglers": "Stragglers: compute per step (red: above 2x the median; p: pipeline, s: stage)",
+            "loss": "training loss per step",
+            "accuracy": "held-out accuracy per epoch",
+            "shares": "Whole run: seconds by kind",
+        }
         for s in range(S):
-            titles[f"groups/{s}"] = f"stage {s}: who averaged together (blue: group, red: graph sync, green: global, grey: alone)"
+            titles[f"groups/{s}"] = (
+                f"stage {s}: who averaged together (blue: group, red: graph sync, green: global, grey: alone)"
+            )
             titles[f"sizes/{s}"] = f"stage {s}: group sizes"
         tall = {"timeline": 30 * n + 40, "shares": 22 * n + 30}
         if narrow:
-            keys = ["timeline"] + sum(([f"groups/{s}", f"sizes/{s}"] for s in range(S)), []) + ["stragglers", "loss", "accuracy", "shares"]
+            keys = (
+                ["timeline"]
+                + sum(([f"groups/{s}", f"sizes/{s}"] for s in range(S)), [])
+                + ["stragglers", "loss", "accuracy", "shares"]
+            )
             pos = {k: (i + 1, 1) for i, k in enumerate(keys)}
             specs = [[{}] for _ in keys]
             heights = [tall.get(k, 150 if k.startswith(("groups", "sizes")) else 220) for k in keys]
             ordered = keys
             cols = 1
         else:
-            pos = {"timeline": (1, 1), "stragglers": (S + 2, 1), "loss": (S + 2, 2), "accuracy": (S + 2, 3), "shares": (S + 3, 1)}
+            pos = {
+                "timeline": (1, 1),
+                "stragglers": (S + 2, 1),
+                "loss": (S + 2, 2),
+                "accuracy": (S + 2, 3),
+                "shares": (S + 3, 1),
+            }
             for s in range(S):
                 pos[f"groups/{s}"], pos[f"sizes/{s}"] = (2 + s, 1), (2 + s, 3)
-            specs = ([[{"colspan": 3}, None, None]] + [[{"colspan": 2}, None, {}] for _ in range(S)]
-                     + [[{}, {}, {}]] + [[{"colspan": 3}, None, None]])
+            specs = (
+                [[{"colspan": 3}, None, None]]
+                + [[{"colspan": 2}, None, {}] for _ in range(S)]
+                + [[{}, {}, {}]]
+                + [[{"colspan": 3}, None, None]]
+            )
             heights = [tall["timeline"]] + [150] * S + [260] + [tall["shares"]]
             ordered = sorted(pos, key=lambda k: pos[k])
             cols = 3
-        gap = 90  # pixels between rows: room for a row's tick labels (two lines under the stragglers), axis title and the next row's title
+        # pixels between rows: room for a row's tick labels (two lines under the stragglers), its axis title and
+        # the next row's title
+        gap = 90
         height = sum(heights) + gap * len(heights) + 80
-        fig = make_subplots(rows=len(heights), cols=cols, specs=specs, subplot_titles=[titles[k] for k in ordered],
-                            row_heights=heights, vertical_spacing=gap / height, horizontal_spacing=0.07 if cols > 1 else 0.0,
-                            figure=go.Figure(layout={"template": TEMPLATE}))
+        fig = make_subplots(
+            rows=len(heights),
+            cols=cols,
+            specs=specs,
+            subplot_titles=[titles[k] for k in ordered],
+            row_heights=heights,
+            vertical_spacing=gap / height,
+            horizontal_spacing=0.07 if cols > 1 else 0.0,
+            figure=go.Figure(layout={"template": TEMPLATE}),
+        )
         return fig, pos, height
 
     def _build(self, controls: bool) -> None:
@@ -268,38 +343,108 @@ class Dashboard:
             fig.update_yaxes(row=pos[at][0], col=pos[at][1], **{k[2:]: x for k, x in kw.items() if k.startswith("y_")})
 
         for c in CATEGORIES:  # rows are worker indices (small messages); the axis shows their labels
-            add(f"timeline/{c}", go.Bar(name=c, orientation="h", y=[], x=[], base=[], marker_color=COLORS[c], hoverinfo="name+x",
-                                        legendgroup="kinds"), "timeline")
-        add("timeline/control", go.Scatter(name="control", mode="markers+text", x=[], y=[], text=[], textposition="top center",
-                                           marker=dict(symbol="triangle-down", size=11, color="black")), "timeline")
+            add(
+                f"timeline/{c}",
+                go.Bar(
+                    name=c,
+                    orientation="h",
+                    y=[],
+                    x=[],
+                    base=[],
+                    marker_color=COLORS[c],
+                    hoverinfo="name+x",
+                    legendgroup="kinds",
+                ),
+                "timeline",
+            )
+        add(
+            "timeline/control",
+            go.Scatter(
+                name="control",
+                mode="markers+text",
+                x=[],
+                y=[],
+                text=[],
+                textposition="top center",
+                marker=dict(symbol="triangle-down", size=11, color="black"),
+            ),
+            "timeline",
+        )
         # every worker's row always shown (a paused run's recent window has no bars in most rows)
         rows = dict(y_tickvals=list(range(n)), y_ticktext=labels, y_range=[n - 0.5, -0.5], y_autorange=False)
         axes("timeline", **rows, x_title_text="seconds since launch")
         for s in range(S):
-            add(f"groups/{s}", go.Heatmap(z=[[0]], x=[0], y=list(range(cfg.pipelines)), zmin=0, zmax=4, colorscale=STRIP,
-                                          showscale=False, xgap=1, ygap=1, hovertemplate="formation %{x}<br>pipeline %{y}<extra></extra>"),
-                f"groups/{s}")
-            add(f"sizes/{s}", go.Bar(name=f"stage {s} group sizes", x=[], y=[], marker_color="#4C78A8", showlegend=False), f"sizes/{s}")
+            add(
+                f"groups/{s}",
+                go.Heatmap(
+                    z=[[0]],
+                    x=[0],
+                    y=list(range(cfg.pipelines)),
+                    zmin=0,
+                    zmax=4,
+                    colorscale=STRIP,
+                    showscale=False,
+                    xgap=1,
+                    ygap=1,
+                    hovertemplate="formation %{x}<br>pipeline %{y}<extra></extra>",
+                ),
+                f"groups/{s}",
+            )
+            add(
+                f"sizes/{s}",
+                go.Bar(name=f"stage {s} group sizes", x=[], y=[], marker_color="#4C78A8", showlegend=False),
+                f"sizes/{s}",
+            )
             axes(f"groups/{s}", y_title_text="pipeline", y_dtick=1)
             axes(f"sizes/{s}", x_title_text="members", x_type="category")
         add("stragglers", go.Bar(x=[], y=[], marker_color=[], showlegend=False, name="compute per step"), "stragglers")
-        add("stragglers/median", go.Scatter(x=[], y=[], mode="lines", line=dict(dash="dash", color="black"), showlegend=False,
-                                            name="median"), "stragglers")
+        add(
+            "stragglers/median",
+            go.Scatter(
+                x=[], y=[], mode="lines", line=dict(dash="dash", color="black"), showlegend=False, name="median"
+            ),
+            "stragglers",
+        )
         axes("stragglers", y_title_text="seconds", x_tickangle=0, x_automargin=True)
         for p in range(cfg.pipelines):
             color = PIPELINE_COLORS[p % len(PIPELINE_COLORS)]
-            add(f"loss/{p}", go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)), "loss")
-            add(f"accuracy/{p}", go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines+markers", line_color=color,
-                                            legendgroup=str(p), showlegend=False), "accuracy")
+            add(
+                f"loss/{p}",
+                go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)),
+                "loss",
+            )
+            add(
+                f"accuracy/{p}",
+                go.Scatter(
+                    name=f"pipeline {p}",
+                    x=[],
+                    y=[],
+                    mode="lines+markers",
+                    line_color=color,
+                    legendgroup=str(p),
+                    showlegend=False,
+                ),
+                "accuracy",
+            )
         axes("loss", x_title_text="step")
         axes("accuracy", x_title_text="epoch")
         for c in CATEGORIES:
-            add(f"shares/{c}", go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False), "shares")
+            add(
+                f"shares/{c}",
+                go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False),
+                "shares",
+            )
         axes("shares", **rows, x_title_text="seconds")
-        fig.update_layout(height=height, barmode="overlay", margin=dict(l=130, r=20, t=40, b=40),
-                          legend=dict(orientation="h", y=1.0, yanchor="bottom"))
+        fig.update_layout(
+            height=height,
+            barmode="overlay",
+            margin=dict(l=130, r=20, t=40, b=40),
+            legend=dict(orientation="h", y=1.0, yanchor="bottom"),
+        )
         fig.update_annotations(font_size=13)
-        self._axes = {k: (fig.get_subplot(*rc).xaxis.plotly_name, fig.get_subplot(*rc).yaxis.plotly_name) for k, rc in pos.items()}
+        self._axes = {
+            k: (fig.get_subplot(*rc).xaxis.plotly_name, fig.get_subplot(*rc).yaxis.plotly_name) for k, rc in pos.items()
+        }
         self._timeline_xaxis = self._axes["timeline"][0]
         self._shares_xaxis = self._axes["shares"][0]
         self.figure = _Figure(fig, self._lock)
@@ -335,7 +480,9 @@ class Dashboard:
                     sub = fig.get_subplot(*pos[key])
                     self.figure.layout[xa].domain = sub.xaxis.domain
                     self.figure.layout[ya].domain = sub.yaxis.domain
-                self.figure.layout.annotations = [dict(a.to_plotly_json(), font_size=13) for a in fig.layout.annotations]
+                self.figure.layout.annotations = [
+                    dict(a.to_plotly_json(), font_size=13) for a in fig.layout.annotations
+                ]
                 self.figure.layout.height = height
                 self.narrow = narrow
             self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
@@ -357,7 +504,9 @@ class Dashboard:
                 props = {k: v for k, v in t.items() if k not in ("type", "uid")}
                 groups.setdefault(tuple(sorted(props)), []).append((i, props))
             for keys, members in groups.items():
-                fig._send_restyle_msg({k: [m[1][k] for m in members] for k in keys}, trace_indexes=[m[0] for m in members])
+                fig._send_restyle_msg(
+                    {k: [m[1][k] for m in members] for k in keys}, trace_indexes=[m[0] for m in members]
+                )
             fig._send_relayout_msg({k: v for k, v in copy.deepcopy(fig._layout).items() if k != "template"})
 
     def trace(self, key: str):
@@ -370,26 +519,43 @@ class Dashboard:
         sp, h = run.scheduler_policy, run.heterogeneity
         switchable = run.policy in LIVE_POLICIES
         return ControlPanel(
-            self._press, policies=list(LIVE_POLICIES), policy=run.policy if switchable else "", policy_enabled=switchable,
-            staleness=min(sp.staleness, MAX_STALENESS), max_group=sp.max_group or 0, pipelines=cfg.pipelines,
-            slowdown=[h.slowdown_of(p, 0) for p in range(cfg.pipelines)], straggle_prob=h.straggle_prob,
-            straggle_delay=h.straggle_delay)
+            self._press,
+            policies=list(LIVE_POLICIES),
+            policy=run.policy if switchable else "",
+            policy_enabled=switchable,
+            staleness=min(sp.staleness, MAX_STALENESS),
+            max_group=sp.max_group or 0,
+            pipelines=cfg.pipelines,
+            slowdown=[h.slowdown_of(p, 0) for p in range(cfg.pipelines)],
+            straggle_prob=h.straggle_prob,
+            straggle_delay=h.straggle_delay,
+        )
 
     def _press(self, action: str, error: Exception = None) -> None:
         """A control panel button was pressed (its values are the panel's now)."""
         run, panel = self.run, self.panel
         if error is not None:
+
             def refuse():
                 raise error
+
             self._act(action, refuse)
         elif action == "policy":
-            self._act("policy", lambda: run.set_policy(panel.policy, staleness=panel.staleness,
-                                                       max_group=panel.max_group or None))
+            self._act(
+                "policy",
+                lambda: run.set_policy(panel.policy, staleness=panel.staleness, max_group=panel.max_group or None),
+            )
         elif action == "slowdowns":
             slow = {p: x for p, x in enumerate(panel.slowdown) if x > 1.0}
-            self._act("slowdowns", lambda: run.set_heterogeneity(
-                slowdown=slow, straggle_prob=panel.straggle_prob, straggle_delay=panel.straggle_delay,
-                link_delay=dict(run.heterogeneity.link_delay)))
+            self._act(
+                "slowdowns",
+                lambda: run.set_heterogeneity(
+                    slowdown=slow,
+                    straggle_prob=panel.straggle_prob,
+                    straggle_delay=panel.straggle_delay,
+                    link_delay=dict(run.heterogeneity.link_delay),
+                ),
+            )
         else:
             self._act(action, {"pause": run.pause, "resume": run.resume, "stop": run.stop}[action])
 
@@ -404,11 +570,15 @@ class Dashboard:
             if what == "stop" and answer is False:
                 raise RuntimeError(f"run {run.run_id} had already ended ({run.status})")
             t = time.time() - run.t0
-            text = (f"{clock} {what} applied at t = {t:.1f} s: "
-                    + ("the pipelines stop at their next step boundary" if what == "stop" else
-                       "every worker holds at its next step boundary" if what == "pause" else
-                       "the workers go on from where they held" if what == "resume" else
-                       f"{self._applied(what)}; every worker takes it at its next step boundary"))
+            text = f"{clock} {what} applied at t = {t:.1f} s: " + (
+                "the pipelines stop at their next step boundary"
+                if what == "stop"
+                else "every worker holds at its next step boundary"
+                if what == "pause"
+                else "the workers go on from where they held"
+                if what == "resume"
+                else f"{self._applied(what)}; every worker takes it at its next step boundary"
+            )
             self.message.value = f"<span style='color:#1a7f37'>{html.escape(text)}</span>"
         except Exception as e:  # shown to the user, the run goes on
             text = f"{clock} {what} not applied: {type(e).__name__}: {e}"
@@ -481,8 +651,10 @@ class Dashboard:
         with self.figure.batch_update():  # x, y
             for s in range(v.stages):
                 sizes = v.sizes.get(s, {})
-                T(f"sizes/{s}").update(x=[str(k) for k in range(1, v.pipelines + 1)],
-                                       y=[sizes.get(k, 0) for k in range(1, v.pipelines + 1)])
+                T(f"sizes/{s}").update(
+                    x=[str(k) for k in range(1, v.pipelines + 1)],
+                    y=[sizes.get(k, 0) for k in range(1, v.pipelines + 1)],
+                )
             T("stragglers/median").update(x=short, y=[round(st["median_compute"] or 0, 5)] * len(v.workers))
             for p in range(v.pipelines):
                 losses = v.losses.get(p, [])
@@ -490,8 +662,11 @@ class Dashboard:
                 ep = [m for m in v.epochs.get(p, []) if "accuracy" in m]
                 T(f"accuracy/{p}").update(x=[m["epoch"] for m in ep], y=[m["accuracy"] for m in ep])
         with self.figure.batch_update():  # x, y, marker colours
-            T("stragglers").update(x=short, y=r_list([st["compute"][w] or 0 for w in v.workers]),
-                                   marker_color=["#E45756" if st["flagged"][w] else "#4C78A8" for w in v.workers])
+            T("stragglers").update(
+                x=short,
+                y=r_list([st["compute"][w] or 0 for w in v.workers]),
+                marker_color=["#E45756" if st["flagged"][w] else "#4C78A8" for w in v.workers],
+            )
         return st
 
     def _draw_numbers(self, st: dict) -> None:
@@ -502,12 +677,15 @@ class Dashboard:
         flagged = [v.label(w) for w in v.workers if st["flagged"][w]]
         spread = tp["spread"]
         ratio = fmt(tp["ratio"], "{:.2f}") + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
-        explain = ("the pipelines' last steps as they ran, against the same steps without the time spent synchronizing "
-                   "(averaging, group waits); in brackets the lowest and highest ratio over three blocks of those steps")
+        explain = (
+            "the pipelines' last steps as they ran, against the same steps without the time spent synchronizing "
+            "(averaging, group waits); in brackets the lowest and highest ratio over three blocks of those steps"
+        )
         self.numbers.value = (
-            f"<span title=\"{explain}\"><b>samples/s</b> {fmt(tp['samples_per_s'])} &nbsp; <b>ideal</b> (the same steps "
+            f'<span title="{explain}"><b>samples/s</b> {fmt(tp["samples_per_s"])} &nbsp; <b>ideal</b> (the same steps '
             f"without synchronization) {fmt(tp['ideal'])} &nbsp; <b>ratio</b> {ratio}</span> &nbsp; "
-            f"<b>graph syncs</b> {len(v.graph_syncs)} &nbsp; <b>stragglers</b> {', '.join(flagged) or 'none'}")
+            f"<b>graph syncs</b> {len(v.graph_syncs)} &nbsp; <b>stragglers</b> {', '.join(flagged) or 'none'}"
+        )
         configured = self.config.heterogeneity.to_dict() if self.config.heterogeneity else None
         hetero = f"<b>heterogeneity</b> {html.escape(v.heterogeneity(configured))}"
         if self.hetero.value != hetero:
@@ -521,8 +699,10 @@ class Dashboard:
         startup = run.startup if run is not None and status == "starting" else None
         if startup:
             status = f"{status}</b>: {html.escape(startup)}<b>"
-        text = (f"<b>sdpipe</b> {cfg.stages} stages x {cfg.pipelines} pipelines, policy <b>{policy}</b>, "
-                f"status <b>{status}</b> ({source}, {v.count} events, t = {v.now:.1f} s)")
+        text = (
+            f"<b>sdpipe</b> {cfg.stages} stages x {cfg.pipelines} pipelines, policy <b>{policy}</b>, "
+            f"status <b>{status}</b> ({source}, {v.count} events, t = {v.now:.1f} s)"
+        )
         self.header.value = f"<div style='white-space:nowrap; overflow:hidden; text-overflow:ellipsis'>{text}</div>"
         note = run.contention if run is not None else None
         if note and not self.note.value:
@@ -577,7 +757,11 @@ class Dashboard:
                 sent = time.monotonic()
                 answered = self.figure._drawn_at
                 if answered is not None and sent - answered < ATTACHED:  # a browser is drawing (none: no wait)
-                    while not self.figure._drawn.is_set() and not self._stopping.is_set() and time.monotonic() < sent + BEHIND:
+                    while (
+                        not self.figure._drawn.is_set()
+                        and not self._stopping.is_set()
+                        and time.monotonic() < sent + BEHIND
+                    ):
                         self.figure._drawn.wait(0.02)
                 self.lag = time.monotonic() - sent if self.figure._drawn.is_set() else None
                 pause = max(self.interval - (time.monotonic() - t), self.lag or 0.0)

@@ -55,6 +55,7 @@ def emulated_text(h) -> str:
     """The slept heterogeneity (a Heterogeneity's dict) in a few words, or "" when there is none."""
     if not h:
         return ""
+
     def name(k) -> str:  # keys as Heterogeneity.to_dict writes them: "3" (a pipeline) or "3,1" (pipeline, stage)
         p, _, st = str(k).partition(",")
         return f"p{p} s{st}" if st else f"pipeline {p}"
@@ -74,8 +75,17 @@ def category(kind: str):
 class RunView:
     """Aggregates event records of one run for display."""
 
-    def __init__(self, stages: int, pipelines: int, batch_size: int, *, window: float = 4.0,
-                 rounds: int = 60, steps: int = 12, flag_factor: float = 2.0):
+    def __init__(
+        self,
+        stages: int,
+        pipelines: int,
+        batch_size: int,
+        *,
+        window: float = 4.0,
+        rounds: int = 60,
+        steps: int = 12,
+        flag_factor: float = 2.0,
+    ):
         self.stages, self.pipelines, self.batch_size = stages, pipelines, batch_size
         self.window, self.rounds, self.steps, self.flag_factor = window, rounds, steps, flag_factor
         self.workers = [(p, s) for p in range(pipelines) for s in range(stages)]
@@ -111,8 +121,11 @@ class RunView:
         slept = emulated_text(self.emulated if self.emulated is not None else configured)
         if slept:
             parts.append(f"emulated (slept): {slept}")
-        shaped = [f"{a} (pipelines {', '.join(map(str, e.get('pipelines') or [])) or '-'}) {shaping_text(e)}"
-                  for a, e in self.shaped.items() if e.get("bandwidth") or e.get("cpu")]
+        shaped = [
+            f"{a} (pipelines {', '.join(map(str, e.get('pipelines') or [])) or '-'}) {shaping_text(e)}"
+            for a, e in self.shaped.items()
+            if e.get("bandwidth") or e.get("cpu")
+        ]
         if shaped:
             parts.append("shaped by the kernel: " + "; ".join(shaped))
         return " · ".join(parts) or "none"
@@ -307,10 +320,16 @@ class RunView:
         per = []  # per pipeline: list of (duration, held) over its recent common steps
         for p in range(self.pipelines):
             recents = [self._steps[(p, s)] for s in range(self.stages)]
-            common = sorted(set(recents[0]).intersection(*recents[1:]))[-self.steps:]
+            common = sorted(set(recents[0]).intersection(*recents[1:]))[-self.steps :]
             per.append([(recents[0][k][0], min(recents[0][k][0], max(r[k][1] for r in recents))) for k in common])
         if not all(per):
-            return {"samples_per_s": None, "ideal": None, "ratio": None, "spread": None, "window_samples_per_s": window_rate}
+            return {
+                "samples_per_s": None,
+                "ideal": None,
+                "ratio": None,
+                "spread": None,
+                "window_samples_per_s": window_rate,
+            }
 
         def rates(rows):
             run = ideal = 0.0
@@ -324,12 +343,17 @@ class RunView:
         run, ideal = rates(per)
         ratios = []
         for b in range(blocks):
-            rows = [steps[b * len(steps) // blocks:(b + 1) * len(steps) // blocks] for steps in per]
+            rows = [steps[b * len(steps) // blocks : (b + 1) * len(steps) // blocks] for steps in per]
             if all(rows):
                 r, i = rates(rows)
                 ratios.append(r / i)
-        return {"samples_per_s": run, "ideal": ideal, "ratio": run / ideal,
-                "spread": (min(ratios), max(ratios)) if len(ratios) > 1 else None, "window_samples_per_s": window_rate}
+        return {
+            "samples_per_s": run,
+            "ideal": ideal,
+            "ratio": run / ideal,
+            "spread": (min(ratios), max(ratios)) if len(ratios) > 1 else None,
+            "window_samples_per_s": window_rate,
+        }
 
 
 def _median(values):
