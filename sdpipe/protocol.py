@@ -250,8 +250,8 @@ class GroupServiceClient:
 
     From the driver: ``GroupServiceClient(run_id, client=dask_client, token=token)``; from inside a Dask
     worker: ``GroupServiceClient(run_id, worker=get_worker())``.  Each method calls one route and returns
-    its answer; every failure raises :class:`GroupServiceError` with the route's one-line reason, except a
-    :class:`PermissionError` for a control call without the run's token.
+    its answer; every failure raises :class:`GroupServiceError` with a one-line reason: the route's own
+    refusal (a control call without the run's token among them), a timeout, or a scheduler that is gone.
     """
 
     def __init__(
@@ -272,9 +272,7 @@ class GroupServiceClient:
 
             w = self._worker
             return sync(w.loop, getattr(w.scheduler, route), run_id=self.run_id, callback_timeout=timeout, **kwargs)
-        except PermissionError:
-            raise
-        except GroupServiceError as e:  # the route's own refusal, one line
+        except (GroupServiceError, PermissionError) as e:  # the route's own refusal, one line
             raise GroupServiceError(f"group service: {e}") from None
         except Exception as e:  # the call itself failed: timed out, or the scheduler is gone
             raise GroupServiceError(

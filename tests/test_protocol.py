@@ -1,0 +1,119 @@
+"""The messages between driver, group service and workers: encodings, store keys, the handle, event records."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdpipe import events
+from sdpipe.protocol import Command, ControlMessage, GroupServiceClient, GroupServiceError, Keys, Op, run_prefix
+
+
+@given(st.integers(0, 10**9), st.booleans(), st.integers(0, 10**6), st.integers(0, 10**6), st.booleans())
+def test_command_round_trips_through_its_encoding(seq, stop, hetero, policy, pause):
+    cmd = Command(seq, stop, hetero, policy, pause)
+    assert Command.decode(cmd.encode()) == cmd
+    assert Command.decode(cmd.encode().encode()) == cmd  # as the store hands it back (bytes)
+
+
+def test_command_next_advances_the_sequence_and_keeps_the_rest():
+    c = Command().next(hetero=3)
+    assert c == Command(1, False, 3, 0, False)
+    assert c.next(stop=True) == Command(2, True, 3, 0, False)
+    assert Command(7, True, 2, 1, False).encode() == "7,1,2,1,0"  # the layout stage 0 reads
+
+
+@given(st.sampled_from(list(Op)), *[st.integers(-1, 2**40) for _ in range(5)])
+def test_control_message_round_trips_as_six_integers(op, epoch, step, batch, hetero, policy):
+    msg = ControlMessage(op, epoch, step, batch, hetero, policy)
+    values = msg.encode()
+    assert len(values) == ControlMessage.SIZE and all(isinstance(v, int) for v in values)
+    assert ControlMessage.decode(values) == msg
+    assert ControlMessage.decode(values).op is op
+
+
+def test_store_keys_keep_their_layout():
+    """Keys are read by other processes of the same run: their strings are part of the protocol."""
+    assert run_prefix("abc") == "sdpipe/abc/"
+    assert Keys.CTL == "ctl" and Keys.RANKS_STARTED == "ranks/started" and Keys.RANKS_READY == "ranks/ready"
+    assert (Keys.hetero(2), Keys.policy(3), Keys.lost(1), Keys.LOST_COUNT) == (
+        "hetero/2",
+        "policy/3",
+        "lost/1",
+        "lost/count",
+    )
+    assert (Keys.checkpoint_count(4), Keys.checkpoint_steps(4, 5)) == ("ckpt/4/n", "ckpt/4/rank5")
+    assert (Keys.batches_taken(0), Keys.step_time(0, 2)) == ("epoch0/taken", "epoch0/steptime/2")
+    assert Keys.verdict(1, 7, "s1-0-2") == Keys.arrivals(1, 7, "s1-0-2") + "/verdict" == "arrive/s1/r7/s1-0-2/verdict"
+    box = Keys.ps_mailbox(1)
+    assert (box, Keys.mailbox_count(box), Keys.mailbox_slot(box, 3)) == ("ps/1/", "ps/1/n", "ps/1/req/3")
+    assert (Keys.gossip_mailbox(0, 3), Keys.gossip_left(0, 2)) == ("adpsgd/0/3/", "adpsgd/0/left/2")
+    assert Keys.group("pipe0") == "group/pipe0/"
+
+
+def test_event_constructors_make_records_that_fit_the_schema():
+    made = [
+        events.span("forward", 0, 1, 3, 2, 1.0, 1.5),
+        events.span("sync", 0, 1, 3, None, 1.5, 1.6, group=[0, 2], round=4, reason="window", mass=1.5),
+        events.group(1, 4, (0, 2), "window", 1.4, 1.5, 0.01, True, "sdpipe"),
+        events.control("pause", 2.0, applied_by="driver"),
+        events.epoch(1, 1, 30, 3.0, {"epoch": 0, "pipeline": 1, "loss": 0.5}),
+        events.stage_info(0, 0, 0.5, 1000, 256, "127.0.0.1"),
+        events.checkpoint(2, "/tmp/x/epoch-0002", 4.0),
+        events.worker_lost(2, 1, 5.0, "tcp://127.0.0.1:1", "its worker process died"),
+    ]
+    for rec in made:
+        assert events.validate(rec) is rec
+        assert set(events.COMMON) <= set(rec)
+    assert made[2]["group"] == [0, 2] and made[2]["start"] == 1.4 and made[2]["end"] == 1.5
+
+
+@pytest.mark.parametrize(
+    "record, problem",
+    [
+        ({"kind": "nap"}, "kind 'nap' is not one of"),
+        (events.span("forward", 0, 0, 1, 0, 2.0, 1.0), "ends before it starts"),
+        (events.span("sync", 0, 0, 1, None, 1.0, 2.0), "sync: no field 'group'"),
+        (events.span("forward", 0, 0, 1, 0, 1.0, 2.0, colour="blue"), "unknown field 'colour'"),
+        (events.span("forward", "0", 0, 1, 0, 1.0, 2.0), "pipeline must be an integer or None"),
+        ({**events.span("recv", 0, 0, 1, 0, 1.0, 2.0), "start": "soon"}, "start must be a number"),
+    ],
+)
+def test_a_record_that_does_not_fit_is_named_with_what_is_wrong(record, problem):
+    assert any(problem in p for p in events.problems(record)), events.problems(record)
+    with pytest.raises(ValueError, match="event record: "):
+        events.validate(record)
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    """A real Dask scheduler (in this process, no workers) with the group service installed."""
+    from distributed import Client, LocalCluster
+
+    from sdpipe._service import ensure_service
+
+    with LocalCluster(
+        n_workers=0,
+        processes=False,
+        protocol="tcp://",
+        host="127.0.0.1",
+        dashboard_address=None,
+        scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+    ) as lc:
+        with Client(lc, set_as_default=False) as client:
+            ensure_service(client)
+            yield client
+
+
+def test_the_service_handle_answers_and_fails_with_one_exception_type(scheduler):
+    handle = GroupServiceClient("r-handle", client=scheduler, token="t" * 32, timeout=10)
+    assert handle.open(stages=1, pipelines=2, policy={}, policy_name="sdpipe", topic="sdpipe-r-handle", t0=0.0)
+    assert handle.state()["policy"] == "sdpipe"
+    assert handle.pause(True)["ok"] and handle.state()["paused"]
+    thief = GroupServiceClient("r-handle", client=scheduler, token="x" * 32, timeout=10)
+    with pytest.raises(GroupServiceError, match="group service: token: does not match run"):
+        thief.stop()
+    with pytest.raises(GroupServiceError, match="state: not a scheduler snapshot"):
+        handle.open(stages=1, pipelines=2, policy={}, policy_name="sdpipe", topic="t", t0=0.0, state={"nope": 1})
+    assert handle.close()["ok"]
+    with pytest.raises(GroupServiceError, match="no sdpipe run 'r-handle' is scheduled here"):
+        handle.state()
