@@ -24,7 +24,7 @@ from ._control import Steering
 from ._result import RunError, RunResult, history
 from .config import Heterogeneity, TrainConfig
 from .hosts import EmulatedHosts
-from .protocol import Keys, WorkerSpec
+from .protocol import WorkerSpec
 
 __all__ = ["Run", "RunResult", "RunError", "EventInbox"]
 
@@ -137,6 +137,7 @@ class Run(Steering):
         self._ranks = {"started": 0, "ready": 0}
         self._client = self._cluster = self._store = self._run_store = self._control = self._topic = None
         self._own_client = False
+        self._monitor_thread: Optional[threading.Thread] = None
         self._startup = "connecting to the Dask cluster"
         if cluster is not None:
             # an existing cluster: reached (bounded) and checked here, so a wrong address or too few workers
@@ -174,16 +175,6 @@ class Run(Steering):
 
     def _joined(self) -> bool:
         return self._launched.is_set() and (self._ranks["ready"] >= self.config.world_size or bool(self._lost))
-
-    def _count_ranks(self) -> None:
-        """How many ranks started and connected (counters the workers add to in the run's store)."""
-        try:
-            self._ranks = {
-                "started": self._run_store.add(Keys.RANKS_STARTED, 0),
-                "ready": self._run_store.add(Keys.RANKS_READY, 0),
-            }
-        except Exception:  # the store is closing: the run is ending
-            pass
 
     def _wait_launched(self, what: str) -> None:
         """Wait (at most the run's timeout) until the run's workers are launched."""

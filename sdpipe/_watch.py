@@ -121,7 +121,7 @@ class RunWatcher:
         last_check = time.monotonic()
         while True:
             if not run._joined():
-                run._count_ranks()
+                self._count_ranks()
             statuses = [f.status for f in run._futures]
             live = [r for r in range(len(statuses)) if r // S not in run._lost]
             if all(statuses[r] == "finished" for r in live):
@@ -144,6 +144,17 @@ class RunWatcher:
             elif all(s != "pending" for s in statuses) or time.monotonic() > grace_until:
                 return error
             time.sleep(0.05)
+
+    def _count_ranks(self) -> None:
+        """How many ranks started and connected (counters the workers add to in the run's store)."""
+        run = self.run
+        try:
+            run._ranks = {
+                "started": run._run_store.add(Keys.RANKS_STARTED, 0),
+                "ready": run._run_store.add(Keys.RANKS_READY, 0),
+            }
+        except Exception:  # the store is closing: the run is ending
+            pass
 
     def _failures(self, statuses: list, live: list) -> Optional[BaseException]:
         """The run's error from a live worker's failed task, if any (a dead worker's is a loss instead)."""

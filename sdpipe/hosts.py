@@ -157,6 +157,8 @@ class EmulatedHosts:
         self.shaping = [{"bandwidth": None, "cpu": None} for _ in self.addresses]
         self._env = env or {}
         self._closed = False
+        #: Folder of the hosts' Dask logs (removed on close).
+        self.log_dir = os.path.join(STATE_DIR, self.id)
         self.scheduler_address = f"tcp://{self.addresses[0]}:{SCHEDULER_PORT}"
         self._save_state()
         atexit.register(self.close)
@@ -238,7 +240,6 @@ class EmulatedHosts:
         return p
 
     def _start(self, timeout: float) -> None:
-        self.log_dir = os.path.join(STATE_DIR, self.id)
         os.makedirs(self.log_dir, exist_ok=True)
         self._spawn(0, _scheduler_args(self.addresses[0]), os.path.join(self.log_dir, "scheduler.log"))
         for i, n in enumerate(self.workers, start=1):

@@ -117,3 +117,21 @@ def test_the_service_handle_answers_and_fails_with_one_exception_type(scheduler)
     assert handle.close()["ok"]
     with pytest.raises(GroupServiceError, match="no sdpipe run 'r-handle' is scheduled here"):
         handle.state()
+
+
+def test_the_pure_core_imports_nothing_from_the_rest():
+    """scheduler.py, schedule.py and sync_rules.py: the standard library and each other only (docs/architecture.md)."""
+    import ast
+    from pathlib import Path
+
+    import sdpipe
+
+    core = {"scheduler", "schedule", "sync_rules"}
+    for name in sorted(core):
+        tree = ast.parse((Path(sdpipe.__file__).parent / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.module in core, f"sdpipe/{name}.py imports .{node.module}"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                top = (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
+                assert top not in ("torch", "distributed", "dask", "sdpipe", "numpy"), f"sdpipe/{name}.py imports {top}"
