@@ -102,7 +102,17 @@ def span(
     kind: str, pipeline: Optional[int], stage: Optional[int], step, microbatch, start: float, end: float, **fields
 ) -> dict:
     """A span of one worker's work (``forward``, ``backward``, ``send``, ``recv``, ``wait``, ``sync``, ...)."""
-    return _record(kind, pipeline, stage, step, microbatch, start, end, fields)
+    # one dict display, no helper call: the simulator makes millions of these
+    return {
+        "kind": kind,
+        "pipeline": pipeline,
+        "stage": stage,
+        "step": step,
+        "microbatch": microbatch,
+        "start": start,
+        "end": end,
+        **fields,
+    }
 
 
 def instant(kind: str, at: float, *, pipeline=None, stage=None, step=None, **fields) -> dict:

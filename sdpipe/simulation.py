@@ -493,10 +493,14 @@ class _Simulation:
             self._push(0.0, "start", p)
         handlers = {"start": self._on_start, "ready": self._on_ready, "synced": self._on_synced}
         heap, pop = self.heap, heapq.heappop
-        while heap:
+        # a pending deadline is ticked also when nothing else is left: workers of different stages can all be
+        # waiting in open rounds at once (each pipeline's step needs every stage's group)
+        while heap or self.deadline is not None:
             deadline = self.deadline
-            if deadline is not None and deadline <= heap[0][0]:
+            if deadline is not None and (not heap or deadline <= heap[0][0]):
                 self._on_tick(deadline)
+                if not heap and self.deadline == deadline:
+                    raise RuntimeError(f"simulation: the scheduler's deadline {deadline} did not pass when ticked")
                 continue
             self.now, _, kind, data = pop(heap)
             handlers[kind](self.now, data)

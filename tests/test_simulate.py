@@ -189,3 +189,20 @@ def test_public_entry_points_name_the_bad_field(call, message):
     with pytest.raises(ValueError) as e:
         call()
     assert str(e.value) == message
+
+
+def test_a_run_goes_on_while_every_worker_waits_in_an_open_round():
+    """Workers of both stages can all be waiting in open rounds with nothing else pending: the core's deadline
+    must still be ticked (a simulation once ended there, with batches left and no global sync)."""
+    S, D, steps = 2, 4, 300
+    costs = Costs(
+        forward=[0.01] * S,
+        backward=[0.02] * S,
+        weight_bytes=[1e7] * S,
+        activation_bytes=[1e5],
+        step_overhead=0.02,
+        jitter=0.05,
+    )
+    result = simulate(S, D, costs=costs, microbatches=4, steps=steps)
+    assert sum(h["samples"] for h in result.history) == steps * D * 32
+    assert sum(e["kind"] == "group" and e["reason"] == "global" for e in result.events) == S
