@@ -127,14 +127,17 @@ def _close_half_built(error: BaseException) -> None:
         tb = tb.tb_next
 
 
-def count_workers(client, config: TrainConfig) -> None:
-    """A one-line error when an existing cluster has too few workers for the run (one call to the scheduler)."""
+def count_workers(client, config: TrainConfig) -> list:
+    """The addresses of the cluster's workers a rank can run on (with a "GPU" resource for device="cuda"),
+    sorted; a one-line error when there are too few for the run (one call to the scheduler)."""
     info = client.scheduler_info(n_workers=-1)["workers"]
+    addrs = sorted(info)
     if config.device == "cuda":
-        info = {a: w for a, w in info.items() if w.get("resources", {}).get("GPU", 0) >= 1}
-    if len(info) < config.world_size:
+        addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]
+    if len(addrs) < config.world_size:
         what = "Dask workers with a 'GPU' resource" if config.device == "cuda" else "Dask workers"
-        raise ValueError(f"cluster: needs {config.world_size} {what} (stages x pipelines), found {len(info)}")
+        raise ValueError(f"cluster: needs {config.world_size} {what} (stages x pipelines), found {len(addrs)}")
+    return addrs
 
 
 def _cpu_count() -> int:
@@ -180,13 +183,7 @@ def pick_workers(client, config: TrainConfig) -> list:
     need = config.world_size
     deadline = time.monotonic() + config.timeout
     while True:
-        info = client.scheduler_info(n_workers=-1)["workers"]
-        addrs = sorted(info)
-        if config.device == "cuda":
-            addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]
-        if len(addrs) < need:
-            what = "Dask workers with a 'GPU' resource" if config.device == "cuda" else "Dask workers"
-            raise ValueError(f"cluster: needs {need} {what} (stages x pipelines), found {len(addrs)}")
+        addrs = count_workers(client, config)
         free = client.run(_free_threads, workers=addrs, on_error="return")
         idle = [a for a in addrs if isinstance(free.get(a), int) and free[a] >= 1]
         if len(idle) >= need:

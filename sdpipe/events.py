@@ -84,25 +84,11 @@ SCHEMA: dict = {
 }
 
 
-def _record(kind: str, pipeline, stage, step, microbatch, start: float, end: float, fields: dict) -> dict:
-    rec = {
-        "kind": kind,
-        "pipeline": pipeline,
-        "stage": stage,
-        "step": step,
-        "microbatch": microbatch,
-        "start": start,
-        "end": end,
-    }
-    rec.update(fields)
-    return rec
-
-
 def span(
     kind: str, pipeline: Optional[int], stage: Optional[int], step, microbatch, start: float, end: float, **fields
 ) -> dict:
     """A span of one worker's work (``forward``, ``backward``, ``send``, ``recv``, ``wait``, ``sync``, ...)."""
-    # one dict display, no helper call: the simulator makes millions of these
+    # the one place a record is built; one dict display, no helper call: the simulator makes millions of these
     return {
         "kind": kind,
         "pipeline": pipeline,
@@ -117,7 +103,7 @@ def span(
 
 def instant(kind: str, at: float, *, pipeline=None, stage=None, step=None, **fields) -> dict:
     """A record of a moment (start == end)."""
-    return _record(kind, pipeline, stage, step, None, at, at, fields)
+    return span(kind, pipeline, stage, step, None, at, at, **fields)
 
 
 def group(
@@ -132,7 +118,7 @@ def group(
     policy: str,
 ) -> dict:
     """A group the scheduler decided for ``stage``: its round, members, why it closed, its window."""
-    return _record(
+    return span(
         "group",
         None,
         stage,
@@ -140,14 +126,12 @@ def group(
         None,
         opened,
         closed,
-        {
-            "round": round_,
-            "group": list(members),
-            "reason": reason,
-            "wait": wait,
-            "connected": connected,
-            "policy": policy,
-        },
+        round=round_,
+        group=list(members),
+        reason=reason,
+        wait=wait,
+        connected=connected,
+        policy=policy,
     )
 
 
