@@ -132,6 +132,7 @@ class GroupService(SchedulerPlugin):
                 "policy": st.policy_name,
                 "version": st.version,
                 "weighting": st.core.policy.weighting,
+                "overlap": st.core.policy.overlap,
                 "stop": st.stopping,
             }
             for m in g.members:

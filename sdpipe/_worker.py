@@ -9,7 +9,7 @@
         RUN:       the stage's share of the step (sdpipe._stage.train_step)
                    policy.after_backward (coupled replicas agree on stop/pause/policy here)
                    optimizer step, policy.after_step (averaging with its group, a gossip pair, a server)
-        EPOCH_END: policy.epoch_end (the global sync, every sync_every epochs), evaluation, checkpoint
+        EPOCH_END: policy.settle, policy.epoch_end (the global sync, every sync_every epochs), evaluation, checkpoint
         STOP:      policy.stopping, policy.leave
 
 The loop asks its policy (``coupled``, ``decide_stop``), never its type.
@@ -277,13 +277,16 @@ class Worker:
         """Stage 0: the next batch of ``epoch`` from the shared counter, or None (see :class:`Dispenser`)."""
         return self.dispenser.next(epoch)
 
-    def ask_group(self, step: int, global_sync: bool) -> dict:
-        """Tell the group service this worker is ready; wait (bounded) for its group."""
+    def ask_group(self, step: int, global_sync: bool, waiting: bool = True) -> dict:
+        """Tell the group service this worker is ready; wait (bounded) for its group.  ``waiting=False``: asked
+        from a background thread while the step goes on (overlapped averaging), so no ``wait`` span."""
         start = time.time()
         answer = self.service.ready(
             stage=self.stage, pipeline=self.pipeline, step=step, global_sync=global_sync, timeout=self.timeout
         )
-        self.span("wait", step, None, start, time.time(), what="group", group=answer["members"], round=answer["round"])
+        if waiting:
+            kw = dict(what="group", group=answer["members"], round=answer["round"])
+            self.span("wait", step, None, start, time.time(), **kw)
         return answer
 
     def leave_service(self) -> None:
@@ -398,6 +401,7 @@ class Training:
                 w.policy.leave(w)
                 break
             if msg.op is Op.EPOCH_END:
+                w.policy.settle(w, self.step)  # the evaluation and a checkpoint see complete weights
                 if (epoch + 1) % cfg["sync_every"] == 0 or epoch == cfg["epochs"] - 1:
                     w.policy.epoch_end(w, self.step)
                 break

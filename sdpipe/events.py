@@ -58,7 +58,8 @@ SCHEMA: dict = {
     "pause": ((), ()),
     "wait": ((), ("what", "group", "round")),  # what="group": waiting for the group service's answer
     "optimizer": (("epoch",), ("loss",)),  # loss: the step's mean loss, at the last stage only
-    "sync": (("group",), ("round", "reason", "mass", "weighting", "failed", "served", "server")),
+    # lane="background": an overlapped averaging, in the worker's background thread while its next step computes
+    "sync": (("group",), ("round", "reason", "mass", "weighting", "failed", "served", "server", "lane")),
     "save": (("epoch",), ()),  # this worker's part of a checkpoint
     # instants
     "stage": (("weight_bytes", "activation_bytes"), ("address",)),  # a worker describes its stage once

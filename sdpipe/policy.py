@@ -12,6 +12,7 @@ it (see :class:`SyncPolicy`)::
     optimizer.step()
     policy.after_step(worker, step)                   # model averaging
     ...
+    policy.settle(worker, step)                       # at an epoch's end: finish an exchange still in flight
     policy.epoch_end(worker, step)                    # at an epoch's end (every sync_every epochs): global sync
     policy.stopping(worker, step)                     # the run stops at this step boundary, then
     policy.leave(worker)                              # ... leave; on a failure only leave
@@ -64,6 +65,7 @@ run, so they are chosen when the run starts; live switches move between
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import datetime
 import threading
 import time
@@ -97,14 +99,15 @@ class SyncPolicy(abc.ABC):
 
     **What the worker loop may use** (nothing else): the class attributes :attr:`name` and
     :attr:`coupled`, and the methods :meth:`setup`, :meth:`decide_stop`, :meth:`next_batch`,
-    :meth:`after_backward`, :meth:`after_step`, :meth:`epoch_end`, :meth:`stopping`, :meth:`leave`,
+    :meth:`after_backward`, :meth:`after_step`, :meth:`settle`, :meth:`epoch_end`, :meth:`stopping`, :meth:`leave`,
     :meth:`close`; plus :func:`make_policy`, :data:`WORKER_MODES` and :func:`_state_tensors` of this module.
 
     **What a policy may use of the worker** (nothing else):
 
     * ``worker.span(kind, step, microbatch, start, end, **fields)``: record an event (``time.time()`` values);
-    * ``worker.ask_group(step, global_sync=...)``: the group service's answer, a dict with ``round``,
-      ``members``, ``reason``, ``name``, ``policy``, ``version``, ``weighting``, ``stop``;
+    * ``worker.ask_group(step, global_sync=..., waiting=True)``: the group service's answer, a dict with
+      ``round``, ``members``, ``reason``, ``name``, ``policy``, ``version``, ``weighting``, ``overlap``,
+      ``stop`` (``waiting=False``: asked from a background thread, so no ``wait`` span is recorded);
     * ``worker.leave_service()``; ``worker.read_ctl()``: the driver's :class:`sdpipe.protocol.Command`;
     * ``worker.group(name, rank, size, connect_timeout=None, pipelines=None)``, ``worker.drop_group(g)``;
     * ``worker.delay_link()``: the emulated link's delay before a transfer; ``worker.dispense(epoch)``;
@@ -149,6 +152,10 @@ class SyncPolicy(abc.ABC):
     @abc.abstractmethod
     def epoch_end(self, worker, step: int) -> None:
         """When the pipeline's epoch ends (all workers of a pipeline call it at the same step)."""
+
+    def settle(self, worker, step=None) -> None:
+        """Before the weights must be this replica's own and complete (an epoch's end: its evaluation and
+        checkpoint): finish any exchange still in flight.  Nothing to do for most policies."""
 
     def stopping(self, worker, step: int) -> None:
         """The run stops at this step boundary (before :meth:`leave`)."""
@@ -291,13 +298,18 @@ class _GroupPolicy(SyncPolicy):
     def _average(self, worker, answer: dict, step: int) -> bool:
         """Average with the answer's group; False when the group was skipped because a member's pipeline was
         lost first."""
+        ok, self.mass = self._exchange(worker, answer, step, _state_tensors(worker), self.mass)
+        return ok
+
+    def _exchange(self, worker, answer: dict, step: int, tensors: list, mass: float, **extra) -> tuple:
+        """Average ``tensors`` (in place) with the answer's group, this member counting with ``mass``;
+        returns ``(False when a member's pipeline was lost before the group formed, the mass after)``.
+        ``extra``: more fields of the ``sync`` span."""
         members, weighting = answer["members"], answer.get("weighting", "uniform")
         if len(members) < 2:
-            self.mass = rules.mass_after_round(self.mass, answer["reason"])
-            return True
+            return True, rules.mass_after_round(mass, answer["reason"])
         start = time.time()
-        tensors = _state_tensors(worker)
-        fields = dict(group=members, round=answer["round"], reason=answer["reason"])
+        fields = dict(group=members, round=answer["round"], reason=answer["reason"], **extra)
         try:
             pg = self.groups.get(answer["name"])
             if pg is None:
@@ -311,7 +323,7 @@ class _GroupPolicy(SyncPolicy):
                         **fields,
                         failed="a member's pipeline was lost before the group formed",
                     )
-                    return False
+                    return False, mass
                 pg = worker.group(
                     f"avg/{answer['name']}/r{answer['round']}",
                     members.index(worker.pipeline),
@@ -321,18 +333,17 @@ class _GroupPolicy(SyncPolicy):
                 )
                 self.groups[answer["name"]] = pg
             worker.delay_link()
-            before = self.mass
             # the masses travel as an extra under either weighting; "uniform" weights every member 1
             total = allreduce_mean_(
                 tensors,
                 pg,
                 len(members),
-                extras=(self.mass,),
+                extras=(mass,),
                 comm_device=worker.link_device,
                 timeout=worker.timeout,
-                weight=rules.member_weight(self.mass, weighting),
+                weight=rules.member_weight(mass, weighting),
             )[0]
-            self.mass = rules.mass_after_round(rules.mass_after_group(total, len(members)), answer["reason"])
+            after = rules.mass_after_round(rules.mass_after_group(total, len(members)), answer["reason"])
         except RuntimeError as e:
             # a member died during the collective (its pipeline is being lost): this worker keeps its own
             # weights (allreduce_mean_ writes them back only after the collective returned), forgets the
@@ -344,9 +355,9 @@ class _GroupPolicy(SyncPolicy):
                 del broken
             pg = None
             worker.span("sync", step, None, start, time.time(), **fields, failed=_failure(e))
-            return True  # not retried: some members may have completed the collective
-        worker.span("sync", step, None, start, time.time(), **fields, mass=round(before, 4), weighting=weighting)
-        return True
+            return True, mass  # not retried: some members may have completed the collective
+        worker.span("sync", step, None, start, time.time(), **fields, mass=round(mass, 4), weighting=weighting)
+        return True, after
 
     def _global_sync(self, worker, step: int, answer: dict) -> None:
         """Average with a global sync's answer; when a member's pipeline was lost before the group formed
@@ -377,6 +388,12 @@ class Scheduled(_GroupPolicy):
         super().setup(worker)
         self.stop_answered = False  # an answer of the group service said the run is stopping
         self.stop_seen_at = None  # when stage 0 first read the driver's stop from the store (monotonic)
+        # averaging overlapped with the next step (SchedulerPolicy.overlap): the run's setting until the service's
+        # answers say otherwise (a live policy change)
+        self.overlap = bool((worker.cfg.get("scheduler") or {}).get("overlap"))
+        self.pool = None  # its one thread, made at the first overlapped step
+        self.in_flight = None  # (future, step) of the averaging in flight
+        self.worker = worker
 
     def decide_stop(self, store_stop: bool) -> bool:
         """Stage 0, at a step boundary: whether to stop (:func:`sdpipe.sync_rules.group_stop`).
@@ -400,9 +417,62 @@ class Scheduled(_GroupPolicy):
 
     def after_step(self, worker, step: int) -> None:
         self.mass = rules.mass_after_step(self.mass)
-        self._average(worker, self._ask(worker, step, False), step)
+        if not self.overlap:
+            answer = self._ask(worker, step, False)
+            self._average(worker, answer, step)
+            self.overlap = bool(answer.get("overlap"))  # the service's policy, from the next step on
+            return
+        self.settle(worker, step)
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdpipe-overlap")
+        snapshot = [t.detach().clone() for t in _state_tensors(worker)]
+        self.in_flight = (self.pool.submit(self._background, worker, step, snapshot, self.mass), step)
+
+    def _background(self, worker, step: int, snapshot: list, mass: float) -> tuple:
+        """Overlapped averaging, in this policy's thread: the group service's answer, then the group's average
+        of the weights as they were at the ready signal.  Returns ``(answer, snapshot, average, mass at the
+        snapshot, mass after)``; ``average`` is None for a group of one.  A group that a lost member broke
+        leaves ``average`` equal to the snapshot: no correction."""
+        if worker.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(worker.device)
+        answer = worker.ask_group(step, global_sync=False, waiting=False)
+        if len(answer["members"]) < 2:
+            return answer, snapshot, None, mass, rules.mass_after_round(mass, answer["reason"])
+        average = [t.clone() for t in snapshot]
+        _, after = self._exchange(worker, answer, step, average, mass, lane="background")
+        return answer, snapshot, average, mass, after
+
+    def settle(self, worker, step=None) -> None:
+        """Wait for the overlapped averaging in flight (if any) and apply it: the weights move by the group's
+        average minus this replica's snapshot, and the mass by the group's mean mass minus the snapshot's.
+
+        The wait is bounded by the run's timeout and recorded as a ``wait`` span (what ``"group"``) when the
+        step had to wait at all."""
+        if self.in_flight is None:
+            return
+        future, asked = self.in_flight
+        self.in_flight = None
+        start = time.time()
+        try:
+            answer, snapshot, average, mass, after = future.result(timeout=worker.timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"stage {worker.stage} pipeline {worker.pipeline}: the group of step {asked} did not answer "
+                f"and average within the run's timeout ({worker.timeout:.0f}s)"
+            ) from None
+        end = time.time()
+        if end - start > 1e-4:
+            worker.span("wait", step, None, start, end, what="group", group=answer["members"], round=answer["round"])
+        self.stop_answered = self.stop_answered or bool(answer.get("stop"))
+        self.overlap = bool(answer.get("overlap"))
+        if average is not None:
+            with torch.no_grad():
+                for t, s0, avg in zip(_state_tensors(worker), snapshot, average):
+                    t.add_(avg.sub_(s0))
+        self.mass += after - mass
 
     def epoch_end(self, worker, step: int) -> None:
+        self.settle(worker, step)
         self._global_sync(worker, step, self._ask(worker, step, True))
 
     def stopping(self, worker, step: int) -> None:
@@ -411,8 +481,19 @@ class Scheduled(_GroupPolicy):
         Skipped when no step reached this replica since the last global sync: its mass is still 1
         (a step adds 1, a group leaves the mean of masses of at least 1, a global sync restarts it).
         """
+        self.settle(worker, step)
         if self.mass != 1.0:
             self.epoch_end(worker, step)
+
+    def close(self, failed: bool = False) -> None:
+        """Finish the averaging in flight (a live switch away), or abandon it (a failure), then release."""
+        if self.in_flight is not None and not failed:
+            self.settle(self.worker)
+        self.in_flight = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=not failed, cancel_futures=True)
+            self.pool = None
+        super().close(failed)
 
 
 # ---------------------------------------------------------------- servers

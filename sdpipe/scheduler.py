@@ -13,6 +13,23 @@ its prototype's constants::
     Each member's window then adapts: doubled (<= window_max) when the group
     had fewer than min_group members, else times 0.9 (>= window_min).
 
+Rule "arrival" (``policy.window``, the default; ours, not the prototype's).  A
+constant window does not follow step times: with steps of 200 ms, workers
+seldom come within 10 ms of each other, and most rounds close alone.  So the
+scheduler keeps, per worker, when it was last released from a group and its
+recent compute intervals (release to next ready; median and median absolute
+deviation of the last ``history``).  When a round opens at ``now`` it predicts
+every computing worker's next ready time and waits only for those predicted
+within ``horizon x typical`` of ``now`` (typical: the stage's typical
+interval; a worker overdue by more than that is stalled) and for those not
+released since a global group, at most until ``now + horizon x typical``; it
+closes ("arrived") as soon as they all came, and at once ("alone") when
+nobody is predicted.  A worker predicted beyond the horizon (a straggler) is
+never waited for: it forms its own rounds, joins whoever is open when it
+comes, or is pulled in by the connectivity bound.  Until a stage has seen one
+interval, the prototype's window applies.  Rule "prototype" keeps the
+prototype's window throughout.
+
 Connectivity bound: as in the SDPipe prototype, updates are counted per
 stage (one per member of each group: a worker's step) and the groups since
 the last reset are kept in a disjoint set.  When the union connects every
@@ -51,6 +68,7 @@ Worked case, D=3, window 1 ms, max_group 3::
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Union
 
@@ -64,16 +82,19 @@ __all__ = [
     "GroupScheduler",
     "DisjointSet",
     "POLICY_PRESETS",
+    "WINDOW_RULES",
 ]
 
 
 #: how the members of a group weight their models (SchedulerPolicy.weighting)
 WEIGHTINGS = ("progress", "uniform")
+#: how a round decides whom to wait for (SchedulerPolicy.window)
+WINDOW_RULES = ("arrival", "prototype")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerPolicy:
-    """Parameters of the group scheduler (defaults: the SDPipe prototype's, but for ``weighting``)."""
+    """Parameters of the group scheduler (defaults: the SDPipe prototype's, but for ``window`` and ``weighting``)."""
 
     max_group: Optional[int] = None
     """Largest group; None means all live workers of the stage."""
@@ -94,6 +115,22 @@ class SchedulerPolicy:
     may run ahead)."""
     pair_threshold: int = 8
     """Above this many live workers, ordinary rounds pair their members."""
+    window: str = "arrival"
+    """How a round decides whom to wait for: "arrival" (predict each worker's next ready time from its
+    recent ones and wait, at most ``horizon`` x the stage's typical step time, only for the workers
+    predicted inside that horizon) or "prototype" (the SDPipe prototype's adaptive constant window,
+    ``window_init`` / ``window_min`` / ``window_max`` / ``grow`` / ``shrink``)."""
+    horizon: float = 0.5
+    """Rule "arrival": the longest wait of a round, as a fraction of the stage's typical compute time
+    between a worker's release and its next ready signal."""
+    history: int = 8
+    """Rule "arrival": how many of a worker's recent intervals its prediction uses (median and median
+    absolute deviation)."""
+    overlap: bool = False
+    """Averaging overlapped with compute: a worker sends its ready signal and goes on with its next step; its
+    group averages the weights as they were at the ready signal in the background, and each member then
+    moves its weights by the group's average minus its own snapshot (a correction), at its next step
+    boundary.  Global syncs, checkpoints, evaluations, stops and policy switches wait for it first."""
     weighting: str = "progress"
     """How a group averages: "uniform" (x_i <- mean of the members, the paper's doubly stochastic
     mixing) or "progress" (each member weighted by its mass: 1 + its optimizer steps since the last
@@ -127,6 +164,10 @@ class SchedulerPolicy:
         check(
             "pair_threshold", isinstance(self.pair_threshold, int) and self.pair_threshold >= 2, "use an integer >= 2"
         )
+        check("window", self.window in WINDOW_RULES, f"use one of {', '.join(map(repr, WINDOW_RULES))}")
+        check("horizon", num(self.horizon) and 0 < self.horizon <= 10, "use a fraction of a step in (0, 10]")
+        check("history", isinstance(self.history, int) and 2 <= self.history <= 1000, "use an integer in [2, 1000]")
+        check("overlap", isinstance(self.overlap, bool), "use True or False")
         check("weighting", self.weighting in WEIGHTINGS, f"use one of {', '.join(map(repr, WEIGHTINGS))}")
 
     def to_dict(self) -> dict:
@@ -145,9 +186,14 @@ class SchedulerPolicy:
 POLICY_PRESETS = {
     "sdpipe": SchedulerPolicy(),
     "allreduce": SchedulerPolicy(
-        window_init=math.inf, window_min=math.inf, window_max=math.inf, pair_threshold=2**31, weighting="uniform"
+        window="prototype",
+        window_init=math.inf,
+        window_min=math.inf,
+        window_max=math.inf,
+        pair_threshold=2**31,
+        weighting="uniform",
     ),
-    "none": SchedulerPolicy(max_group=1, window_init=0.0, window_min=0.0, staleness=2**31),
+    "none": SchedulerPolicy(max_group=1, window="prototype", window_init=0.0, window_min=0.0, staleness=2**31),
 }
 
 
@@ -187,7 +233,7 @@ class Group:
     stage: int
     round: int
     members: tuple
-    reason: str  # "full" | "window" | "graph" | "global" | "preempted" | "alone"
+    reason: str  # "full" | "arrived" | "window" | "graph" | "global" | "preempted" | "alone"
     opened: float
     closed: float
     windows: tuple = ()  # ((member, new window), ...)
@@ -259,6 +305,109 @@ class _Round:
     opened: float
     deadline: float
     graph: bool = False
+    expected: Optional[frozenset] = None  # rule "arrival": the workers this round waits for
+
+
+def _median(xs) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+class _Arrivals:
+    """What rule "arrival" knows of a stage's workers: when each was last released from a group and its
+    recent compute intervals (release to next ready signal), with median and median absolute deviation.
+
+    A worker's next ready signal is predicted at ``released + median``, give or take ``spread``
+    (3 x the median absolute deviation, at least 2% of the median); a worker without a release to predict
+    from (it has not been in a group since the start or since a global group, after which workers evaluate)
+    is expected within the horizon, without a time.  The stage's typical interval is the
+    median of its last ``4 x history`` intervals of any worker, so fast workers, who step more often,
+    weigh more, and one straggler does not stretch every round's horizon.
+    """
+
+    def __init__(self, history: int):
+        self.history = history
+        self.released: dict = {}  # worker -> time of its last release
+        self.intervals: dict = {}  # worker -> deque of recent intervals
+        self.recent: deque = deque(maxlen=4 * history)
+        self._stats: dict = {}  # worker -> (median, spread), dropped on each new interval
+        self._typical: Optional[float] = None
+
+    def ready(self, worker: int, now: float) -> None:
+        last = self.released.pop(worker, None)
+        if last is None:
+            return
+        dt = max(0.0, now - last)
+        q = self.intervals.get(worker)
+        if q is None:
+            q = self.intervals[worker] = deque(maxlen=self.history)
+        q.append(dt)
+        self.recent.append(dt)
+        self._stats.pop(worker, None)
+        self._typical = None
+
+    def release(self, workers, now: float) -> None:
+        for w in workers:
+            self.released[w] = now
+
+    def release_global(self, workers) -> None:
+        """After a global group the workers evaluate or checkpoint: their next interval says nothing of a step."""
+        for w in workers:
+            self.released.pop(w, None)
+
+    def forget(self, worker: int) -> None:
+        self.released.pop(worker, None)
+        self.intervals.pop(worker, None)
+        self._stats.pop(worker, None)
+
+    def typical(self) -> Optional[float]:
+        if self._typical is None and self.recent:
+            self._typical = _median(self.recent)
+        return self._typical
+
+    def stats(self, worker: int):
+        st = self._stats.get(worker)
+        if st is None:
+            q = self.intervals.get(worker)
+            if not q:
+                return None
+            med = _median(q)
+            mad = _median(abs(x - med) for x in q)
+            st = self._stats[worker] = (med, max(3.0 * mad, 0.02 * med))
+        return st
+
+    def plan(self, now: float, candidates, horizon: float):
+        """The workers among ``candidates`` predicted ready within the horizon, ``now +- horizon`` (give or take
+        their spread: due up to a horizon ago counts, a worker overdue by more is stalled), and the time the
+        round stops waiting for them: ``now + horizon``, or ``now`` when nobody is expected."""
+        typical = self.typical()
+        end = now + horizon
+        expected = []
+        for w in candidates:
+            last = self.released.get(w)
+            if last is None:  # not released since the start or a global group: expected, without a time
+                expected.append(w)
+                continue
+            st = self.stats(w)
+            med, spread = st if st is not None else (typical, 0.25 * typical)
+            pred = last + med
+            if now - horizon - spread <= pred <= end + spread:
+                expected.append(w)
+        return frozenset(expected), (end if expected else now)
+
+    def snapshot(self) -> dict:
+        return {
+            "released": {str(k): v for k, v in self.released.items()},
+            "intervals": {str(k): list(v) for k, v in self.intervals.items()},
+            "recent": list(self.recent),
+        }
+
+    def restore(self, snap: dict) -> None:
+        self.released = {int(k): v for k, v in snap.get("released", {}).items()}
+        for k, v in snap.get("intervals", {}).items():
+            self.intervals[int(k)] = deque(v, maxlen=self.history)
+        self.recent.extend(snap.get("recent", ()))
 
 
 @dataclass
@@ -280,6 +429,7 @@ class StageScheduler:
         self.waiting: set = set()  # workers inside the open round
         #: set by GroupScheduler: whether this stage holds (or may take) the graph-sync token
         self.may_graph_sync = True
+        self.arrivals = _Arrivals(self.policy.history)
 
     # -------------------------------------------------------------- helpers
     def _available(self) -> set:
@@ -331,9 +481,21 @@ class StageScheduler:
         """
         self.policy = policy
         self.windows = {w: policy.window_init for w in self.live}
+        if policy.history != self.arrivals.history:
+            old, self.arrivals = self.arrivals, _Arrivals(policy.history)
+            self.arrivals.restore(old.snapshot())
         if self.open is not None and not self.open.graph:
-            self.open.deadline = self.open.opened + policy.window_init
+            self._plan(self.open, self.open.members[0], self.open.opened)
         return self._try_close(now)
+
+    def _plan(self, r: _Round, opener: int, now: float) -> None:
+        """Set the open round's deadline (and, under rule "arrival", whom it waits for)."""
+        typical = self.arrivals.typical() if self.policy.window == "arrival" else None
+        if typical is None:  # rule "prototype", or no interval seen yet: the opener's adaptive window
+            r.expected, r.deadline = None, now + self.windows[opener]
+            return
+        candidates = (w for w in self.live if w not in self.waiting and w not in self.global_waiting)
+        r.expected, r.deadline = self.arrivals.plan(now, candidates, self.policy.horizon * typical)
 
     # -------------------------------------------------------------- events
     def handle(self, event: Event) -> list:
@@ -352,6 +514,7 @@ class StageScheduler:
             raise ValueError(f"worker: {w} is not a live worker of stage {self.stage} (live: {sorted(self.live)})")
         if w in self.waiting or w in self.global_waiting:
             raise ValueError(f"worker: {w} of stage {self.stage} is already waiting for a group")
+        self.arrivals.ready(w, ev.time)
         decisions = []
         if ev.global_sync:
             self.global_waiting.add(w)
@@ -362,7 +525,9 @@ class StageScheduler:
         if self.open is None:
             # a graph-sync round needs the token; without it the stage forms an ordinary round meanwhile
             graph = self.may_graph_sync and self.needs_graph_sync()
-            self.open = _Round([w], ev.time, ev.time + self.windows[w], graph=graph)
+            self.open = _Round([w], ev.time, ev.time, graph=graph)
+            if not graph:
+                self._plan(self.open, w, ev.time)
         else:
             self.open.members.append(w)
         return self._try_close(ev.time)
@@ -375,6 +540,7 @@ class StageScheduler:
         self.global_waiting.discard(w)
         self.waiting.discard(w)
         self.windows.pop(w, None)
+        self.arrivals.forget(w)
         decisions = []
         if self.open is not None and w in self.open.members:
             self.open.members.remove(w)
@@ -389,6 +555,7 @@ class StageScheduler:
             return []
         members = tuple(sorted(self.global_waiting))
         self.global_waiting.clear()
+        self.arrivals.release_global(members)
         g = Group(
             self.stage, self.round, members, "global", now, now, tuple((m, self.windows[m]) for m in members), True
         )
@@ -407,14 +574,22 @@ class StageScheduler:
             return []
         if len(r.members) >= self._max_group():
             return self._close(now, "full")
+        if r.expected is not None and len(r.members) > 1 and self._all_arrived(r):
+            return self._close(now, "arrived")
         if now >= r.deadline:
             return self._close(now, "window")
         return []
+
+    def _all_arrived(self, r: _Round) -> bool:
+        """Rule "arrival": every worker the round waits for is in it (or gone, or waiting for the global group)."""
+        members = set(r.members)
+        return all(w in members or w not in self.live or w in self.global_waiting for w in r.expected)
 
     def _close(self, now: float, reason: str) -> list:
         r, self.open = self.open, None
         members = sorted(r.members)
         self.waiting.difference_update(members)
+        self.arrivals.release(members, now)
         if reason != "graph" and len(self._available()) > self.policy.pair_threshold and len(members) > 3:
             groups = [members[i : i + 2] for i in range(0, len(members) - 1, 2)]
             if len(members) % 2:
@@ -425,8 +600,12 @@ class StageScheduler:
             self.dsu.union(g)
         connected = self._connected()  # members are available workers, already in the union
         out = []
+        arrival = r.expected is not None
         for g in groups:
             for m in g:
+                if arrival:  # the rule "arrival" keeps no per-worker window: report the round's planned wait
+                    self.windows[m] = r.deadline - r.opened
+                    continue
                 wnd = self.windows[m]
                 if len(g) < self.policy.min_group:
                     wnd = min(wnd * self.policy.grow, self.policy.window_max) if wnd > 0 else self.policy.window_min
@@ -469,11 +648,13 @@ class StageScheduler:
             "since_reset": self.since_reset,
             "dsu": {str(k): v for k, v in self.dsu.parent.items()},
             "policy": self.policy.to_dict(),
+            "arrivals": self.arrivals.snapshot(),
         }
 
     @classmethod
     def restore(cls, snap: dict) -> "StageScheduler":
         s = cls(snap["stage"], snap["live"], SchedulerPolicy(**snap["policy"]))
+        s.arrivals.restore(snap.get("arrivals", {}))  # snapshots from before rule "arrival" have none
         s.windows = {int(k): v for k, v in snap["windows"].items()}
         s.round = snap["round"]
         s.since_reset = snap["since_reset"]

@@ -57,15 +57,15 @@ __all__ = ["Calibration", "Costs", "Network", "calibrate", "simulate", "ring_all
 SIM_POLICIES = ("sdpipe", "allreduce", "none")
 
 
-def _seconds(name: str, values, n: int) -> tuple:
+def _seconds(name: str, values, n: int, per: str = "one per stage") -> tuple:
     try:
         if isinstance(values, (str, bytes)):
             raise TypeError
         values = tuple(float(v) for v in values)
     except (TypeError, ValueError):
-        raise ValueError(f"costs.{name}: needs {n} finite numbers >= 0 (one per stage), got {values!r}") from None
+        raise ValueError(f"costs.{name}: needs {n} finite numbers >= 0 ({per}), got {values!r}") from None
     if len(values) != n or any(not (v >= 0) or math.isinf(v) for v in values):
-        raise ValueError(f"costs.{name}: needs {n} finite numbers >= 0 (one per stage), got {values!r}")
+        raise ValueError(f"costs.{name}: needs {n} finite numbers >= 0 ({per}), got {values!r}")
     return values
 
 
@@ -99,7 +99,9 @@ class Costs:
         object.__setattr__(self, "backward", _seconds("backward", self.backward, S))
         object.__setattr__(self, "optimizer", _seconds("optimizer", self.optimizer or [0.0] * S, S))
         object.__setattr__(
-            self, "activation_bytes", _seconds("activation_bytes", self.activation_bytes or [0.0] * links, links)
+            self,
+            "activation_bytes",
+            _seconds("activation_bytes", self.activation_bytes or [0.0] * links, links, "one per link between stages"),
         )
         object.__setattr__(self, "weight_bytes", _seconds("weight_bytes", self.weight_bytes or [0.0] * S, S))
         v = self.step_overhead
@@ -482,6 +484,12 @@ class _Simulation:
             ends, busy = finish[k]
             self.step_costs.append((ends, busy, [M * costs.forward[s] * k[s] for s in range(S)]))
         self.link_delay = [[hetero.link_delay_of(p, s) for s in range(S)] for p in range(D)]
+        # averaging overlapped with compute (SchedulerPolicy.overlap): a worker goes on at its ready signal; its
+        # group's averaging runs meanwhile and must have ended before the worker's next ready signal
+        self.overlap = self.core is not None and config.policy != "allreduce" and self.core.policy.overlap
+        self.averaging: dict = {}  # (p, s) -> when its overlapped averaging ends (None: its group is undecided)
+        self.held: dict = {}  # (p, s) -> (time, data) of a ready that waits for that averaging
+        self.held_global: dict = {}  # p -> when it ran out of batches: its global sync waits for those averagings
 
     def _push(self, t: float, kind: str, data) -> None:
         heapq.heappush(self.heap, (t, next(self._seq), kind, data))
@@ -491,7 +499,13 @@ class _Simulation:
         core's deadline comes no later than the next event."""
         for p in range(self.D):
             self._push(0.0, "start", p)
-        handlers = {"start": self._on_start, "ready": self._on_ready, "synced": self._on_synced}
+        handlers = {
+            "start": self._on_start,
+            "ready": self._on_ready,
+            "ask": self._on_ask,
+            "global": self._on_global,
+            "synced": self._on_synced,
+        }
         heap, pop = self.heap, heapq.heappop
         # a pending deadline is ticked also when nothing else is left: workers of different stages can all be
         # waiting in open rounds at once (each pipeline's step needs every stage's group)
@@ -511,9 +525,9 @@ class _Simulation:
         without, its workers join the epoch's global sync."""
         pipe = self.pipes[p]
         if not self._next_batch(p, t):
-            if self.core is not None:  # the epoch ends with a global sync
-                for s in range(self.S):
-                    self._apply(self.core.handle(s, Ready(p, pipe.step, t, True)))
+            if self.core is not None:  # the epoch ends with a global sync, once overlapped averagings ended
+                self.held_global[p] = t
+                self._global_when_settled(p)
             return
         pipe.synced = {}
         ends, busy, forward = self.step_costs[p]
@@ -563,8 +577,40 @@ class _Simulation:
             self.records.append(events.span("optimizer", p, s, step, None, t, t, epoch=0, **loss))
         if self.core is None:
             self._on_synced(t, data)
-        else:
+        elif not self.overlap:
             self._apply(self.core.handle(s, Ready(p, step, t, False)))
+        elif (p, s) not in self.averaging:
+            self._on_ask(t, data)
+        else:  # its last averaging is still undecided or running: the ready signal waits for it
+            end = self.averaging[(p, s)]
+            if end is None:
+                self.held[(p, s)] = (t, data)
+            else:
+                self._hold(t, end, data)
+
+    def _hold(self, t: float, end: float, data: tuple) -> None:
+        """An overlapped worker's ready waits until ``end``, when its last group's averaging ended."""
+        if end > t and self.record:
+            p, s, step = data
+            self.records.append(events.span("wait", p, s, step, None, t, end, what="group"))
+        self._push(max(t, end), "ask", data)
+
+    def _on_ask(self, t: float, data: tuple) -> None:
+        """Overlap: (p, s) tells the core it is ready and goes on with its next step at once."""
+        p, s, step = data
+        self.averaging[(p, s)] = None
+        self._apply(self.core.handle(s, Ready(p, step, t, False)))
+        self._on_synced(t, data)
+
+    def _global_when_settled(self, p: int) -> None:
+        """Pipeline p's global sync, once every overlapped averaging of its workers is decided (and then ended)."""
+        ends = [self.averaging.get((p, s), 0.0) for s in range(self.S)]
+        if p in self.held_global and None not in ends:
+            self._push(max([self.held_global.pop(p)] + ends), "global", p)
+
+    def _on_global(self, t: float, p: int) -> None:
+        for s in range(self.S):
+            self._apply(self.core.handle(s, Ready(p, self.pipes[p].step, t, True)))
 
     def _on_tick(self, now: float) -> None:
         """The core's deadline: the rounds whose window ran out close."""
@@ -594,15 +640,33 @@ class _Simulation:
                         stage, g.round, members, g.reason, g.opened, g.closed, g.wait, g.connected, self.policy
                     )
                 )
+            background = self.overlap and g.reason != "global"
+            lane = {"lane": "background"} if background else {}
             for m in members:
                 step = pipes[m].step
                 if record:
                     keep(
                         events.span(
-                            "sync", m, stage, step, None, g.closed, end, group=members, round=g.round, reason=g.reason
+                            "sync",
+                            m,
+                            stage,
+                            step,
+                            None,
+                            g.closed,
+                            end,
+                            group=members,
+                            round=g.round,
+                            reason=g.reason,
+                            **lane,
                         )
                     )
-                if g.reason != "global":
+                if background:
+                    self.averaging[(m, stage)] = end
+                    held = self.held.pop((m, stage), None)
+                    if held is not None:
+                        self._hold(held[0], end, held[1])
+                    self._global_when_settled(m)
+                elif g.reason != "global":
                     self._push(end, "synced", (m, stage, step))
 
     def _on_synced(self, t: float, data: tuple) -> None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from sdpipe.scheduler import (
     POLICY_PRESETS,
+    WINDOW_RULES,
     DisjointSet,
     GroupScheduler,
     Lost,
@@ -20,8 +21,8 @@ from sdpipe.scheduler import (
 )
 
 
-def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None):
-    """Event-driven run of the scheduler: worker p of each stage computes for 1/speed[p] (jittered),
+def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, jitter=0.5):
+    """Event-driven run of the scheduler: worker p of each stage computes for 1/speed[p] (x 1 +- jitter),
     sends Ready, waits for its group, repeats. ``losses``: (time, pipeline) pairs.
     Returns (decisions, log of (time, stage, group, live-before-decision, waiting-before))."""
     rng = random.Random(seed)
@@ -37,7 +38,7 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None):
     step = {(s, p): 0 for s in range(stages) for p in range(D)}
     for s in range(stages):
         for p in range(D):
-            push(rng.uniform(0.5, 1.5) / speeds[p], "ready", s, p)
+            push(rng.uniform(1 - jitter, 1 + jitter) / speeds[p], "ready", s, p)
     for t, p in losses:
         push(t, "lost", p)
     log = []
@@ -52,7 +53,7 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None):
             if g.reason == "global":
                 continue
             for m in g.members:
-                push(now + rng.uniform(0.5, 1.5) / speeds[m], "ready", g.stage, m)
+                push(now + rng.uniform(1 - jitter, 1 + jitter) / speeds[m], "ready", g.stage, m)
 
     guard = 0
     while heap:
@@ -102,10 +103,16 @@ speeds_st = st.lists(st.floats(min_value=0.05, max_value=5.0), min_size=1, max_s
     seed=st.integers(0, 10_000),
     n_losses=st.integers(0, 3),
     stages=st.integers(1, 3),
+    rule=st.sampled_from(WINDOW_RULES),
+    horizon=st.floats(min_value=0.01, max_value=3.0),
 )
-def test_invariants_under_random_speeds_and_losses(speeds, staleness, max_group, window, seed, n_losses, stages):
+def test_invariants_under_random_speeds_and_losses(
+    speeds, staleness, max_group, window, seed, n_losses, stages, rule, horizon
+):
     D = len(speeds)
     policy = SchedulerPolicy(
+        window=rule,
+        horizon=horizon,
         max_group=max_group,
         window_init=window,
         window_min=0.0,
@@ -148,12 +155,12 @@ def test_invariants_under_random_speeds_and_losses(speeds, staleness, max_group,
 
 
 @settings(max_examples=60, deadline=None)
-@given(speeds=speeds_st, seed=st.integers(0, 10_000), staleness=st.integers(1, 6))
-def test_every_staleness_rounds_connect_the_stage(speeds, seed, staleness):
+@given(speeds=speeds_st, seed=st.integers(0, 10_000), staleness=st.integers(1, 6), rule=st.sampled_from(WINDOW_RULES))
+def test_every_staleness_rounds_connect_the_stage(speeds, seed, staleness, rule):
     """Single stage, no losses: the updates before each connecting round stay below P x D."""
     D = len(speeds)
     policy = SchedulerPolicy(
-        window_init=0.05, window_min=0.0, window_max=0.2, staleness=staleness, max_group=max(1, D // 2)
+        window=rule, window_init=0.05, window_min=0.0, window_max=0.2, staleness=staleness, max_group=max(1, D // 2)
     )
     sched, log, _, _ = drive(1, speeds, policy, steps=30, seed=seed)
     rounds = {}
@@ -232,17 +239,17 @@ def test_progress_weighting_conserves_the_mass_weighted_sum(values, events):
 
 def test_straggler_is_left_out_of_most_groups():
     speeds = [1.0, 1.0, 1.0, 0.25]
-    sched, log, _, _ = drive(
-        1, speeds, SchedulerPolicy(window_init=0.05, window_max=0.2, window_min=0.001, staleness=3), steps=40
-    )
+    policy = SchedulerPolicy(window="prototype", window_init=0.05, window_max=0.2, window_min=0.001, staleness=3)
+    sched, log, _, _ = drive(1, speeds, policy, steps=40)
     groups = [g for _, g, _ in log if len(g.members) > 1]
     with_slow = sum(3 in g.members for g in groups)
     assert with_slow < len(groups) / 2
     assert any(g.reason == "graph" for _, g, _ in log)  # the bound pulled the straggler in
 
 
-def test_window_closes_rounds_and_adapts():
-    s = StageScheduler(0, range(3), SchedulerPolicy(window_init=0.001, window_max=0.004, window_min=0.0005))
+def test_prototype_window_closes_rounds_and_adapts():
+    policy = SchedulerPolicy(window="prototype", window_init=0.001, window_max=0.004, window_min=0.0005)
+    s = StageScheduler(0, range(3), policy)
     assert s.handle(Ready(0, 1, 0.0)) == [] and s.next_deadline() == 0.001
     assert s.handle(Ready(2, 1, 0.0004)) == []
     [g] = s.handle(Tick(0.001))

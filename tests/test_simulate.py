@@ -42,7 +42,7 @@ def test_sdpipe_leaves_the_straggler_out_and_beats_allreduce():
     groups = [e for e in sd.events if e["kind"] == "group"]
     multi = [g for g in groups if len(g["group"]) > 1 and g["reason"] != "global"]
     assert multi and sum(3 not in g["group"] for g in multi) > len(multi) / 2
-    assert {g["reason"] for g in groups} <= {"full", "window", "alone", "graph", "global", "preempted"}
+    assert {g["reason"] for g in groups} <= {"full", "arrived", "window", "alone", "graph", "global", "preempted"}
     assert any(g["reason"] == "global" and g["group"] == [0, 1, 2, 3] for g in groups)
 
 
