@@ -15,12 +15,15 @@ with none waiting, i.e. policy ``none`` in the same scenario.
 Policies alternate within each scenario and seed; an unrecorded
 warm-up run comes first.  Scenarios: ``none``;
 ``straggler2x`` / ``straggler4x`` (the last pipeline persistently slower);
+``first3x`` (pipeline 0 three times slower: it also hosts the ``ps`` servers);
 ``transient`` (every worker straggles with probability 0.1 per step for
 0.07 s, about a step); ``slowlink`` (the last pipeline's synchronization
 delayed 0.05 s).  Results: ``benchmarks/results/time_to_accuracy.md`` and
 ``.json`` (median and range over seeds).  Besides the policies,
 ``sdpipe-uniform`` is ``sdpipe`` averaging its groups uniformly (the
-paper's mixing) instead of by progress (the default).
+paper's mixing) instead of by progress (the default), ``sdpipe-prototype``
+is ``sdpipe`` with the prototype's constant window (``window="prototype"``)
+and ``sdpipe-overlap`` averages overlapped with compute (``overlap=True``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ from pathlib import Path
 from _common import local_cluster, meta_lines, run_meta
 
 #: contenders that are a policy with other scheduler parameters: name -> (policy, scheduler)
-VARIANTS = {"sdpipe-uniform": ("sdpipe", {"weighting": "uniform"})}
+VARIANTS = {
+    "sdpipe-uniform": ("sdpipe", {"weighting": "uniform"}),
+    "sdpipe-prototype": ("sdpipe", {"window": "prototype"}),
+    "sdpipe-overlap": ("sdpipe", {"overlap": True}),
+}
 
 
 def scenario(name: str, D: int):
@@ -45,6 +52,7 @@ def scenario(name: str, D: int):
         "none": None,
         "straggler2x": sdpipe.Heterogeneity(slowdown={D - 1: 2.0}),
         "straggler4x": sdpipe.Heterogeneity(slowdown={D - 1: 4.0}),
+        "first3x": sdpipe.Heterogeneity(slowdown={0: 3.0}),
         "transient": sdpipe.Heterogeneity(straggle_prob=0.1, straggle_delay=0.07),
         "slowlink": sdpipe.Heterogeneity(link_delay={D - 1: 0.05}),
     }[name]

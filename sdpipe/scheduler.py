@@ -318,7 +318,9 @@ class _Arrivals:
     """What rule "arrival" knows of a stage's workers: when each was last released from a group and its
     recent compute intervals (release to next ready signal), with median and median absolute deviation.
 
-    A worker's next ready signal is predicted at ``released + median``, give or take ``spread``
+    A worker's next ready signal is predicted at ``released + median`` (under overlapped averaging, where a
+    worker does not wait for its group, at its last ready signal + the median ready-to-ready interval), give
+    or take ``spread``
     (3 x the median absolute deviation, at least 2% of the median); a worker without a release to predict
     from (it has not been in a group since the start or since a global group, after which workers evaluate)
     is expected within the horizon, without a time.  The stage's typical interval is the
@@ -326,9 +328,12 @@ class _Arrivals:
     weigh more, and one straggler does not stretch every round's horizon.
     """
 
-    def __init__(self, history: int):
+    def __init__(self, history: int, overlap: bool = False):
         self.history = history
-        self.released: dict = {}  # worker -> time of its last release
+        #: under overlapped averaging a worker goes on at its ready signal: its next one follows its last one,
+        #: not its release, so the intervals run ready to ready
+        self.overlap = overlap
+        self.released: dict = {}  # worker -> time of its last release (overlap: of its last ready signal)
         self.intervals: dict = {}  # worker -> deque of recent intervals
         self.recent: deque = deque(maxlen=4 * history)
         self._stats: dict = {}  # worker -> (median, spread), dropped on each new interval
@@ -336,6 +341,8 @@ class _Arrivals:
 
     def ready(self, worker: int, now: float) -> None:
         last = self.released.pop(worker, None)
+        if self.overlap:
+            self.released[worker] = now
         if last is None:
             return
         dt = max(0.0, now - last)
@@ -348,6 +355,8 @@ class _Arrivals:
         self._typical = None
 
     def release(self, workers, now: float) -> None:
+        if self.overlap:
+            return
         for w in workers:
             self.released[w] = now
 
@@ -396,6 +405,16 @@ class _Arrivals:
                 expected.append(w)
         return frozenset(expected), (end if expected else now)
 
+    def renewed(self, policy) -> "_Arrivals":
+        """These arrivals under ``policy``: the same, or (another history length or overlap) relearnt from the
+        recent intervals that still mean the same thing."""
+        if (policy.history, policy.overlap) == (self.history, self.overlap):
+            return self
+        fresh = _Arrivals(policy.history, policy.overlap)
+        if policy.overlap == self.overlap:
+            fresh.restore(self.snapshot())
+        return fresh
+
     def snapshot(self) -> dict:
         return {
             "released": {str(k): v for k, v in self.released.items()},
@@ -429,7 +448,7 @@ class StageScheduler:
         self.waiting: set = set()  # workers inside the open round
         #: set by GroupScheduler: whether this stage holds (or may take) the graph-sync token
         self.may_graph_sync = True
-        self.arrivals = _Arrivals(self.policy.history)
+        self.arrivals = _Arrivals(self.policy.history, self.policy.overlap)
 
     # -------------------------------------------------------------- helpers
     def _available(self) -> set:
@@ -481,9 +500,7 @@ class StageScheduler:
         """
         self.policy = policy
         self.windows = {w: policy.window_init for w in self.live}
-        if policy.history != self.arrivals.history:
-            old, self.arrivals = self.arrivals, _Arrivals(policy.history)
-            self.arrivals.restore(old.snapshot())
+        self.arrivals = self.arrivals.renewed(policy)
         if self.open is not None and not self.open.graph:
             self._plan(self.open, self.open.members[0], self.open.opened)
         return self._try_close(now)

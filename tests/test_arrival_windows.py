@@ -222,3 +222,18 @@ def test_random_speeds_mix_mostly_in_groups():
         shares.append(sum(len(g.members) >= 3 for g in ordinary) / len(ordinary))
     assert sorted(shares)[2] >= 0.6, shares
     assert not any(math.isnan(x) for x in shares)
+
+
+def test_under_overlap_intervals_run_ready_to_ready():
+    """With overlapped averaging a worker goes on at its ready signal, so its next one follows its last ready,
+    however late its group closed."""
+    s = StageScheduler(0, range(3), SchedulerPolicy(overlap=True))
+    for k in range(4):
+        for w in range(3):
+            s.handle(Ready(w, k, k * 1.0 + 0.01 * w))
+        s.handle(Tick(k * 1.0 + 0.6))  # the round closes late: under overlap that does not move the prediction
+    assert s.arrivals.typical() == pytest.approx(1.0)
+    s.handle(Ready(0, 4, 4.0))
+    assert s.open.expected == frozenset({1, 2})  # due at 4.01 and 4.02
+    s.set_policy(SchedulerPolicy(overlap=False), 4.001)
+    assert s.arrivals.typical() is None  # release-based intervals are learnt afresh

@@ -52,6 +52,42 @@ def test_view_keeps_recent_spans_and_totals_of_all():
     assert v.shares()["compute"] == pytest.approx([2.0, 2.0])  # every span counts in the totals
 
 
+def test_overlapped_averaging_has_its_own_lane_and_the_histogram_counts_ordinary_groups():
+    from sdpipe.widgets import RunView
+
+    v = RunView(1, 2, 32, window=2.0)
+    evs = []
+    for i in range(4):
+        for p in range(2):
+            t = i * 0.5
+            evs.append({"kind": "forward", "pipeline": p, "stage": 0, "step": i, "start": t, "end": t + 0.4})
+            evs.append({"kind": "optimizer", "pipeline": p, "stage": 0, "step": i, "start": t + 0.4, "end": t + 0.41})
+            # the group of step i averages in the background during step i + 1's forward
+            evs.append(
+                {
+                    "kind": "sync",
+                    "pipeline": p,
+                    "stage": 0,
+                    "step": i,
+                    "start": t + 0.45,
+                    "end": t + 0.6,
+                    "group": [0, 1],
+                    "round": i,
+                    "lane": "background",
+                }
+            )
+        reason = "global" if i == 3 else ("alone" if i == 1 else "full")
+        for members in [[0], [1]] if reason == "alone" else [[0, 1]]:
+            evs.append({"kind": "group", "stage": 0, "round": i, "group": members, "reason": reason, "end": i * 0.5})
+    v.add(sorted(evs, key=lambda e: e["end"]))
+    tl = v.timeline(bins=100)
+    assert len(tl["background"]["x"]) == 2 * 4 and sum(tl["background"]["x"]) == pytest.approx(8 * 0.15)
+    assert "synchronization" not in {c for c, d in tl.items() if d["x"]}  # background spans leave the step lanes
+    assert sum(tl["compute"]["x"]) == pytest.approx(2 * 4 * 0.4, abs=0.05)  # compute bars keep their time
+    assert v.shares()["synchronization"] == [0.0, 0.0]
+    assert dict(v.sizes[0]) == {2: 2, 1: 2}  # the global sync aside; a round alone counts one group per worker
+
+
 def test_ratio_to_the_ideal_is_the_steps_without_their_synchronization():
     from sdpipe.widgets import RunView
 

@@ -277,7 +277,7 @@ class Dashboard:
             titles[f"groups/{s}"] = (
                 f"stage {s}: who averaged together (blue: group, red: graph sync, green: global, grey: alone)"
             )
-            titles[f"sizes/{s}"] = f"stage {s}: group sizes"
+            titles[f"sizes/{s}"] = f"stage {s}: groups by size"
         tall = {"timeline": 30 * n + 40, "shares": 22 * n + 30}
         if narrow:
             keys = (
@@ -357,6 +357,23 @@ class Dashboard:
                 ),
                 "timeline",
             )
+        add(  # overlapped averaging: a thin bar along the bottom of its worker's row, beside the compute it overlaps
+            "timeline/background",
+            go.Bar(
+                name="averaging (background)",
+                orientation="h",
+                y=[],
+                x=[],
+                base=[],
+                width=0.22,
+                offset=0.2,
+                marker_color=COLORS["synchronization"],
+                marker_line=dict(width=1, color="#2E6B2A"),
+                hoverinfo="name+x",
+                legendgroup="kinds",
+            ),
+            "timeline",
+        )
         add(
             "timeline/control",
             go.Scatter(
@@ -392,7 +409,14 @@ class Dashboard:
             )
             add(
                 f"sizes/{s}",
-                go.Bar(name=f"stage {s} group sizes", x=[], y=[], marker_color="#4C78A8", showlegend=False),
+                go.Bar(  # groups of the ordinary rounds (global and graph syncs aside); alone in grey, as in the strip
+                    name=f"stage {s} groups by size",
+                    x=[],
+                    y=[],
+                    marker_color=["#D8D8D8"] + ["#4C78A8"] * (cfg.pipelines - 1),
+                    showlegend=False,
+                    hovertemplate="%{y} groups of %{x}<extra></extra>",
+                ),
                 f"sizes/{s}",
             )
             axes(f"groups/{s}", y_title_text="pipeline", y_dtick=1)
@@ -622,7 +646,7 @@ class Dashboard:
         r4 = lambda xs: [round(x, 4) for x in xs]
         lo = v.now - v.window
         with self.figure.batch_update():  # bars: x, y, base
-            for c in CATEGORIES:
+            for c in CATEGORIES + ("background",):
                 T(f"timeline/{c}").update(y=[row[y] for y in tl[c]["y"]], x=r4(tl[c]["x"]), base=r4(tl[c]["base"]))
             if full:
                 sh = v.shares()

@@ -92,10 +92,11 @@ class RunView:
         self.now = 0.0
         self.count = 0
         self._recent = {w: deque() for w in self.workers}  # (category, start, end), merged
+        self._background = {w: deque() for w in self.workers}  # (start, end) of overlapped averaging
         self.totals = {w: Counter() for w in self.workers}  # seconds by category over the whole run
         self._rounds = {s: {} for s in range(stages)}  # stage -> key -> {"members": set, "reason": str, "end": t}
         self._order = {s: deque() for s in range(stages)}  # keys in arrival order, bounded
-        self.sizes = {s: Counter() for s in range(stages)}
+        self.sizes = {s: Counter() for s in range(stages)}  # groups of the ordinary rounds by members
         self.reasons = {s: Counter() for s in range(stages)}
         self.graph_syncs: list = []  # (time, stage)
         self._opt_end = {w: deque(maxlen=steps + 1) for w in self.workers}
@@ -164,6 +165,9 @@ class RunView:
             return
         w = (p, s)
         start = e["start"]
+        if e.get("lane") == "background":  # overlapped averaging: beside the step's own spans, on its own lane
+            self._background[w].append((start, end))
+            return
         self.totals[w][cat] += end - start
         q = self._recent[w]
         if q and q[-1][0] == cat and start - q[-1][2] < 0.002:
@@ -197,7 +201,8 @@ class RunView:
         r["groups"].append(tuple(members))
         if reason in ("graph", "global"):
             r["reason"] = reason
-        self.sizes.setdefault(stage, Counter())[len(members)] += 1
+        if reason not in ("global", "graph", "preempted"):
+            self.sizes.setdefault(stage, Counter())[len(members)] += 1
         self.reasons.setdefault(stage, Counter())[reason] += 1
 
     def _step_done(self, w, step, end: float, loss) -> None:
@@ -223,7 +228,8 @@ class RunView:
 
     # ------------------------------------------------------------ output
     def timeline(self, bins: int = 200) -> dict:
-        """Bars of the last ``window`` seconds: category -> {"y": worker labels, "base": starts, "x": durations}.
+        """Bars of the last ``window`` seconds: category -> {"y": worker labels, "base": starts, "x": durations};
+        ``"background"``: the overlapped averaging spans, drawn on their own lane beside the step's bars.
 
         The window is cut into ``bins`` slots; each slot of a worker shows the
         category it spent most of its time in, and equal neighbouring slots
@@ -260,6 +266,16 @@ class RunView:
                     d["base"].append(lo + run[1] * width)
                     d["x"].append((run[2] - run[1] + 1) * width)
                 run = (cat, i, i) if cat is not None else None
+        out["background"] = bg = {"y": [], "base": [], "x": []}
+        for w, q in self._background.items():
+            while q and q[0][1] < lo:
+                q.popleft()
+            label = self.label(w)
+            for start, end in q:
+                a = max(start, lo)
+                bg["y"].append(label)
+                bg["base"].append(a)
+                bg["x"].append(max(end - a, 0.0))
         return out
 
     def label(self, w) -> str:
