@@ -7,6 +7,27 @@ import os
 import platform
 import sys
 
+#: contenders that are a policy with other scheduler parameters: name -> (policy, scheduler)
+VARIANTS = {
+    "sdpipe-uniform": ("sdpipe", {"weighting": "uniform"}),
+    "sdpipe-prototype": ("sdpipe", {"window": "prototype"}),
+    "sdpipe-overlap": ("sdpipe", {"overlap": True}),
+}
+
+
+def time_to_target(events, pipelines: int, target: float):
+    """Seconds from the run's start until every pipeline's held-out accuracy had reached ``target`` at one epoch
+    (that epoch's last evaluation), from its ``epoch`` records; None when it never did."""
+    reports: dict = {}
+    for e in events:
+        if e["kind"] == "epoch":
+            reports.setdefault(e["metrics"]["epoch"], []).append((e["end"], e["metrics"].get("accuracy", 0.0)))
+    for epoch in sorted(reports):
+        rows = reports[epoch]
+        if len(rows) == pipelines and min(a for _, a in rows) >= target:
+            return max(t for t, _ in rows)
+    return None
+
 
 def local_cluster(n_workers: int, allowed_failures=None):
     """(client, cluster): single-threaded worker processes on 127.0.0.1, shared by all runs of a script.

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import results_head, run_meta
+from _common import VARIANTS, results_head, run_meta, time_to_target
 from straggler import connectivity_report, throughput
 
 SCENARIOS = ("link shaped", "link slept", "cpu shaped", "cpu slept")
@@ -82,7 +82,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", type=float, default=0.5, help="C: every worker host's CPU cap, cores")
     ap.add_argument("--cpu-factor", type=float, default=4.0, help="the slow host's cap is C / this")
     ap.add_argument("--staleness", type=int, default=10, help="P of sdpipe (and the ps staleness bound)")
-    ap.add_argument("--policies", default="sdpipe,allreduce,ps,adpsgd,none")
+    ap.add_argument(
+        "--policies",
+        default="sdpipe,allreduce,ps,adpsgd,none",
+        help=f"policies, or variants of one: {', '.join(VARIANTS)}",
+    )
+    ap.add_argument("--target", type=float, default=0.95, help="held-out accuracy for the time to accuracy")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hosts.md"))
     args = ap.parse_args(argv)
@@ -135,8 +140,14 @@ def main(argv=None) -> int:
 
         def run(scenario: str, policy: str, rep: int) -> None:
             t = time.time()
+            mode, variant = VARIANTS.get(policy, (policy, {}))
             r = sdpipe.train(
-                make_model(), train_data, policy=policy, heterogeneity=slept.get(scenario), cluster=hosts, **common
+                make_model(),
+                train_data,
+                policy=mode,
+                heterogeneity=slept.get(scenario),
+                cluster=hosts,
+                **{**common, "scheduler": {**common["scheduler"], **variant}},
             ).result(timeout=1800)
             # where each pipeline ran, from its workers' own records: the layout the scenarios assume
             placed = {(e["pipeline"], hosts.host_of(e["address"])) for e in r.events if e["kind"] == "stage"}
@@ -152,8 +163,9 @@ def main(argv=None) -> int:
                 "per_pipeline": per,
                 "accuracy": min(h.get("accuracy", 0) for h in r.history if h["epoch"] == last),
                 "wall_s": round(time.time() - t, 1),
+                "time_to_target": time_to_target(r.events, D, args.target),
             }
-            if policy == "sdpipe":
+            if mode == "sdpipe":
                 row["groups"] = connectivity_report(r, args.staleness, D, slow)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -180,7 +192,10 @@ def main(argv=None) -> int:
                 "to_ideal": statistics.median(v) / ideal,
                 "accuracy": statistics.median(r["accuracy"] for r in pick(scenario, p)),
             }
-            if p == "sdpipe":
+            reached = [r["time_to_target"] for r in pick(scenario, p) if r["time_to_target"] is not None]
+            summary[scenario][p]["time_to_target"] = statistics.median(reached) if reached else None
+            summary[scenario][p]["time_to_target_all"] = [r["time_to_target"] for r in pick(scenario, p)]
+            if VARIANTS.get(p, (p,))[0] == "sdpipe":
                 g = [r["groups"] for r in pick(scenario, p)]
                 summary[scenario][p]["groups_without_slow"] = statistics.median(
                     x["multi_member_groups_without_slow"] / max(1, x["multi_member_groups"]) for x in g
@@ -227,11 +242,23 @@ def main(argv=None) -> int:
         + " | ".join(f"{summary[s]['slow_pipeline_speed_ratio']:.2f}" for s in scenarios)
         + " |"
     )
-    if "sdpipe" in policies:
+    for p in policies:
+        if "groups_without_slow" in summary[scenarios[0]][p]:
+            L.append(
+                f"| {p}: share of multi-member groups without the slow pipeline | "
+                + " | ".join(f"{summary[s][p]['groups_without_slow']:.2f}" for s in scenarios)
+                + " |"
+            )
+    for p in policies:
+        cells = []
+        for s in scenarios:
+            x = summary[s][p]
+            runs = ", ".join("-" if t is None else f"{t:.1f}" for t in x["time_to_target_all"])
+            cells.append(
+                ("not reached" if x["time_to_target"] is None else f"{x['time_to_target']:.1f}") + f" ({runs})"
+            )
         L.append(
-            "| sdpipe: share of multi-member groups without the slow pipeline | "
-            + " | ".join(f"{summary[s]['sdpipe']['groups_without_slow']:.2f}" for s in scenarios)
-            + " |"
+            f"| {p}: seconds to {args.target:g} held-out accuracy, median (each run) | " + " | ".join(cells) + " |"
         )
     L.append(
         "| held-out accuracy, median of policies (min) | "

@@ -35,14 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import local_cluster, meta_lines, run_meta
-
-#: contenders that are a policy with other scheduler parameters: name -> (policy, scheduler)
-VARIANTS = {
-    "sdpipe-uniform": ("sdpipe", {"weighting": "uniform"}),
-    "sdpipe-prototype": ("sdpipe", {"window": "prototype"}),
-    "sdpipe-overlap": ("sdpipe", {"overlap": True}),
-}
+from _common import VARIANTS, local_cluster, meta_lines, run_meta
 
 
 def scenario(name: str, D: int):
