@@ -10,7 +10,8 @@ import sys
 #: contenders that are a policy with other scheduler parameters: name -> (policy, scheduler)
 VARIANTS = {
     "sdpipe-uniform": ("sdpipe", {"weighting": "uniform"}),
-    "sdpipe-prototype": ("sdpipe", {"window": "prototype"}),
+    "sdpipe-blocking": ("sdpipe", {"overlap": False}),  # arrival windows, averaging not overlapped
+    "sdpipe-prototype": ("sdpipe", {"window": "prototype", "overlap": False}),  # the prototype's window, blocking
     "sdpipe-overlap": ("sdpipe", {"overlap": True}),
 }
 

@@ -1,6 +1,6 @@
 """How large sdpipe's groups are, by window rule: real runs on a LocalCluster and simulated runs at scale.
 
-    python benchmarks/group_sizes.py [--contenders arrival,prototype,arrival+overlap] [--repeats 2]
+    python benchmarks/group_sizes.py [--contenders arrival,prototype,arrival+overlap,arrival+overlap@0.8] [--repeats 2]
                                      [--scenarios homogeneous,straggler4x,first3x] [--epochs 4]
                                      [--sim-pipelines 64,1024] [--sim-steps 100] [--no-real] [--no-sim]
 
@@ -9,7 +9,8 @@ pipelines, batch 64, policy ``sdpipe``, on one LocalCluster of 8
 single-threaded worker processes (127.0.0.1); the contenders alternate within
 each repeat.  A contender is a window rule (``arrival``: rounds wait for the
 workers predicted within the horizon; ``prototype``: the prototype's 1-10 ms
-adaptive window), ``+overlap`` adds averaging overlapped with compute.
+adaptive window), ``+overlap`` adds averaging overlapped with compute and
+``@H`` sets the horizon (default 0.5).
 Scenarios: ``homogeneous``; ``straggler4x`` (pipeline 3 slowed 4x);
 ``first3x`` (pipeline 0 slowed 3x).  From each run's ``group`` events, the
 *ordinary* rounds (every reason but ``graph``, ``global`` and
@@ -43,10 +44,16 @@ ORDINARY_EXCLUDED = ("graph", "global", "preempted")
 
 
 def contender(name: str) -> dict:
-    rule, _, extra = name.partition("+")
-    if rule not in ("arrival", "prototype") or extra not in ("", "overlap"):
-        raise SystemExit(f"--contenders: {name!r}; use arrival or prototype, optionally with +overlap")
-    return {"window": rule, "overlap": extra == "overlap"}
+    """``arrival``, ``prototype``, optionally ``+overlap``, optionally ``@H`` (the horizon): scheduler parameters."""
+    base, _, horizon = name.partition("@")
+    rule, _, extra = base.partition("+")
+    try:
+        h = {"horizon": float(horizon)} if horizon else {}
+    except ValueError:
+        h = None
+    if rule not in ("arrival", "prototype") or extra not in ("", "overlap") or h is None:
+        raise SystemExit(f"--contenders: {name!r}; use arrival or prototype, optionally +overlap, optionally @horizon")
+    return {"window": rule, "overlap": extra == "overlap", **h}
 
 
 def scenarios(D: int) -> dict:
@@ -79,18 +86,22 @@ def group_report(events, D: int, slow) -> dict:
 
 
 def wait_report(result) -> dict:
-    """Seconds a step waited for its group, over the step's time: all workers, the epochs after the first."""
+    """Seconds a step waited for its ordinary group (the epochs' global syncs aside), over the step's time: all
+    workers, the epochs after the first."""
     waits, steps = Counter(), Counter()
     first_end = {}
     for e in result.events:
         if e["kind"] == "epoch" and e["metrics"]["epoch"] == 0:
             first_end[e["pipeline"]] = e["end"]
     spans = {}
+    global_rounds = {
+        (e["stage"], e["round"]) for e in result.events if e["kind"] == "group" and e["reason"] == "global"
+    }
     for e in result.events:
         if e.get("pipeline") is None or e["start"] < first_end.get(e["pipeline"], 0.0):
             continue
         key = (e["pipeline"], e["stage"])
-        if e["kind"] == "wait" and e.get("what") == "group":
+        if e["kind"] == "wait" and e.get("what") == "group" and (e["stage"], e.get("round")) not in global_rounds:
             waits[key] += e["end"] - e["start"]
         if e["kind"] == "optimizer":
             steps[key] += 1

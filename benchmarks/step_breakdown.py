@@ -36,6 +36,9 @@ def breakdown(result, pipeline: int = 0) -> dict:
     lo, hi = opt[0]["step"], opt[-1]["step"]
     step_s = (opt[-1]["end"] - opt[0]["end"]) / (hi - lo)
     spent = Counter()
+    global_rounds = {
+        (e["stage"], e["round"]) for e in result.events if e["kind"] == "group" and e["reason"] == "global"
+    }
     for e in result.events:
         if (
             e.get("pipeline") == pipeline
@@ -44,6 +47,11 @@ def breakdown(result, pipeline: int = 0) -> dict:
             and e["kind"] not in ("epoch", "stage")
         ):
             kind = "sync (background)" if e.get("lane") == "background" else e["kind"]
+            if kind == "wait" and e.get("what") in ("group", "drain"):
+                if (e["stage"], e.get("round")) in global_rounds:
+                    kind = "wait (global sync)"  # the epoch's end waits for every pipeline: not an ordinary group
+                else:
+                    kind = f"wait ({e['what']})"
             spent[(e["stage"], kind)] += e["end"] - e["start"]
     per_step = {k: v / (hi - lo) for k, v in spent.items()}
     for s in range(S):  # overlapped averaging runs beside the step's spans: not part of the step's own time
@@ -118,7 +126,7 @@ def main(argv=None) -> int:
             "step_rate": med(r["step_rate"] for r in rs),
             "per_step_ms": {k: med(r["per_step_ms"].get(k, 0.0) for r in rs) for k in keys},
             "wait_share": [
-                med(r["per_step_ms"].get(f"{s}/wait", 0.0) / r["step_ms"] for r in rs) for s in range(a.stages)
+                med(r["per_step_ms"].get(f"{s}/wait (group)", 0.0) / r["step_ms"] for r in rs) for s in range(a.stages)
             ],
             "spread": (min(r["step_ms"] for r in rs), max(r["step_ms"] for r in rs)),
         }
@@ -157,9 +165,12 @@ def main(argv=None) -> int:
         )
     lines += [
         "",
-        "A span's ms/step sums its durations over pipeline 0's steps after the first epoch; `wait` is the time a"
-        " step waited for the group service (its answer, or an overlapped averaging still running at the next"
-        " boundary); `sync (background)` is overlapped averaging, which runs beside the step's own spans and so"
+        "A span's ms/step sums its durations over pipeline 0's steps after the first epoch; `wait (group)` is the"
+        " time a step waited for an ordinary group (the service's answer, or an overlapped averaging still running"
+        " at the next boundary), `wait (drain)` an epoch's end waiting for the last overlapped averaging,"
+        " `wait (global sync)` the epochs' ends waiting for every pipeline, `wait` a stage waiting for its"
+        " step's last sends to complete; `sync (background)`"
+        " is overlapped averaging, which runs beside the step's own spans and so"
         " is not part of `untraced` (the step's time no span covers).",
     ]
     Path(a.out).write_text("\n".join(lines) + "\n")

@@ -56,7 +56,9 @@ SCHEMA: dict = {
     "straggle": ((), ()),
     "eval": ((), ()),
     "pause": ((), ()),
-    "wait": ((), ("what", "group", "round")),  # what="group": waiting for the group service's answer
+    # what="group": a step waiting for its group (the service's answer, or an overlapped averaging still running);
+    # what="drain": an epoch's end, stop or switch waiting for an overlapped averaging to finish
+    "wait": ((), ("what", "group", "round")),
     "optimizer": (("epoch",), ("loss",)),  # loss: the step's mean loss, at the last stage only
     # lane="background": an overlapped averaging, in the worker's background thread while its next step computes
     "sync": (("group",), ("round", "reason", "mass", "weighting", "failed", "served", "server", "lane")),

@@ -153,7 +153,7 @@ class SyncPolicy(abc.ABC):
     def epoch_end(self, worker, step: int) -> None:
         """When the pipeline's epoch ends (all workers of a pipeline call it at the same step)."""
 
-    def settle(self, worker, step=None) -> None:
+    def settle(self, worker, step=None, boundary: bool = True) -> None:
         """Before the weights must be this replica's own and complete (an epoch's end: its evaluation and
         checkpoint): finish any exchange still in flight.  Nothing to do for most policies."""
 
@@ -422,7 +422,7 @@ class Scheduled(_GroupPolicy):
             self._average(worker, answer, step)
             self.overlap = bool(answer.get("overlap"))  # the service's policy, from the next step on
             return
-        self.settle(worker, step)
+        self.settle(worker, step, boundary=False)
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdpipe-overlap")
         snapshot = [t.detach().clone() for t in _state_tensors(worker)]
@@ -442,12 +442,13 @@ class Scheduled(_GroupPolicy):
         _, after = self._exchange(worker, answer, step, average, mass, lane="background")
         return answer, snapshot, average, mass, after
 
-    def settle(self, worker, step=None) -> None:
+    def settle(self, worker, step=None, boundary: bool = True) -> None:
         """Wait for the overlapped averaging in flight (if any) and apply it: the weights move by the group's
         average minus this replica's snapshot, and the mass by the group's mean mass minus the snapshot's.
 
-        The wait is bounded by the run's timeout and recorded as a ``wait`` span (what ``"group"``) when the
-        step had to wait at all."""
+        The wait is bounded by the run's timeout and recorded as a ``wait`` span when there was one: what
+        ``"group"`` at a step (the next step's ready signal waited for it), ``"drain"`` at an epoch's end, a
+        stop or a switch (``boundary``: the last group's whole round is waited for there)."""
         if self.in_flight is None:
             return
         future, asked = self.in_flight
@@ -462,7 +463,8 @@ class Scheduled(_GroupPolicy):
             ) from None
         end = time.time()
         if end - start > 1e-4:
-            worker.span("wait", step, None, start, end, what="group", group=answer["members"], round=answer["round"])
+            what = "drain" if boundary else "group"
+            worker.span("wait", step, None, start, end, what=what, group=answer["members"], round=answer["round"])
         self.stop_answered = self.stop_answered or bool(answer.get("stop"))
         self.overlap = bool(answer.get("overlap"))
         if average is not None:

@@ -94,7 +94,8 @@ WINDOW_RULES = ("arrival", "prototype")
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerPolicy:
-    """Parameters of the group scheduler (defaults: the SDPipe prototype's, but for ``window`` and ``weighting``)."""
+    """Parameters of the group scheduler (defaults: the SDPipe prototype's, but for ``window``, ``overlap`` and
+    ``weighting``)."""
 
     max_group: Optional[int] = None
     """Largest group; None means all live workers of the stage."""
@@ -126,11 +127,12 @@ class SchedulerPolicy:
     history: int = 8
     """Rule "arrival": how many of a worker's recent intervals its prediction uses (median and median
     absolute deviation)."""
-    overlap: bool = False
-    """Averaging overlapped with compute: a worker sends its ready signal and goes on with its next step; its
-    group averages the weights as they were at the ready signal in the background, and each member then
-    moves its weights by the group's average minus its own snapshot (a correction), at its next step
-    boundary.  Global syncs, checkpoints, evaluations, stops and policy switches wait for it first."""
+    overlap: bool = True
+    """Averaging overlapped with compute (ours, not the prototype's): a worker sends its ready signal and goes
+    on with its next step; its group averages the weights as they were at the ready signal in the background,
+    and each member then moves its weights by the group's average minus its own snapshot (a correction), at
+    its next step boundary.  Global syncs, checkpoints, evaluations, stops and policy switches wait for it
+    first.  False: the prototype's blocking averaging."""
     weighting: str = "progress"
     """How a group averages: "uniform" (x_i <- mean of the members, the paper's doubly stochastic
     mixing) or "progress" (each member weighted by its mass: 1 + its optimizer steps since the last
@@ -187,13 +189,16 @@ POLICY_PRESETS = {
     "sdpipe": SchedulerPolicy(),
     "allreduce": SchedulerPolicy(
         window="prototype",
+        overlap=False,
         window_init=math.inf,
         window_min=math.inf,
         window_max=math.inf,
         pair_threshold=2**31,
         weighting="uniform",
     ),
-    "none": SchedulerPolicy(max_group=1, window="prototype", window_init=0.0, window_min=0.0, staleness=2**31),
+    "none": SchedulerPolicy(
+        max_group=1, window="prototype", overlap=False, window_init=0.0, window_min=0.0, staleness=2**31
+    ),
 }
 
 

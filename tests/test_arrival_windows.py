@@ -11,6 +11,10 @@ from test_scheduler_core import drive
 
 from sdpipe.scheduler import GroupScheduler, Lost, Ready, SchedulerPolicy, StageScheduler, Tick
 
+#: the workers of these tests wait for their group before their next step (``drive`` and the hand-made events),
+#: as with blocking averaging; intervals then run from a worker's release to its next ready signal
+BLOCKING = SchedulerPolicy(overlap=False)
+
 
 def settle(s, period=1.0, rounds=3, workers=None):
     """Give every worker of ``s`` a history: all come together every ``period`` seconds for ``rounds`` rounds."""
@@ -28,7 +32,7 @@ def settle(s, period=1.0, rounds=3, workers=None):
 def with_overdue(D, late, period=1.0):
     """A stage whose ``late`` workers missed a step: the others are due at the returned time, the late ones
     are overdue by a whole step."""
-    s = StageScheduler(0, range(D))
+    s = StageScheduler(0, range(D), BLOCKING)
     last = settle(s, period)
     for w in sorted(set(range(D)) - set(late)):
         s.handle(Ready(w, 2, last + period))
@@ -57,13 +61,13 @@ class Opened:
 
 def test_equal_speeds_fill_their_groups():
     """Four workers of equal speed, 5% jitter: after the first steps the rounds hold everyone."""
-    policy = SchedulerPolicy(staleness=10)
+    policy = BLOCKING.updated(staleness=10)
     sched, log, _, _ = drive(1, [1.0] * 4, policy, steps=40, jitter=0.05, seed=3)
     ordinary = [g for _, g, _ in log if g.reason not in ("graph", "global", "preempted")][4:]
     assert sum(len(g.members) == 4 for g in ordinary) >= 0.9 * len(ordinary), Counter(len(g.members) for g in ordinary)
     assert sum(g.reason in ("full", "arrived") for g in ordinary) >= 0.9 * len(ordinary)
 
-    proto = SchedulerPolicy(window="prototype", staleness=10)
+    proto = BLOCKING.updated(window="prototype", staleness=10)
     _, log, _, _ = drive(1, [1.0] * 4, proto, steps=40, jitter=0.05, seed=3)
     ordinary = [g for _, g, _ in log if g.reason not in ("graph", "global", "preempted")][4:]
     assert sum(len(g.members) == 4 for g in ordinary) < 0.5 * len(ordinary)  # a 10 ms window misses 1 s steps
@@ -71,7 +75,7 @@ def test_equal_speeds_fill_their_groups():
 
 def test_a_straggler_is_not_waited_for():
     """Pipeline 3 four times slower: the fast three average together, the slow one joins few rounds."""
-    sched, log, _, _ = drive(1, [1.0, 1.0, 1.0, 0.25], SchedulerPolicy(), steps=60, jitter=0.05, seed=1)
+    sched, log, _, _ = drive(1, [1.0, 1.0, 1.0, 0.25], BLOCKING, steps=60, jitter=0.05, seed=1)
     # while all four train (the fast ones end their 60 steps first and wait for the global group)
     ordinary = [g for _, g, state in log if g.reason not in ("graph", "global", "preempted") and len(state[3]) == 4]
     fast = [g for g in ordinary if set(g.members) & {0, 1, 2}]
@@ -82,7 +86,7 @@ def test_a_straggler_is_not_waited_for():
 
 
 def test_round_closes_as_soon_as_the_expected_came():
-    s = StageScheduler(0, range(3))
+    s = StageScheduler(0, range(3), BLOCKING)
     last = settle(s, period=1.0)
     assert s.handle(Ready(0, 2, last + 1.0)) == []
     assert s.open.expected == frozenset({1, 2})
@@ -98,7 +102,7 @@ def test_round_closes_as_soon_as_the_expected_came():
 
 
 def test_nobody_predicted_closes_at_once():
-    s = StageScheduler(0, range(3))
+    s = StageScheduler(0, range(3), BLOCKING)
     last = settle(s, period=1.0)
     # worker 0 comes early: the others are due in 0.9 s, beyond the horizon (0.5 x 1 s)
     [g] = s.handle(Ready(0, 2, last + 0.1))
@@ -114,7 +118,7 @@ def test_overdue_worker_is_not_waited_for():
 def test_workers_leaving_a_global_group_are_expected_within_the_horizon():
     """After a global group the workers evaluate: no prediction, but they come out together, so they are waited
     for up to the horizon, and their next interval (with the evaluation in it) is not learnt."""
-    s = StageScheduler(0, range(3))
+    s = StageScheduler(0, range(3), BLOCKING)
     last = settle(s, period=1.0)
     for w in range(3):
         s.handle(Ready(w, 2, last + 1.0, global_sync=True))
@@ -136,7 +140,7 @@ def test_a_lost_expected_worker_releases_the_round():
 
 
 def test_global_sync_of_an_expected_worker_releases_the_round():
-    s = StageScheduler(0, range(3))
+    s = StageScheduler(0, range(3), BLOCKING)
     last = settle(s, period=1.0)
     s.handle(Ready(0, 2, last + 1.0))
     s.handle(Ready(1, 2, last + 1.01))
@@ -145,7 +149,7 @@ def test_global_sync_of_an_expected_worker_releases_the_round():
 
 
 def test_without_history_the_prototype_window_applies():
-    s = StageScheduler(0, range(3), SchedulerPolicy(window_init=0.002))
+    s = StageScheduler(0, range(3), BLOCKING.updated(window_init=0.002))
     s.handle(Ready(0, 1, 0.0))
     assert s.open.expected is None and s.next_deadline() == 0.002
 
@@ -159,7 +163,7 @@ def test_without_history_the_prototype_window_applies():
     stages=st.integers(1, 3),
 )
 def test_a_round_never_waits_past_its_horizon(speeds, horizon, jitter, seed, stages):
-    policy = SchedulerPolicy(horizon=horizon, staleness=1000)  # no graph syncs: every round is an ordinary one
+    policy = BLOCKING.updated(horizon=horizon, staleness=1000)  # no graph syncs: every round is an ordinary one
     made = []
     real = GroupScheduler.__init__
 
@@ -180,7 +184,7 @@ def test_a_round_never_waits_past_its_horizon(speeds, horizon, jitter, seed, sta
 
 
 def test_snapshot_keeps_the_arrival_history_and_old_snapshots_restore():
-    s = StageScheduler(0, range(3))
+    s = StageScheduler(0, range(3), BLOCKING)
     settle(s, period=0.5)
     snap = s.snapshot()
     r = StageScheduler.restore(snap)
@@ -202,13 +206,13 @@ def test_bad_arrival_parameters_are_named(field, value, allowed):
 
 
 def test_policy_switch_between_rules_replans_the_open_round():
-    s = StageScheduler(0, range(3))
+    s = StageScheduler(0, range(3), BLOCKING)
     last = settle(s, period=1.0)
     s.handle(Ready(0, 2, last + 1.0))
     assert s.open.expected is not None
-    s.set_policy(SchedulerPolicy(window="prototype", window_init=0.004), last + 1.001)
+    s.set_policy(BLOCKING.updated(window="prototype", window_init=0.004), last + 1.001)
     assert s.open.expected is None and s.next_deadline() == pytest.approx(last + 1.004)
-    s.set_policy(SchedulerPolicy(history=4), last + 1.002)
+    s.set_policy(BLOCKING.updated(history=4), last + 1.002)
     assert s.open.expected == frozenset({1, 2}) and s.arrivals.history == 4
 
 
@@ -217,7 +221,7 @@ def test_random_speeds_mix_mostly_in_groups():
     rng = random.Random(7)
     shares = []
     for _ in range(5):
-        _, log, _, _ = drive(1, [1.0] * 4, SchedulerPolicy(), steps=40, jitter=0.2, seed=rng.randrange(10**6))
+        _, log, _, _ = drive(1, [1.0] * 4, BLOCKING, steps=40, jitter=0.2, seed=rng.randrange(10**6))
         ordinary = [g for _, g, _ in log if g.reason not in ("graph", "global", "preempted")][4:]
         shares.append(sum(len(g.members) >= 3 for g in ordinary) / len(ordinary))
     assert sorted(shares)[2] >= 0.6, shares

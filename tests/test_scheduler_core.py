@@ -105,13 +105,15 @@ speeds_st = st.lists(st.floats(min_value=0.05, max_value=5.0), min_size=1, max_s
     stages=st.integers(1, 3),
     rule=st.sampled_from(WINDOW_RULES),
     horizon=st.floats(min_value=0.01, max_value=3.0),
+    overlap=st.booleans(),
 )
 def test_invariants_under_random_speeds_and_losses(
-    speeds, staleness, max_group, window, seed, n_losses, stages, rule, horizon
+    speeds, staleness, max_group, window, seed, n_losses, stages, rule, horizon, overlap
 ):
     D = len(speeds)
     policy = SchedulerPolicy(
         window=rule,
+        overlap=overlap,
         horizon=horizon,
         max_group=max_group,
         window_init=window,

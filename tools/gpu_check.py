@@ -67,6 +67,25 @@ def main(argv=None) -> int:
 
     attempt("1x1 nccl", stages=1, pipelines=1, epochs=3, device="cuda")
     attempt("2x2 cuda, gloo staging", stages=2, pipelines=2, epochs=10, device="cuda", backend="gloo")
+    attempt(
+        "2x2 cuda, gloo staging, sdpipe (arrival windows)",
+        stages=2,
+        pipelines=2,
+        epochs=10,
+        device="cuda",
+        backend="gloo",
+        policy="sdpipe",
+    )
+    attempt(
+        "2x2 cuda, gloo staging, sdpipe with overlapped averaging",
+        stages=2,
+        pipelines=2,
+        epochs=10,
+        device="cuda",
+        backend="gloo",
+        policy="sdpipe",
+        scheduler={"overlap": True},
+    )
     attempt("2x2 cpu (for comparison)", stages=2, pipelines=2, epochs=10)
     attempt("2x1 nccl on fewer GPUs than workers", stages=2, pipelines=1, epochs=2, device="cuda", timeout=60)
     attempt("2x1 cuda, gloo staging", stages=2, pipelines=1, epochs=3, device="cuda", backend="gloo")

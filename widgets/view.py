@@ -177,7 +177,7 @@ class RunView:
         step = e.get("step")
         if kind in ("forward", "backward", "straggle"):
             self._busy[(w, step)] += end - start
-        elif kind == "sync" or (kind == "wait" and e.get("what") == "group"):
+        elif kind == "sync" or (kind == "wait" and e.get("what") in ("group", "drain")):
             self._held[(w, step)] += end - start
         if kind == "sync" and "round" not in e and not e.get("served") and e.get("group") and len(e["group"]) > 1:
             # groups of policies without the group service (allreduce, adpsgd pairs): one formation per step and group
