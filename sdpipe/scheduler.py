@@ -121,9 +121,11 @@ class SchedulerPolicy:
     recent ones and wait, at most ``horizon`` x the stage's typical step time, only for the workers
     predicted inside that horizon) or "prototype" (the SDPipe prototype's adaptive constant window,
     ``window_init`` / ``window_min`` / ``window_max`` / ``grow`` / ``shrink``)."""
-    horizon: float = 0.5
-    """Rule "arrival": the longest wait of a round, as a fraction of the stage's typical compute time
-    between a worker's release and its next ready signal."""
+    horizon: Optional[float] = None
+    """Rule "arrival": the longest wait of a round, as a fraction of the stage's typical interval (release to
+    next ready; ready to ready under ``overlap``).  None: 0.8 with ``overlap`` (a round's wait then costs no
+    step, as long as it and its averaging end within one), 0.5 without (each member waits it out); both
+    measured, see ``benchmarks/results/group_sizes.md``."""
     history: int = 8
     """Rule "arrival": how many of a worker's recent intervals its prediction uses (median and median
     absolute deviation)."""
@@ -167,10 +169,21 @@ class SchedulerPolicy:
             "pair_threshold", isinstance(self.pair_threshold, int) and self.pair_threshold >= 2, "use an integer >= 2"
         )
         check("window", self.window in WINDOW_RULES, f"use one of {', '.join(map(repr, WINDOW_RULES))}")
-        check("horizon", num(self.horizon) and 0 < self.horizon <= 10, "use a fraction of a step in (0, 10]")
+        check(
+            "horizon",
+            self.horizon is None or (num(self.horizon) and 0 < self.horizon <= 10),
+            "use None or a fraction of a step in (0, 10]",
+        )
         check("history", isinstance(self.history, int) and 2 <= self.history <= 1000, "use an integer in [2, 1000]")
         check("overlap", isinstance(self.overlap, bool), "use True or False")
         check("weighting", self.weighting in WEIGHTINGS, f"use one of {', '.join(map(repr, WEIGHTINGS))}")
+
+    @property
+    def horizon_fraction(self) -> float:
+        """The horizon in force: ``horizon``, or its default for ``overlap``."""
+        if self.horizon is not None:
+            return self.horizon
+        return 0.8 if self.overlap else 0.5
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -517,7 +530,7 @@ class StageScheduler:
             r.expected, r.deadline = None, now + self.windows[opener]
             return
         candidates = (w for w in self.live if w not in self.waiting and w not in self.global_waiting)
-        r.expected, r.deadline = self.arrivals.plan(now, candidates, self.policy.horizon * typical)
+        r.expected, r.deadline = self.arrivals.plan(now, candidates, self.policy.horizon_fraction * typical)
 
     # -------------------------------------------------------------- events
     def handle(self, event: Event) -> list:

@@ -54,7 +54,7 @@ class Opened:
                 plan(r, opener, now)
                 typical = st_.arrivals.typical()
                 if r.expected is not None:
-                    self.plans.append((r.deadline - now, st_.policy.horizon * typical, len(r.expected)))
+                    self.plans.append((r.deadline - now, st_.policy.horizon_fraction * typical, len(r.expected)))
 
             st_._plan = spy
 
@@ -148,6 +148,18 @@ def test_global_sync_of_an_expected_worker_releases_the_round():
     assert [(g.members, g.reason) for g in out] == [((0, 1), "preempted")]
 
 
+def test_the_horizon_defaults_to_its_measured_value_for_the_averaging_mode():
+    assert SchedulerPolicy().horizon_fraction == 0.8 and BLOCKING.horizon_fraction == 0.5
+    assert SchedulerPolicy(horizon=0.3).horizon_fraction == 0.3
+    s = StageScheduler(0, range(3))  # the defaults: overlap, horizon 0.8
+    for k in range(4):
+        for w in range(3):
+            s.handle(Ready(w, k, k * 1.0 + 0.3 * w))
+        s.handle(Tick(k * 1.0 + 0.95))
+    s.handle(Ready(0, 4, 4.0))
+    assert s.next_deadline() == pytest.approx(4.8)
+
+
 def test_without_history_the_prototype_window_applies():
     s = StageScheduler(0, range(3), BLOCKING.updated(window_init=0.002))
     s.handle(Ready(0, 1, 0.0))
@@ -197,7 +209,7 @@ def test_snapshot_keeps_the_arrival_history_and_old_snapshots_restore():
 
 @pytest.mark.parametrize(
     "field,value,allowed",
-    [("window", "fixed", "'arrival', 'prototype'"), ("horizon", 0, "(0, 10]"), ("history", 1, "[2, 1000]")],
+    [("window", "fixed", "'arrival', 'prototype'"), ("horizon", 0, "None or a fraction"), ("history", 1, "[2, 1000]")],
 )
 def test_bad_arrival_parameters_are_named(field, value, allowed):
     with pytest.raises(ValueError) as err:
