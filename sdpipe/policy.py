@@ -417,12 +417,14 @@ class Scheduled(_GroupPolicy):
 
     def after_step(self, worker, step: int) -> None:
         self.mass = rules.mass_after_step(self.mass)
+        # the last step's overlapped averaging first: its answer may also turn overlap off (a live policy change),
+        # and this step's ready signal must not reach the service while that one's is still there
+        self.settle(worker, step, boundary=False)
         if not self.overlap:
             answer = self._ask(worker, step, False)
             self._average(worker, answer, step)
             self.overlap = bool(answer.get("overlap"))  # the service's policy, from the next step on
             return
-        self.settle(worker, step, boundary=False)
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdpipe-overlap")
         snapshot = [t.detach().clone() for t in _state_tensors(worker)]

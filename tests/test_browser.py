@@ -43,7 +43,7 @@ pytestmark = [
 ARTIFACTS = Path(os.environ.get("SDPIPE_ARTIFACTS", ROOT / "artifacts")) / "browser"
 NOTEBOOK = "01_quickstart.ipynb"
 #: notebook 01: 2 stages x 4 pipelines
-TRACES = len(COLORS) + 1 + 2 * 2 + 2 + 2 * 4 + len(COLORS)
+TRACES = len(COLORS) + 1 + 1 + 2 * 2 + 2 + 2 * 4 + len(COLORS)  # the timeline's kinds, background lane, control
 
 # The live dashboard (the output with a "pause" button and a plot), as the page has it: the figure's traces,
 # the timeline's drawn bars with their fill colours by trace name, sizes, and the dashboard's text.
