@@ -38,6 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 from _common import local_cluster, results_head, run_meta
+from straggler import throughput
 
 HERE = Path(__file__).parent
 ORDINARY_EXCLUDED = ("graph", "global", "preempted")
@@ -111,11 +112,6 @@ def wait_report(result) -> dict:
     return {"wait_share": statistics.median(shares) if shares else None}
 
 
-def rate(result) -> float:
-    epochs = sorted({h["epoch"] for h in result.history})[1:] or [0]
-    return statistics.median(sum(h["samples_per_s"] for h in result.history if h["epoch"] == e) for e in epochs)
-
-
 def real_part(args, names) -> list:
     import sdpipe
     from sdpipe.data import digits, digits_cnn
@@ -151,7 +147,7 @@ def real_part(args, names) -> list:
                         "scenario": label,
                         "contender": name,
                         "repeat": rep,
-                        "samples_per_s": rate(r),
+                        "samples_per_s": throughput(r),
                         "accuracy": min(h.get("accuracy", 0.0) for h in r.history if h["epoch"] == last),
                         "wall_s": time.time() - t,
                         **group_report(r.events, D, slow),

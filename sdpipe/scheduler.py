@@ -689,7 +689,9 @@ class StageScheduler:
     @classmethod
     def restore(cls, snap: dict) -> "StageScheduler":
         s = cls(snap["stage"], snap["live"], SchedulerPolicy(**snap["policy"]))
-        s.arrivals.restore(snap.get("arrivals", {}))  # snapshots from before rule "arrival" have none
+        # intervals carry over; release times do not: they are of the checkpointed run's clock, and a resumed
+        # run's clock starts again (snapshots from before rule "arrival" have no arrivals at all)
+        s.arrivals.restore({k: v for k, v in snap.get("arrivals", {}).items() if k != "released"})
         s.windows = {int(k): v for k, v in snap["windows"].items()}
         s.round = snap["round"]
         s.since_reset = snap["since_reset"]

@@ -202,6 +202,7 @@ def test_snapshot_keeps_the_arrival_history_and_old_snapshots_restore():
     r = StageScheduler.restore(snap)
     assert r.arrivals.typical() == s.arrivals.typical() == pytest.approx(0.5)
     assert r.arrivals.stats(1) == s.arrivals.stats(1)
+    assert r.arrivals.released == {}  # release times are of the checkpointed run's clock: not carried over
     del snap["arrivals"]
     old = StageScheduler.restore(snap)
     assert old.arrivals.typical() is None  # starts learning again, with the prototype window meanwhile
