@@ -60,20 +60,3 @@ def shared_cluster():
     yield client
     client.close()
     cluster.close()
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The browser tests run first, before the session's shared cluster exists.
-
-    With that cluster alive (after tests/test_baselines.py or
-    tests/test_widgets.py), pause pressed in the page during notebook 01's run
-    went unanswered in 5 of 6 tries (in the sixth the page lost its connection
-    later); alone, the presses were answered in every try (7 of 7). In the
-    JupyterLab logs of the last three tries with the cluster alive: in two
-    the server had closed the page's connection to the kernel after no answer
-    to its pings for 90 s ("WebSocket ping timeout"), two to three minutes
-    after the page connected; in the third the connection stayed up and the
-    press still never reached the kernel (its main thread idle in its event
-    loop). What starves the page's connection then is not found yet.
-    """
-    items.sort(key=lambda item: 0 if item.get_closest_marker("browser") else 1)

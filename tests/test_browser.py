@@ -166,27 +166,22 @@ def slide(page, label: str, value: float) -> None:
     assert moved, f"no slider {label!r} in the page"
 
 
-#: presses that had to be repeated, by button (written to live.json)
-REPEATED: dict = {}
+#: seconds from each press until the page showed what it did, by button (written to live.json)
+SHOWN_AFTER: dict = {}
 
 
-def press(page, name: str, test: str, what: str, tries: int = 3, wait: float = 20.0):
-    """Press ``name`` until the live dashboard shows ``test`` (at most ``tries`` presses, ``wait`` seconds each).
+def press(page, name: str, test: str, what: str, wait: float = 20.0):
+    """Press ``name`` once; the live dashboard must show ``test`` within ``wait`` seconds.
 
-    On this 2-core machine, with the run's 8 workers busy, a press in the page
-    now and then never reaches the kernel (see tests/conftest.py for what was
-    found); a user presses again, and so does this. Repeats are counted in
-    ``REPEATED`` and saved with the artifacts; a control that does not answer
-    ``tries`` presses fails the test.
+    The dashboard redraws only as fast as the page answers that it drew the
+    last one, so a page on a loaded machine is never more than a redraw
+    behind and what a press did shows at the next redraw, which it starts.
     """
-    for attempt in range(tries):
-        click(page, name)
-        try:
-            return wait_live(page, test, wait, what)
-        except TimeoutError:
-            if attempt == tries - 1:
-                raise
-            REPEATED[name] = REPEATED.get(name, 0) + 1
+    t = time.monotonic()
+    click(page, name)
+    state = wait_live(page, test, wait, what)
+    SHOWN_AFTER.setdefault(name, []).append(round(time.monotonic() - t, 2))
+    return state
 
 
 def screenshot(page, name: str) -> Path:
@@ -274,10 +269,8 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         )
         finish(page)
         (ARTIFACTS / "live.json").write_text(
-            json.dumps({**{k: v for k, v in state.items() if k != "bars"}, "repeated_presses": REPEATED}, indent=1)
+            json.dumps({**{k: v for k, v in state.items() if k != "bars"}, "shown_after_s": SHOWN_AFTER}, indent=1)
         )
-        if REPEATED:
-            print(f"presses repeated: {REPEATED}")
     for shot in shots:
         assert shot.stat().st_size > 20_000, shot
 

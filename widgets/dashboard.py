@@ -147,7 +147,8 @@ class _Figure(go.FigureWidget):
     def __init__(self, figure, lock):
         self._deferred = True  # open the comm once the figure holds its data (see open)
         self._state_lock = lock
-        #: set when a browser has drawn the figure's last edit (plotly's views answer every edit)
+        #: set when a browser has drawn the last redraw (plotly's views answer every edit while the kernel is idle;
+        #: the width probe answers also while a cell runs: see _Width)
         self._drawn = threading.Event()
         self._drawn_at = None  # monotonic time of the last answer from a browser
         self._first_drawn = None  # called once, when a browser first answers (see resync)
@@ -184,7 +185,14 @@ class _Figure(go.FigureWidget):
 
 
 class _Width(anywidget.AnyWidget):
-    """Reports the width (pixels) of the output area it is shown in, and again whenever it changes."""
+    """Reports the width (pixels) of the output area it is shown in, and when the page has drawn a redraw.
+
+    Both go as custom messages, which a page sends at once; state updates
+    (plotly's own answers to its edits among them) wait in the page while
+    the kernel runs a cell, e.g. a notebook's cell that awaits the run.
+    ``seq`` is set by the dashboard after each redraw; the page answers it
+    once it has handled every message before it and drawn a frame.
+    """
 
     _esm = """
     export default {
@@ -203,19 +211,30 @@ class _Width(anywidget.AnyWidget):
         const observer = new ResizeObserver(() => send());
         observer.observe(el);
         requestAnimationFrame(() => { observer.observe(area()); send(); });
-        return () => observer.disconnect();
+        // the redraw numbered seq has reached this page (messages arrive in order) and a frame was drawn after it
+        const drawn = () => { const n = model.get("seq"); requestAnimationFrame(() => requestAnimationFrame(
+            () => model.send({ drawn: n }))); };
+        model.on("change:seq", drawn);
+        return () => { observer.disconnect(); model.off("change:seq", drawn); };
       }
     };
     """
     width = traitlets.Int(0)
+    #: the number of the dashboard's last redraw (the page answers it when drawn)
+    seq = traitlets.Int(0).tag(sync=True)
 
-    def __init__(self, **kwargs):
+    def __init__(self, on_drawn=None, **kwargs):
         super().__init__(**kwargs)
+        self._on_drawn = on_drawn
         self.on_msg(self._on_width)
 
     def _on_width(self, _, content, buffers):
-        if isinstance(content, dict) and isinstance(content.get("width"), int):
+        if not isinstance(content, dict):
+            return
+        if isinstance(content.get("width"), int):
             self.width = content["width"]
+        if isinstance(content.get("drawn"), int) and self._on_drawn is not None:
+            self._on_drawn(content["drawn"])
 
 
 class Dashboard:
@@ -248,6 +267,8 @@ class Dashboard:
         self._lock = threading.RLock()  # the figure's edits (this thread, the follow thread, width changes)
         self._thread = None
         self._stopping = threading.Event()
+        #: set by a press: the follow thread redraws at once (not after its wait for a slow browser)
+        self._poke = threading.Event()
         self.redraws: list = []  # monotonic times of redraws (for measuring the rate)
         self.error = None
         self.narrow = False
@@ -473,7 +494,7 @@ class Dashboard:
         self._shares_xaxis = self._axes["shares"][0]
         self.figure = _Figure(fig, self._lock)
         self.figure._first_drawn = self.resync
-        self._width = _Width()
+        self._width = _Width(on_drawn=self._page_drew)
         self._width.observe(lambda change: self.fit(change["new"]), "width")
         # The header is one line (cut with an ellipsis where the output is narrow) and the lines whose length
         # changes come after the controls, so the controls never move while the run goes on.
@@ -510,6 +531,16 @@ class Dashboard:
                 self.figure.layout.height = height
                 self.narrow = narrow
             self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
+
+    def _page_drew(self, seq: int) -> None:
+        """A page answered the redraw numbered ``seq`` (it has drawn everything sent before it)."""
+        fig = self.figure
+        first = fig._drawn_at is None
+        fig._drawn_at = time.monotonic()
+        if first:
+            self.resync()  # a page that just attached: heal its copy (see resync)
+        if seq >= self._width.seq:
+            fig._drawn.set()
 
     def resync(self) -> None:
         """Send the whole figure to the browser again.
@@ -607,6 +638,7 @@ class Dashboard:
         except Exception as e:  # shown to the user, the run goes on
             text = f"{clock} {what} not applied: {type(e).__name__}: {e}"
             self.message.value = f"<span style='color:#b00; overflow-wrap:anywhere'>{html.escape(text)}</span>"
+        self._poke.set()  # the header and the timeline show what the press did at the next redraw, now
 
     def _applied(self, what: str) -> str:
         """What a policy or slowdowns press applied, in a few words."""
@@ -627,6 +659,7 @@ class Dashboard:
                 self.view.status = self.run.status
                 new = len(events)
             self._draw(full)
+            self._width.seq += 1  # the page answers it when drawn (see _Width)
             self.redraws.append(time.monotonic())
             if len(self.redraws) > 1000:
                 del self.redraws[:500]
@@ -744,6 +777,7 @@ class Dashboard:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop following (the run itself goes on)."""
         self._stopping.set()
+        self._poke.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -769,6 +803,7 @@ class Dashboard:
                 # the timeline every time; the other views about once a second (they move slowly)
                 full = t - last_full >= 1.0
                 self.figure._drawn.clear()
+                self._poke.clear()
                 self.refresh(full=full)
                 last_full = t if full else last_full
                 if done:
@@ -784,12 +819,16 @@ class Dashboard:
                     while (
                         not self.figure._drawn.is_set()
                         and not self._stopping.is_set()
+                        and not self._poke.is_set()
                         and time.monotonic() < sent + BEHIND
                     ):
                         self.figure._drawn.wait(0.02)
                 self.lag = time.monotonic() - sent if self.figure._drawn.is_set() else None
                 pause = max(self.interval - (time.monotonic() - t), self.lag or 0.0)
-                self._stopping.wait(pause)
+                # a press wakes it: what the user did shows at once, also while a slow browser holds the redraws back
+                if not self._poke.wait(pause):
+                    continue
+                self._stopping.wait(0.05)  # the press's own control record first
         except Exception as e:  # keep the kernel alive; show what went wrong
             self.error = e
             self.header.value = f"<b>dashboard stopped</b>: {html.escape(f'{type(e).__name__}: {e}')}"
