@@ -21,7 +21,9 @@ scenarios on that base:
 - cpu, slept:   the slow pipeline's compute stretched 4x
   (``Heterogeneity.slowdown``).
 
-Scenarios and policies alternate (orders reversed every repeat) on one set
+One unrecorded warm-up run first (a worker's first run pays for its
+imports, for seconds on a capped host).  Scenarios and policies alternate
+(orders reversed every repeat) on one set
 of hosts, so drift of this noisy machine falls on all alike.  Samples/s is
 all pipelines' together per epoch (epochs after the first), the median of
 the epochs; the table shows the median over the repeats with min-max.  The
@@ -46,11 +48,12 @@ from straggler import connectivity_report, throughput
 SCENARIOS = ("link shaped", "link slept", "cpu shaped", "cpu slept")
 
 
-def stage_param_bytes(model_fn, stages: int) -> list:
-    """Bytes of each stage's parameters under sdpipe's own cut."""
+def stage_param_bytes(model_fn, stages: int, cuts=None) -> list:
+    """Bytes of each stage's parameters under sdpipe's own cut (or ``cuts``)."""
     import sdpipe
 
-    return [sum(p.numel() * p.element_size() for p in m.parameters()) for m in sdpipe.partition(model_fn(), stages)]
+    parts = sdpipe.partition(model_fn(), stages, cuts=cuts)
+    return [sum(p.numel() * p.element_size() for p in m.parameters()) for m in parts]
 
 
 def own_speeds(result, pipelines: int, stages: int, batch: int) -> dict:
@@ -75,9 +78,16 @@ def main(argv=None) -> int:
     ap.add_argument("--slow", type=int, default=None, help="the pipeline on the slow host (default: the last)")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", choices=("mlp", "cnn"), default="mlp", help="the digits MLP, or the digits CNN cut at 6")
     ap.add_argument("--hidden", type=int, default=256, help="width of the digits MLP")
+    ap.add_argument("--channels", type=int, default=64, help="channels of the digits CNN")
+    ap.add_argument(
+        "--seeds", action="store_true", help="repeat r trains with seed r (data split, model and batches); else seed 0"
+    )
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--bandwidth", type=float, default=20e6, help="B: every worker host's link, bytes/s each way")
+    ap.add_argument(
+        "--bandwidth", type=float, default=20e6, help="B: every worker host's link, bytes/s each way (0: no limit)"
+    )
     ap.add_argument("--link-factor", type=float, default=10.0, help="the slow host's link is B / this")
     ap.add_argument("--cpu", type=float, default=0.5, help="C: every worker host's CPU cap, cores")
     ap.add_argument("--cpu-factor", type=float, default=4.0, help="the slow host's cap is C / this")
@@ -93,7 +103,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import sdpipe
-    from sdpipe.data import digits, digits_mlp
+    from sdpipe.data import digits, digits_cnn, digits_mlp
     from sdpipe.hosts import EmulatedHosts, HostsUnavailable
 
     D, S = args.pipelines, args.stages
@@ -105,11 +115,16 @@ def main(argv=None) -> int:
     for s in scenarios:
         if s not in SCENARIOS:
             sys.exit(f"--scenarios: {s!r} is not one of {', '.join(SCENARIOS)}")
-    train_data, eval_data = digits()
-    make_model = lambda: digits_mlp(hidden=args.hidden)  # noqa: E731
-    B, C = args.bandwidth, args.cpu
-    param_bytes = stage_param_bytes(make_model, S)
-    extra = {(slow, s): (args.link_factor - 1) * param_bytes[s] / B for s in range(S)}
+
+    def make_model(seed: int = 0):
+        return digits_cnn(args.channels, seed=seed) if args.model == "cnn" else digits_mlp(hidden=args.hidden)
+
+    cuts = (6,) if args.model == "cnn" and S == 2 else None
+    B, C = (args.bandwidth or None), args.cpu
+    if B is None and any(s.startswith("link") for s in scenarios):
+        sys.exit("--bandwidth 0 (no link limit) leaves nothing to slow in the link scenarios")
+    param_bytes = stage_param_bytes(make_model, S, cuts)
+    extra = {(slow, s): (args.link_factor - 1) * param_bytes[s] / (B or 1) for s in range(S)}
     slept = {
         "link slept": sdpipe.Heterogeneity(link_delay=extra),
         "cpu slept": sdpipe.Heterogeneity(slowdown={slow: args.cpu_factor}),
@@ -119,7 +134,6 @@ def main(argv=None) -> int:
         pipelines=D,
         epochs=args.epochs,
         batch_size=args.batch_size,
-        eval_data=eval_data,
         scheduler={"staleness": args.staleness},
         timeout=300,
     )
@@ -134,16 +148,21 @@ def main(argv=None) -> int:
 
         def shape_for(scenario: str) -> None:
             for h in range(1, D + 1):
-                link = B / args.link_factor if (scenario == "link shaped" and h == slow_host) else B
+                link = B / args.link_factor if (scenario == "link shaped" and h == slow_host) else B  # None: no limit
                 cpu = C / args.cpu_factor if (scenario == "cpu shaped" and h == slow_host) else C
                 hosts.shape(h, bandwidth=link, cpu=cpu)  # one base for all: every worker host at B and C
 
         def run(scenario: str, policy: str, rep: int) -> None:
             t = time.time()
             mode, variant = VARIANTS.get(policy, (policy, {}))
+            seed = rep if args.seeds else 0
+            train_data, eval_data = digits(seed=seed)
             r = sdpipe.train(
-                make_model(),
+                make_model(seed),
                 train_data,
+                eval_data=eval_data,
+                cuts=cuts,
+                seed=seed,
                 policy=mode,
                 heterogeneity=slept.get(scenario),
                 cluster=hosts,
@@ -159,6 +178,7 @@ def main(argv=None) -> int:
                 "scenario": scenario,
                 "policy": policy,
                 "repeat": rep,
+                "seed": seed,
                 "samples_per_s": throughput(r),
                 "per_pipeline": per,
                 "accuracy": min(h.get("accuracy", 0) for h in r.history if h["epoch"] == last),
@@ -170,6 +190,12 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
+        # warm-up, not recorded: every worker's first run pays for its imports and first-time allocations (on a
+        # capped host for seconds), which would otherwise fall on whichever policy comes first
+        shape_for(scenarios[0])
+        sdpipe.train(
+            make_model(), digits()[0], policy="sdpipe", cluster=hosts, cuts=cuts, **{**common, "epochs": 1}
+        ).result(timeout=1800)
         for rep in range(args.repeats):
             for scenario in scenarios if rep % 2 == 0 else scenarios[::-1]:
                 shape_for(scenario)
@@ -209,12 +235,20 @@ def main(argv=None) -> int:
     meta = run_meta(
         "hosts.py",
         argv,
-        f"digits MLP 64-{args.hidden}-{args.hidden}-10, S={S}, D={D}, one pipeline per "
+        (
+            f"digits CNN ({args.channels} channels, cut at 6)"
+            if args.model == "cnn"
+            else f"digits MLP 64-{args.hidden}-{args.hidden}-10"
+        )
+        + f", S={S}, D={D}, one pipeline per "
         f"emulated host (hosts 1..{D}, scheduler on host 0), batch {args.batch_size} per pipeline, "
-        f"{args.epochs} epochs, P={args.staleness}, slow pipeline {slow}; B={B:.3g} bytes/s, link factor "
+        f"{args.epochs} epochs, P={args.staleness}, slow pipeline {slow}; "
+        f"B={B or 0:.3g} bytes/s (0: no limit), link factor "
         f"{args.link_factor:g}; C={C:g} cores, cpu factor {args.cpu_factor:g}; stage parameter bytes "
-        f"{param_bytes}; slept link delay per sync {[round(extra[(slow, s)], 4) for s in range(S)]} s; "
-        f"gloo on CPU, {args.repeats} repeats",
+        f"{param_bytes}; slept link delay per sync "
+        + (f"{[round(extra[(slow, s)], 4) for s in range(S)]} s; " if B else "none (no link limit); ")
+        + f"gloo on CPU, {args.repeats} repeats"
+        + (" (seed = repeat)" if args.seeds else " (seed 0)"),
     )
     out, L = results_head(
         args.out,

@@ -202,6 +202,14 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     assert flagged and all(label.startswith("p1<br>") for label in flagged)
     assert len(dash.trace("loss/0").y) > 5 and list(dash.trace("accuracy/0").x) == [0, 1, 2]  # per step, per epoch
     assert "finished" in dash.header.value and "ideal" in dash.numbers.value
+    # a page's answer (a custom message, as the width probe's page code sends it) counts only for the last redraw
+    dash.figure._drawn.clear()
+    last = dash._width.seq
+    assert last >= 1 and dash.figure._drawn_at is None
+    dash._width._on_width(None, {"drawn": last - 1}, [])
+    assert dash.figure._drawn_at is not None and not dash.figure._drawn.is_set()  # a page attached, still behind
+    dash._width._on_width(None, {"drawn": last}, [])
+    assert dash.figure._drawn.is_set()
 
 
 @pytest.mark.cluster
