@@ -134,7 +134,8 @@ class SchedulerPolicy:
     on with its next step; its group averages the weights as they were at the ready signal in the background,
     and each member then moves its weights by the group's average minus its own snapshot (a correction), at
     its next step boundary.  Global syncs, checkpoints, evaluations, stops and policy switches wait for it
-    first.  False: the prototype's blocking averaging."""
+    first.  False: the prototype's blocking averaging, the better choice where each worker is held to a CPU
+    quota (the background averaging then takes its CPU from the same worker's compute)."""
     weighting: str = "progress"
     """How a group averages: "uniform" (x_i <- mean of the members, the paper's doubly stochastic
     mixing) or "progress" (each member weighted by its mass: 1 + its optimizer steps since the last
