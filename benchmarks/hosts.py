@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     if B is None and any(s.startswith("link") for s in scenarios):
         sys.exit("--bandwidth 0 (no link limit) leaves nothing to slow in the link scenarios")
     param_bytes = stage_param_bytes(make_model, S, cuts)
-    extra = {(slow, s): (args.link_factor - 1) * param_bytes[s] / (B or 1) for s in range(S)}
+    extra = {(slow, s): (args.link_factor - 1) * param_bytes[s] / B for s in range(S)} if B else {}
     slept = {
         "link slept": sdpipe.Heterogeneity(link_delay=extra),
         "cpu slept": sdpipe.Heterogeneity(slowdown={slow: args.cpu_factor}),

@@ -162,12 +162,16 @@ class _Figure(go.FigureWidget):
         with self._state_lock:  # plotly's handler reads the traces the dashboard's thread edits
             super()._handler_js2py_traceDeltas(change)
         if msg:
-            first = self._drawn_at is None
-            self._drawn_at = time.monotonic()
-            if first and self._first_drawn is not None:
-                self._first_drawn()
-            if msg.get("trace_edit_id") == self._last_trace_edit_id:
-                self._drawn.set()
+            self.answered(msg.get("trace_edit_id") == self._last_trace_edit_id)
+
+    def answered(self, last: bool) -> None:
+        """A browser answered that it drew an edit (``last``: the last one sent): plotly's view, or the width probe."""
+        first = self._drawn_at is None
+        self._drawn_at = time.monotonic()
+        if first and self._first_drawn is not None:
+            self._first_drawn()
+        if last:
+            self._drawn.set()
 
     def open(self):
         if not getattr(self, "_deferred", False):
@@ -534,13 +538,7 @@ class Dashboard:
 
     def _page_drew(self, seq: int) -> None:
         """A page answered the redraw numbered ``seq`` (it has drawn everything sent before it)."""
-        fig = self.figure
-        first = fig._drawn_at is None
-        fig._drawn_at = time.monotonic()
-        if first:
-            self.resync()  # a page that just attached: heal its copy (see resync)
-        if seq >= self._width.seq:
-            fig._drawn.set()
+        self.figure.answered(seq >= self._width.seq)
 
     def resync(self) -> None:
         """Send the whole figure to the browser again.
