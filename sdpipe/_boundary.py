@@ -139,6 +139,7 @@ class PipelineControl:
         if hv != w.hetero_version:
             w.hetero = Heterogeneity.from_dict(json.loads(w.store.get(Keys.hetero(hv)).decode()))
             w.hetero_version = hv
+            w.dispenser.forget()  # its step time was measured under the old heterogeneity
             now = time.time()
             w.span("control", step, None, now, now, what="heterogeneity", version=hv, applied_by="worker")
         if pv != w.policy_version:
@@ -167,7 +168,17 @@ class Dispenser:
     when they would finish all of them before it finished one: so the
     epoch, and the global sync that ends it, does not wait for a slow
     pipeline's last step (:func:`sdpipe.data.leaves_tail`).
+
+    A pipeline so slow that the others finish a whole epoch before its one
+    step leaves whole epochs: its estimate, measured in an earlier epoch,
+    counts for ``MAX_AGE`` epochs, after which it takes a batch again to
+    measure itself anew (its speed may have changed); a change of the run's
+    heterogeneity drops the estimate at once (:meth:`forget`).  A pipeline
+    out of an epoch publishes its estimate for the next one, so whoever
+    starts that epoch first already sees the others' speeds.
     """
+
+    MAX_AGE = 2  # epochs an earlier epoch's step time still decides what a pipeline leaves
 
     def __init__(self, store, pipeline: int, pipelines: int, batches_per_epoch: int):
         self.store, self.pipeline, self.pipelines = store, pipeline, pipelines
@@ -176,6 +187,10 @@ class Dispenser:
         self._last = None  # (epoch, time) of this pipeline's last batch
         self._step_time = None  # recent seconds per step of this pipeline, all waits included
         self._step_time_epoch = None  # the epoch it was last measured in
+
+    def forget(self) -> None:
+        """Drop the step-time estimate (the heterogeneity changed): the next batches measure it anew."""
+        self._step_time = self._step_time_epoch = None
 
     def next(self, epoch: int) -> Optional[int]:
         """The next batch of ``epoch``, or None when it is used up (or left to the others)."""
@@ -195,6 +210,8 @@ class Dispenser:
             b = base + self.store.add(Keys.batches_taken(epoch), 1) - 1
         if b is None or b >= self.batches_per_epoch:
             self.store.set(Keys.step_time(epoch, self.pipeline), "inf")  # out of this epoch
+            if self._step_time is not None:  # ready for whoever starts the next epoch first
+                self.store.set(Keys.step_time(epoch + 1, self.pipeline), repr(self._step_time))
             self._last = None
             return None
         self._last = (epoch, now)
@@ -202,9 +219,9 @@ class Dispenser:
 
     def _leave_tail(self, epoch: int, remaining: int) -> bool:
         """The tail rule against the step times the other pipelines still in ``epoch`` published."""
-        if self._step_time_epoch != epoch:
-            # measured in an earlier epoch (or never): a pipeline that fell behind would otherwise
-            # keep a stale estimate, leave every tail and never measure itself again
+        if self._step_time_epoch is None or epoch - self._step_time_epoch > self.MAX_AGE:
+            # never measured, or too long ago: a pipeline that fell behind would otherwise keep a
+            # stale estimate, leave every epoch and never measure itself again
             return False
         keys = [
             Keys.step_time(epoch, p)

@@ -135,3 +135,48 @@ def test_the_pure_core_imports_nothing_from_the_rest():
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 top = (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
                 assert top not in ("torch", "distributed", "dask", "sdpipe", "numpy"), f"sdpipe/{name}.py imports {top}"
+
+
+def test_a_pipeline_slower_than_a_whole_epoch_leaves_whole_epochs_and_measures_itself_again(monkeypatch):
+    """The dispenser over a real store: pipeline 1 needs 3 s a step, pipeline 0 finishes an epoch's 10
+    batches in 1 s. After one measured step, pipeline 1 leaves whole epochs (so no global sync waits for
+    its one batch) for ``MAX_AGE`` epochs, then takes one to measure itself again; a heterogeneity change
+    drops its estimate at once."""
+    import types
+
+    import torch.distributed as dist
+
+    from sdpipe import _boundary
+    from sdpipe._boundary import Dispenser
+
+    now = [0.0]
+    monkeypatch.setattr(_boundary, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    store = dist.HashStore()
+    fast, slow = Dispenser(store, 0, 2, 10), Dispenser(store, 1, 2, 10)
+
+    def epoch(e):
+        """Both pipelines through epoch ``e``; the batches the slow one took."""
+        took, busy_until = 0, now[0]
+        while True:  # the slow one asks first: it sees the fast one's speed published at the last epoch's end
+            if now[0] >= busy_until:
+                if slow.next(e) is None:
+                    busy_until = float("inf")
+                else:
+                    took, busy_until = took + 1, now[0] + 3.0
+            if fast.next(e) is None:
+                break
+            now[0] += 0.1
+        if busy_until != float("inf"):  # the epoch ends when the slow one's batch does
+            now[0] = max(now[0], busy_until)
+            assert slow.next(e) is None
+        return took
+
+    assert epoch(0) == 1  # not measured yet: takes one
+    assert slow._step_time == pytest.approx(3.0)
+    left = [epoch(e) for e in range(1, 1 + Dispenser.MAX_AGE)]
+    assert left == [0] * Dispenser.MAX_AGE  # the others finish an epoch (1 s) before its one step (3 s)
+    assert epoch(1 + Dispenser.MAX_AGE) == 1  # its estimate got too old: it measures itself again
+    assert epoch(2 + Dispenser.MAX_AGE) == 0
+    slow.forget()  # the heterogeneity changed
+    assert epoch(3 + Dispenser.MAX_AGE) == 1
+    assert fast._step_time == pytest.approx(0.1)
