@@ -4,18 +4,24 @@
 activations (``RF``), forward it (``F``), send its output on (``SF``), receive its output's gradient (``RB``),
 backward (``B``), send its input's gradient back (``SB``).  Sends do not wait; the step waits for them at
 its end.  Every action is recorded as a span of the step.
+
+The asynchronous schedules (``async-1f1b``, ``async-2bw``) keep an :class:`AsyncStream` per worker instead:
+micro-batches stay in flight from one step to the next, each forward runs on the weight version current
+at that moment, stashed until the micro-batch's backward (PipeDream's weight stashing), and the stage
+updates (``U``) after every ``update_every`` backwards; the run drains it where it needs consistent weights.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ._comm import TAG_ACT, TAG_GRAD
+from .schedule import async_drain, async_step, stage_communication
 
-__all__ = ["train_step", "evaluate"]
+__all__ = ["train_step", "evaluate", "AsyncStream"]
 
 
 def train_step(w, step: int, xb, yb) -> Optional[float]:
@@ -68,6 +74,141 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
             work.wait()
         w.span("wait", step, None, t, time.time())
     return sum(losses) / len(losses) if losses else None
+
+
+class AsyncStream:
+    """One stage's micro-batches in flight across the steps of an asynchronous schedule.
+
+    ``update(loss, versions=n)`` is the run's weight update (the policy's hooks and the optimizer); it is
+    called at every ``U`` of the schedule with the last stage's mean loss since the previous one and the
+    number of weight versions stashed then (its ``optimizer`` span records it).  Weight versions are
+    numbered by the updates since the stream started; a forward on version ``v`` clones the weights once
+    (the stash of ``v``), the micro-batch's backward differentiates that clone and adds the gradient to the
+    live weights, and a stash goes once no micro-batch in flight needs it.
+    """
+
+    def __init__(self, w, update_every: int):
+        self.w, self.update_every = w, update_every
+        self.steps = 0  # steps since the last drain
+        self.version = 0  # updates so far
+        self.named = [(n, p) for n, p in w.module.named_parameters() if p.requires_grad]
+        self.inputs, self.outputs, self.grads, self.input_grads = {}, {}, {}, {}
+        self.version_of: dict = {}  # micro-batch -> the weight version its forward ran on
+        self.stash: dict = {}  # version -> {name: tensor}
+        self.pending: list = []  # (work, tensor) of the sends not known to be complete
+        self.losses: list = []  # last stage: losses since the last update
+        self.peak_versions = 0  # most stashed versions at once
+        self.peak_in_flight = 0  # most micro-batches between forward and backward at once
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: the weights are consistent (after a drain, or before the first step)."""
+        return self.steps == 0 and not self.version_of
+
+    def step(self, step_of: Callable[[], int], xb, yb, update) -> Optional[float]:
+        """One step: the forwards of this batch and the backwards and updates that fall between them."""
+        w = self.w
+        actions = async_step(w.stage, w.stages, w.cfg["microbatches"], self.steps, self.update_every)
+        first = self.steps * w.cfg["microbatches"]
+        self.steps += 1
+        return self._walk(actions, step_of, xb, yb, first, update)
+
+    def drain(self, step_of: Callable[[], int], update) -> None:
+        """The backwards still owed and the updates that take them in; then every send is waited for."""
+        w = self.w
+        if self.steps:
+            actions = async_drain(w.stage, w.stages, w.cfg["microbatches"], self.steps, self.update_every)
+            self._walk(actions, step_of, None, None, None, update)
+        t = time.time()
+        for work, _ in self.pending:
+            work.wait()
+        if self.pending:
+            w.span("wait", step_of(), None, t, time.time(), what="drain")
+        self.pending.clear()
+        self.steps = 0
+        self.stash.clear()
+
+    def _walk(self, actions, step_of, xb, yb, first, update) -> Optional[float]:
+        w = self.w
+        M = w.cfg["microbatches"]
+        mb = w.cfg["batch_size"] // M
+        step_losses = []
+        for a in stage_communication(actions, w.stage, w.stages):
+            g = a.microbatch
+            t = time.time()
+            if a.op == "RF":
+                x = w.link.recv((mb, *w.shapes.inp), w.shapes.in_dtype, w.stage - 1, TAG_ACT)
+                if x.is_floating_point():
+                    x.requires_grad_(True)
+                self.inputs[g] = x
+                w.span("recv", step_of(), g, t, time.time())
+            elif a.op == "F":
+                m = g - first
+                x = xb[m * mb : (m + 1) * mb] if w.first else self.inputs[g]
+                out = self._forward(g, x)
+                if w.last:
+                    loss = w.loss_fn(out, yb[m * mb : (m + 1) * mb])
+                    step_losses.append(float(loss.detach()))
+                    self.losses.append(step_losses[-1])
+                    out = loss / self.update_every
+                self.outputs[g] = out
+                w.slow(time.time() - t)
+                w.span("forward", step_of(), g, t, time.time(), version=self.version_of[g])
+            elif a.op == "SF":
+                self.pending.append(w.link.isend(self.outputs[g], w.stage + 1, TAG_ACT))
+                w.span("send", step_of(), g, t, time.time())
+            elif a.op == "RB":
+                self.grads[g] = w.link.recv((mb, *w.shapes.out), w.shapes.out_dtype, w.stage + 1, TAG_GRAD)
+                w.span("recv", step_of(), g, t, time.time())
+            elif a.op == "B":
+                v = self.version_of[g]
+                self.input_grads[g] = self._backward(g)
+                w.slow(time.time() - t)
+                w.span("backward", step_of(), g, t, time.time(), version=v)
+            elif a.op == "SB":
+                self.pending.append(w.link.isend(self.input_grads.pop(g), w.stage - 1, TAG_GRAD))
+                w.span("send", step_of(), g, t, time.time())
+            elif a.op == "U":
+                losses, self.losses = self.losses, []
+                update(sum(losses) / len(losses) if losses else None, versions=len(self.stash))
+                self.version += 1
+                self._release()
+        self.pending = [(work, x) for work, x in self.pending if not work.is_completed()]
+        return sum(step_losses) / len(step_losses) if step_losses else None
+
+    def _forward(self, g: int, x):
+        v = self.version
+        if v not in self.stash:
+            self.stash[v] = {n: p.detach().clone().requires_grad_(True) for n, p in self.named}
+            self.peak_versions = max(self.peak_versions, len(self.stash))
+        self.version_of[g] = v
+        self.peak_in_flight = max(self.peak_in_flight, len(self.version_of))
+        return torch.func.functional_call(self.w.module, self.stash[v], (x,))
+
+    def _backward(self, g: int):
+        """The gradient of micro-batch ``g`` on the weights its forward used, added to the live weights' own;
+        the gradient of its input (stages after the first), or None."""
+        w = self.w
+        out = self.outputs.pop(g)
+        stash = self.stash[self.version_of.pop(g)]
+        x = self.inputs.pop(g, None) if not w.first else None
+        wants = list(stash.values()) + ([x] if x is not None and x.requires_grad else [])
+        grad_out = None if w.last else self.grads.pop(g)
+        got = torch.autograd.grad(out, wants, grad_outputs=grad_out, allow_unused=True) if wants else ()
+        for (_, p), gp in zip(self.named, got):
+            if gp is None:
+                continue
+            if p.grad is None:
+                p.grad = gp.detach().clone()
+            else:
+                p.grad.add_(gp)
+        return got[len(stash)] if len(got) > len(stash) else None
+
+    def _release(self) -> None:
+        """Drop the stashes no micro-batch in flight needs (the current version's stays for the next forwards)."""
+        used = set(self.version_of.values())
+        for v in [v for v in self.stash if v not in used and v != self.version]:
+            del self.stash[v]
 
 
 def evaluate(w, step: int, X, Y) -> Optional[dict]:

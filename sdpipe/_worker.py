@@ -33,12 +33,13 @@ import torch.distributed as dist
 from . import events
 from ._boundary import CTL_MAX_AGE, Dispenser, PipelineControl
 from ._comm import Link, first_lost, make_group
-from ._stage import evaluate, train_step
+from ._stage import AsyncStream, evaluate, train_step
 from .checkpoint import write_rank
 from .config import Heterogeneity
 from .data import batch_indices
 from .policy import _state_tensors, make_policy
 from .protocol import ControlMessage, GroupServiceClient, GroupServiceError, Keys, Op, WorkerSpec, run_prefix
+from .schedule import ASYNC_SCHEDULES, default_update_every
 
 __all__ = ["worker_main", "Worker", "Training", "EventSink"]
 
@@ -190,6 +191,10 @@ class Worker:
             out_dtype=getattr(torch, shapes[self.stage][1]),
         )
         self.plan = spec.plan[self.stage]
+        self.stream = None  # an asynchronous schedule's micro-batches in flight across steps
+        if cfg["schedule"] in ASYNC_SCHEDULES:
+            every = cfg["update_every"] or default_update_every(cfg["schedule"], self.stages, cfg["microbatches"])
+            self.stream = AsyncStream(self, every)
         self.link = None
         if self.stages > 1:
             self.link = Link(
@@ -394,6 +399,10 @@ class Training:
             msg = self._boundary(epoch, j)
             if msg.op is Op.PAUSE:  # stage 0 holds the pipeline; this is its heartbeat
                 continue
+            if w.stream is not None and not w.stream.idle and (msg.op is not Op.RUN or msg.policy != w.policy_version):
+                # an asynchronous schedule drains where the run needs consistent weights: the epoch's end (its
+                # global sync, evaluation and checkpoint), a stop, a policy change
+                w.stream.drain(lambda: self.step, lambda loss, **kw: self._update(epoch, loss, **kw))
             w.ctl.apply(self.step, msg.hetero, msg.policy, epoch, j if msg.op is Op.RUN else None)
             if msg.op is Op.STOP:
                 self.stopped = True
@@ -450,7 +459,17 @@ class Training:
         idx = batch_indices(w.spec.train_size, cfg["batch_size"], cfg["seed"], epoch, batch)
         xb = self.X[idx].to(w.device) if w.first else None
         yb = self.Y[idx].to(w.device) if w.last else None
+        if w.stream is not None:  # its updates come where the schedule puts them
+            return w.stream.step(lambda: self.step, xb, yb, lambda loss, **kw: self._update(epoch, loss, **kw))
         loss = train_step(w, step, xb, yb)
+        self._update(epoch, loss)
+        return loss
+
+    def _update(self, epoch: int, loss: Optional[float], **fields) -> None:
+        """One weight update: the policy's sync of the gradients (coupled replicas also agree on stop, policy
+        and pause), the optimizer, the policy's sync of the weights.  ``loss``: the last stage's, since the
+        last update."""
+        w, step = self.w, self.step
         proposal = (False, 0, False)
         if w.first and w.policy.coupled:
             cmd = w.read_ctl(CTL_MAX_AGE)
@@ -460,10 +479,11 @@ class Training:
         if w.optimizer is not None:
             w.optimizer.step()
             w.optimizer.zero_grad(set_to_none=False)
-        w.span("optimizer", step, None, t, time.time(), epoch=epoch, **({"loss": loss} if loss is not None else {}))
+        if loss is not None:
+            fields["loss"] = loss
+        w.span("optimizer", step, None, t, time.time(), epoch=epoch, **fields)
         w.policy.after_step(w, step)
         self.step += 1
-        return loss
 
     def _report(self, epoch: int, train_time: float, losses: list, samples: int) -> None:
         """The evaluation pass (every stage of the pipeline takes part) and the last stage's ``epoch`` record."""

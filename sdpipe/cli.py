@@ -20,7 +20,7 @@ from typing import Optional
 from .config import Heterogeneity, TrainConfig, field_docs
 
 #: the field types that one command-line word gives, and how to read it
-_SCALARS = {int: int, float: float, str: str, Optional[str]: str}
+_SCALARS = {int: int, float: float, str: str, Optional[str]: str, Optional[int]: int}
 
 
 def _flag_fields(cls) -> dict[str, type]:

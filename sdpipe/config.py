@@ -44,7 +44,9 @@ __all__ = [
 POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 #: policies a running run can switch between with Run.set_policy
 LIVE_POLICIES = ("sdpipe", "allreduce", "none")
-SCHEDULE_NAMES = ("1f1b", "gpipe")
+SCHEDULE_NAMES = ("1f1b", "gpipe", "async-1f1b", "async-2bw")
+#: schedules that never flush between steps (sdpipe.schedule.ASYNC_SCHEDULES)
+ASYNC_SCHEDULE_NAMES = ("async-1f1b", "async-2bw")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
@@ -53,6 +55,22 @@ BACKENDS = ("gloo", "nccl")
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_update_every(schedule: str, update_every: Any, stages: int) -> None:
+    if update_every is None:
+        return
+    if schedule not in ASYNC_SCHEDULE_NAMES:
+        raise ValueError(
+            f"update_every: applies to the asynchronous schedules ({', '.join(ASYNC_SCHEDULE_NAMES)}); "
+            f"{schedule!r} updates once per step, got {update_every!r}"
+        )
+    _positive_int("update_every", update_every)
+    if schedule == "async-2bw" and update_every < stages:
+        raise ValueError(
+            f"update_every: async-2bw keeps two weight versions, which needs update_every >= stages ({stages}), "
+            f"got {update_every}; use async-1f1b for fewer backwards per update"
+        )
 
 
 def _number(
@@ -167,9 +185,13 @@ class TrainConfig:
     policy: str = "allreduce"
     """How the D replicas of a stage synchronize: one of POLICIES."""
     schedule: str = "1f1b"
-    """Micro-batch schedule inside a step: "1f1b" or "gpipe"."""
+    """Micro-batch schedule: "1f1b" or "gpipe" (a flush and one update per step), or without flush "async-1f1b"
+    (PipeDream's weight stashing, the SDPipe prototype's) or "async-2bw" (PipeDream-2BW: two weight versions)."""
     microbatches: int = 4
     """Micro-batches per step; must divide batch_size."""
+    update_every: Optional[int] = None
+    """Asynchronous schedules: backwards per weight update; None: 1 for "async-1f1b", for "async-2bw" the
+    micro-batches of a step (at least the number of stages, so that two weight versions suffice)."""
     batch_size: int = 32
     """Samples per step per pipeline."""
     epochs: int = 10
@@ -215,6 +237,7 @@ class TrainConfig:
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
         _positive_int("microbatches", self.microbatches)
+        _check_update_every(self.schedule, self.update_every, self.stages)
         _positive_int("batch_size", self.batch_size)
         if self.batch_size % self.microbatches:
             raise ValueError(
@@ -281,6 +304,15 @@ class TrainConfig:
     @property
     def resolved_backend(self) -> str:
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")
+
+    @property
+    def resolved_update_every(self) -> int:
+        """Backwards per weight update: the micro-batches of a step under the flush schedules."""
+        if self.schedule not in ASYNC_SCHEDULE_NAMES:
+            return self.microbatches
+        if self.update_every is not None:
+            return self.update_every
+        return 1 if self.schedule == "async-1f1b" else max(self.microbatches, self.stages)
 
     @property
     def microbatch_size(self) -> int:

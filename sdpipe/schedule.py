@@ -8,13 +8,36 @@ micro-batch 3)::
     F   forward of a micro-batch        B   backward of a micro-batch
     SF  send the activation onward     RF  receive the activation
     SB  send the input gradient back   RB  receive the output gradient
+    U   update the stage's weights (asynchronous schedules only; its number counts the updates)
 
 Worked case, 1F1B with 2 stages and 3 micro-batches (compute only)::
 
     stage 0:  0F0 0F1 0B0 0F2 0B1 0B2
     stage 1:  1F0 1B0 1F1 1B1 1F2 1B2
 
-:func:`gpipe` and :func:`one_f_one_b` build compute-only plans;
+:func:`gpipe` and :func:`one_f_one_b` build compute-only plans of one step that
+ends in a flush (the step's update follows it);
+
+The asynchronous schedules (PipeDream's 1F1B with weight stashing, ``async-1f1b``,
+and its double-buffered variant PipeDream-2BW, ``async-2bw``) never flush between
+steps: a stage keeps running one forward and one backward, ``S - 1 - s``
+micro-batches of later steps ahead of its backwards, and updates its weights
+(``U``) after every ``update_every`` backwards.  Step ``k`` of stage ``s`` is
+the stretch from the forward of step ``k``'s first micro-batch to the forward of
+the next step's; the backwards still owed when the run needs consistent weights
+(an epoch's end, a stop, a policy switch) run in a *drain*.  Worked case, 2
+stages, 2 micro-batches a step, an update after every backward (micro-batches
+numbered across steps)::
+
+    step        0                 1                 drain
+    stage 0:  0F0 0F1 0B0 0U0 | 0F2 0B1 0U1 0F3 0B2 0U2 | 0B3 0U3
+    stage 1:  1F0 1B0 1U0 1F1 1B1 1U1 | 1F2 1B2 1U2 1F3 1B3 1U3 |
+
+:func:`async_step` and :func:`async_drain` give one stage's actions of a step
+and of the drain (what a worker walks); :func:`async_plan` the whole plan of a
+few steps, which is 1F1B over all their micro-batches plus the updates, for
+the validator and the dry run (its bubble is the warm-up and the drain only).
+
 :func:`add_communication` inserts the point-to-point actions;
 :func:`validate` rejects a broken plan with a stage x time grid that marks the
 step where it goes wrong; :func:`dry_run` replays a plan with per-action costs.
@@ -37,18 +60,24 @@ __all__ = [
     "DryRun",
     "ScheduleError",
     "SCHEDULES",
+    "ASYNC_SCHEDULES",
     "gpipe",
     "one_f_one_b",
+    "async_step",
+    "async_drain",
+    "async_plan",
+    "weight_versions",
     "build_plan",
     "add_communication",
+    "stage_communication",
     "validate",
     "dry_run",
     "format_plan",
 ]
 
-OPS = ("F", "B", "SF", "RF", "SB", "RB")
+OPS = ("F", "B", "SF", "RF", "SB", "RB", "U")
 COMPUTE = ("F", "B")
-_ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|U)(\d+)$")
 
 Plan = dict  # dict[int, list[Action]]
 
@@ -123,11 +152,95 @@ def one_f_one_b(stages: int, microbatches: int) -> Plan:
 
 SCHEDULES: dict[str, Callable[[int, int], Plan]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
+# ------------------------------------------------------------------ asynchronous (no flush)
+ASYNC_SCHEDULES = ("async-1f1b", "async-2bw")
 
-def build_plan(name: str, stages: int, microbatches: int, *, communication: bool = True) -> Plan:
-    """The validated plan of schedule ``name`` ("gpipe" or "1f1b")."""
+
+def _check_update_every(update_every: int) -> None:
+    if not isinstance(update_every, int) or update_every < 1:
+        raise ValueError(f"update_every: must be an integer >= 1, got {update_every!r}")
+
+
+def _async_actions(stage: int, stages: int, first_f: int, end_f: int, b_range: range, update_every: int) -> list:
+    """Forwards ``first_f .. end_f - 1`` and the backwards of ``b_range`` in 1F1B order, each update after
+    its ``update_every``-th backward (micro-batches numbered across steps)."""
+    warm = stages - 1 - stage
+    # position of each action in the stage's endless 1F1B stream: F(g) at g while warming up, then 2g - warm;
+    # B(i) at warm + 2i + 1
+    items = [((g if g < warm else 2 * g - warm), Action(stage, "F", g)) for g in range(first_f, end_f)]
+    items += [(warm + 2 * i + 1, Action(stage, "B", i)) for i in b_range]
+    ops = []
+    for _, a in sorted(items, key=lambda x: x[0]):
+        ops.append(a)
+        if a.op == "B" and (a.microbatch + 1) % update_every == 0:
+            ops.append(Action(stage, "U", (a.microbatch + 1) // update_every - 1))
+    return ops
+
+
+def async_step(stage: int, stages: int, microbatches: int, step: int, update_every: int = 1) -> list:
+    """Stage ``stage``'s compute actions of step ``step`` (0 = the first after a drain) of an asynchronous
+    schedule: the forwards of the step's micro-batches and the backwards and updates that fall between
+    them, ``stages - 1 - stage`` micro-batches behind (so the first steps of stage 0 warm up)."""
+    _check_sizes(stages, microbatches)
+    _check_update_every(update_every)
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage: must be in 0..{stages - 1}, got {stage!r}")
+    warm = stages - 1 - stage
+    lo, hi = step * microbatches, (step + 1) * microbatches
+    return _async_actions(stage, stages, lo, hi, range(max(0, lo - warm), max(0, hi - warm)), update_every)
+
+
+def async_drain(stage: int, stages: int, microbatches: int, steps: int, update_every: int = 1) -> list:
+    """The backwards stage ``stage`` still owes after ``steps`` steps, and the updates that take them in
+    (a last one for a window left incomplete, so no gradient is lost)."""
+    _check_sizes(stages, microbatches)
+    _check_update_every(update_every)
+    warm = stages - 1 - stage
+    total = steps * microbatches
+    ops = _async_actions(stage, stages, total, total, range(max(0, total - warm), total), update_every)
+    if total % update_every:
+        ops.append(Action(stage, "U", total // update_every))
+    return ops
+
+
+def async_plan(stages: int, microbatches: int, steps: int = 4, update_every: int = 1) -> Plan:
+    """The whole plan of ``steps`` steps and the drain, compute only: what :func:`async_step` and
+    :func:`async_drain` hand a worker, in one piece (1F1B over ``steps x microbatches`` micro-batches and
+    the updates)."""
+    _check_sizes(stages, microbatches)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: must be an integer >= 1, got {steps!r}")
+    return {
+        s: [a for k in range(steps) for a in async_step(s, stages, microbatches, k, update_every)]
+        + async_drain(s, stages, microbatches, steps, update_every)
+        for s in range(stages)
+    }
+
+
+def weight_versions(stages: int, update_every: int, stage: int = 0) -> int:
+    """How many weight versions stage ``stage`` of an asynchronous schedule stashes at most (besides the
+    weights it updates): one per update among the micro-batches in flight and the current one.
+
+    >>> weight_versions(4, 1), weight_versions(4, 4)
+    (4, 2)
+    """
+    in_flight = stages - stage  # forwarded, backward still to come (the warm-up plus the one in hand)
+    return min(in_flight, (in_flight - 1) // update_every + 2) if update_every > 1 else in_flight
+
+
+def build_plan(
+    name: str, stages: int, microbatches: int, *, communication: bool = True, steps: int = 4, update_every=None
+) -> Plan:
+    """The validated plan of schedule ``name`` ("gpipe", "1f1b", or an asynchronous one: its ``steps`` steps
+    and the drain, an update after every ``update_every`` backwards)."""
+    if name in ASYNC_SCHEDULES:
+        plan = async_plan(stages, microbatches, steps, update_every or default_update_every(name, stages, microbatches))
+        if communication:
+            plan = add_communication(plan)
+        validate(plan, steps * microbatches)
+        return plan
     if name not in SCHEDULES:
-        raise ValueError(f"schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"schedule: {name!r} is not one of {', '.join([*SCHEDULES, *ASYNC_SCHEDULES])}")
     plan = SCHEDULES[name](stages, microbatches)
     if communication:
         plan = add_communication(plan)
@@ -135,33 +248,42 @@ def build_plan(name: str, stages: int, microbatches: int, *, communication: bool
     return plan
 
 
+def default_update_every(name: str, stages: int, microbatches: int) -> int:
+    """Backwards per update: PipeDream's one (``async-1f1b``); for PipeDream-2BW a step's micro-batches, at least
+    the pipeline's depth, so that two weight versions suffice (``async-2bw``)."""
+    return 1 if name == "async-1f1b" else max(microbatches, stages)
+
+
 def add_communication(plan: Plan) -> Plan:
     """Insert the sends and receives that connect neighbouring stages."""
-    stages = len(plan)
-    out = {}
-    for s, actions in plan.items():
-        ops = []
-        for a in actions:
-            if a.op == "F":
-                if s > 0:
-                    ops.append(Action(s, "RF", a.microbatch))
-                ops.append(a)
-                if s < stages - 1:
-                    ops.append(Action(s, "SF", a.microbatch))
-            elif a.op == "B":
-                if s < stages - 1:
-                    ops.append(Action(s, "RB", a.microbatch))
-                ops.append(a)
-                if s > 0:
-                    ops.append(Action(s, "SB", a.microbatch))
-            else:
-                raise ScheduleError(f"add_communication: plan already holds communication action {a}")
-        out[s] = ops
-    return out
+    return {s: stage_communication(actions, s, len(plan)) for s, actions in plan.items()}
+
+
+def stage_communication(actions: list, stage: int, stages: int) -> list:
+    """One stage's compute actions with the sends and receives that connect it to its neighbours."""
+    s, ops = stage, []
+    for a in actions:
+        if a.op == "F":
+            if s > 0:
+                ops.append(Action(s, "RF", a.microbatch))
+            ops.append(a)
+            if s < stages - 1:
+                ops.append(Action(s, "SF", a.microbatch))
+        elif a.op == "B":
+            if s < stages - 1:
+                ops.append(Action(s, "RB", a.microbatch))
+            ops.append(a)
+            if s > 0:
+                ops.append(Action(s, "SB", a.microbatch))
+        elif a.op == "U":
+            ops.append(a)
+        else:
+            raise ScheduleError(f"add_communication: plan already holds communication action {a}")
+    return ops
 
 
 def _has_comm(plan: Plan) -> bool:
-    return any(a.op not in COMPUTE for actions in plan.values() for a in actions)
+    return any(a.op not in COMPUTE and a.op != "U" for actions in plan.values() for a in actions)
 
 
 def _dependencies(a: Action, stages: int, comm: bool) -> list[Action]:
@@ -175,6 +297,7 @@ def _dependencies(a: Action, stages: int, comm: bool) -> list[Action]:
             "SB": [Action(s, "B", m)],
             "B": [Action(s, "F", m)],
             "F": [],
+            "U": [],
         }[a.op]
     deps = []
     if a.op == "F" and s > 0:
@@ -223,7 +346,7 @@ def _cost_fn(costs: Cost) -> Callable[[Action], float]:
         unknown = set(costs) - set(OPS)
         if unknown:
             raise ValueError(f"costs: unknown ops {sorted(unknown)}; allowed {', '.join(OPS)}")
-        table = {"F": 1.0, "B": 2.0, "SF": 0.0, "RF": 0.0, "SB": 0.0, "RB": 0.0, **costs}
+        table = {"F": 1.0, "B": 2.0, "SF": 0.0, "RF": 0.0, "SB": 0.0, "RB": 0.0, "U": 0.0, **costs}
         return lambda a: float(table[a.op])
     return lambda a: float(costs)
 
@@ -279,13 +402,34 @@ def format_plan(plan: Plan, mark: Mapping[int, Action] | None = None) -> str:
     return "\n".join([head] + rows)
 
 
+def _check_updates(plan: Plan, s: int, actions: list) -> None:
+    """A stage's updates: numbered 0, 1, ... in order, each after a backward, no backward after the last."""
+    if not any(a.op == "U" for a in actions):
+        return
+    count, since = 0, 0
+    for a in actions:
+        if a.op == "B":
+            since += 1
+        elif a.op == "U":
+            if a.microbatch != count:
+                raise ScheduleError(
+                    f"plan: stage {s}'s update {a} comes where update {count} is due\n{format_plan(plan)}"
+                )
+            if since == 0:
+                raise ScheduleError(f"plan: stage {s}'s update {a} takes in no backward\n{format_plan(plan)}")
+            count, since = count + 1, 0
+    if since:
+        raise ScheduleError(f"plan: stage {s} ends with {since} backward(s) no update takes in\n{format_plan(plan)}")
+
+
 def validate(plan: Plan, microbatches: int) -> None:
     """Raise :class:`ScheduleError` unless ``plan`` runs to completion.
 
     Checks that stages are numbered 0..S-1, every action sits on its own
     stage, each expected action occurs exactly once, and that replaying the
     plan never deadlocks (a receive whose send never comes, a backward before
-    its forward).
+    its forward).  Updates (``U``, asynchronous plans) must be numbered in
+    order, each take in at least one backward, and leave none behind.
     """
     if not isinstance(plan, Mapping) or not plan:
         raise ScheduleError("plan: must be a non-empty mapping of stage -> list of actions")
@@ -300,7 +444,8 @@ def validate(plan: Plan, microbatches: int) -> None:
                 raise ScheduleError(f"plan: stage {s} holds {a!r}, not an Action")
             if a.stage != s:
                 raise ScheduleError(f"plan: action {a} is listed under stage {s}")
-        seen = [a for a in actions]
+        _check_updates(plan, s, actions)
+        seen = [a for a in actions if a.op != "U"]
         dup = sorted({a for a in seen if seen.count(a) > 1})
         missing = sorted(expected[s] - set(seen))
         extra = sorted(set(seen) - expected[s])

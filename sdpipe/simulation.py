@@ -49,7 +49,7 @@ from . import events
 from ._result import RunResult
 from .config import Heterogeneity, TrainConfig
 from .data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
-from .schedule import build_plan, dry_run
+from .schedule import ASYNC_SCHEDULES, build_plan, dry_run
 from .scheduler import GroupScheduler, Ready
 
 __all__ = ["Calibration", "Costs", "Network", "calibrate", "simulate", "ring_allreduce_seconds", "SIM_POLICIES"]
@@ -362,7 +362,12 @@ def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
 
 def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches: int) -> tuple:
     """(per-stage finish times of one step, per-stage compute seconds) of a pipeline slowed by ``slowdown``
-    (one factor per stage), from the dry run of ``plan``."""
+    (one factor per stage), from the dry run of ``plan``.
+
+    An asynchronous schedule's ``plan`` is ``((plan of n steps, n), plan of n + 1 steps)``: a step of the
+    steady state lasts the difference of their makespans on every stage (no fill, no flush; the warm-up and
+    drain of each epoch are left out), plus its updates' optimizer time.  A stage's updates within a step
+    count as one ready signal at its end."""
 
     def cost(a):
         if a.op == "F":
@@ -374,6 +379,13 @@ def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches
             return costs.activation_bytes[boundary] / net.bandwidth + net.latency
         return 0.0
 
+    if isinstance(plan, tuple):  # an asynchronous schedule: the steady state's step, one period for every stage
+        (short, steps), longer = plan
+        period = dry_run(longer, cost).makespan - dry_run(short, cost).makespan
+        S = len(slowdown)
+        updates = sum(a.op == "U" for a in longer[0]) / (steps + 1)  # per step, on average
+        ends = [period + costs.optimizer[s] * updates for s in range(S)]
+        return ends, [microbatches * (costs.forward[s] + costs.backward[s]) * slowdown[s] for s in range(S)]
     run = dry_run(plan, cost)
     S = len(slowdown)
     # a stage's step ends when its own actions are done and the receives of what it sent
@@ -475,6 +487,10 @@ class _Simulation:
         self.jitter_sigma = [math.sqrt(math.log1p(j**2)) for j in costs.jitter]  # log-normal, mean 1
         # heterogeneity holds still in a simulation: each pipeline's step costs and each worker's link delay, once
         plan = build_plan(config.schedule, S, M)  # with its sends and receives
+        if config.schedule in ASYNC_SCHEDULES:  # and a step's span in the steady state, from 8 and 9 steps
+            every = config.resolved_update_every
+            plan = (build_plan(config.schedule, S, M, steps=8, update_every=every), 8)
+            plan = (plan, build_plan(config.schedule, S, M, steps=9, update_every=every))
         finish: dict = {}
         self.step_costs = []  # per pipeline: (per-stage finish, compute, forward seconds of one step)
         for p in range(D):

@@ -9,12 +9,16 @@ from sdpipe.schedule import (
     Action,
     ScheduleError,
     add_communication,
+    async_drain,
+    async_plan,
+    async_step,
     build_plan,
     dry_run,
     format_plan,
     gpipe,
     one_f_one_b,
     validate,
+    weight_versions,
 )
 
 
@@ -127,3 +131,64 @@ def test_format_plan_is_a_grid():
     lines = text.splitlines()
     assert lines[0].startswith("t") and len(lines) == 3
     assert lines[1].split()[2:] == ["0F0", "0F1", ".", "0B0", "0F2", "0B1", ".", "0B2"]
+
+
+# ------------------------------------------------------------------ asynchronous schedules (no flush)
+@pytest.mark.parametrize("S,M", [(1, 1), (2, 4), (3, 2), (4, 1), (4, 8)])
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_async_plan_is_one_f_one_b_over_all_steps_with_updates(S, M, steps, every):
+    """Without flush, the steps and the drain together are 1F1B over all their micro-batches; the updates
+    come after every ``every``-th backward and once more for a window the drain leaves incomplete."""
+    plan = async_plan(S, M, steps, every)
+    assert {s: [a for a in acts if a.op != "U"] for s, acts in plan.items()} == one_f_one_b(S, steps * M)
+    total = steps * M
+    for s, acts in plan.items():
+        updates = [i for i, a in enumerate(acts) if a.op == "U"]
+        assert [acts[i].microbatch for i in updates] == list(range(-(-total // every)))
+        backwards_before = [sum(a.op == "B" for a in acts[:i]) for i in updates]
+        assert backwards_before == [min(total, (k + 1) * every) for k in range(len(updates))]
+    validate(add_communication(plan), total)  # no deadlock, every action once, updates in order
+
+
+def test_async_step_cuts_the_stream_at_each_steps_first_forward():
+    """Step k of a stage starts with the forward of its own first micro-batch; stage 0 warms up S - 1
+    micro-batches ahead, so its backwards of a step's last micro-batches fall into the next step."""
+    assert [str(a) for a in async_step(0, 2, 2, 0, 1)] == ["0F0", "0F1", "0B0", "0U0"]
+    assert [str(a) for a in async_step(0, 2, 2, 1, 1)] == ["0F2", "0B1", "0U1", "0F3", "0B2", "0U2"]
+    assert [str(a) for a in async_drain(0, 2, 2, 2, 1)] == ["0B3", "0U3"]
+    assert [str(a) for a in async_step(1, 2, 2, 1, 1)] == ["1F2", "1B2", "1U2", "1F3", "1B3", "1U3"]
+    assert async_drain(1, 2, 2, 2, 1) == []  # the last stage owes nothing
+    assert [str(a) for a in async_step(1, 3, 4, 0, 4)] == ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2"]
+    assert [str(a) for a in async_drain(1, 3, 4, 1, 4)] == ["1B3", "1U0"]
+
+
+def test_async_dry_run_bubble_is_warm_up_and_drain_only():
+    for S, M in [(2, 4), (4, 2)]:
+        flush = dry_run(build_plan("1f1b", S, M), {"F": 1, "B": 1})
+        assert flush.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
+        for steps in (4, 16):
+            run = dry_run(build_plan("async-1f1b", S, M, steps=steps), {"F": 1, "B": 1})
+            assert run.bubble_fraction == pytest.approx((S - 1) / (steps * M + S - 1))
+            # per step, the steady state beats a flush by (M + S - 1) / M as the steps grow
+            assert run.makespan < steps * flush.makespan
+    with pytest.raises(ValueError, match="update_every"):
+        async_step(0, 2, 2, 0, 0)
+
+
+def test_weight_versions_of_stashing_and_double_buffering():
+    """Versions a stage stashes: one per micro-batch in flight with an update after each backward (PipeDream),
+    two once an update takes in at least the pipeline's depth of backwards (PipeDream-2BW)."""
+    assert [weight_versions(4, 1, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [weight_versions(4, 4, s) for s in range(4)] == [2, 2, 2, 1]
+    assert weight_versions(3, 8) == 2
+
+
+def test_updates_out_of_order_or_left_behind_are_rejected():
+    plan = async_plan(2, 2, 1, 1)
+    bad = {**plan, 0: [a for a in plan[0] if str(a) != "0U0"]}
+    with pytest.raises(ScheduleError, match="0U1 comes where update 0 is due"):
+        validate(bad, 2)
+    bad = {**plan, 1: plan[1][:-1]}  # the last backward's update missing
+    with pytest.raises(ScheduleError, match="ends with 1 backward"):
+        validate(bad, 2)
