@@ -12,6 +12,7 @@ weights by far more than the tolerance (the flush schedule's weights, checked to
 """
 
 import copy
+import time
 
 import pytest
 import torch
@@ -168,9 +169,70 @@ def test_async_with_replicas(data, shared_cluster, policy):
     assert live_process_groups(shared_cluster) == 0
 
 
+def wait_for(run, pred, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not pred(run.events):
+        assert not run.done(), f"the run ended: {run.status}"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_live_control_under_an_asynchronous_schedule(data, shared_cluster):
+    """Pause (longer than the run's timeout, micro-batches in flight), resume, a live switch allreduce ->
+    sdpipe (a drain first), a slowdown, a stop: each taken up, and the run ends cleanly."""
+    train, _ = data
+    run = sdpipe.train(
+        digits_mlp(),
+        train,
+        stages=2,
+        pipelines=2,
+        epochs=200,
+        schedule="async-1f1b",
+        policy="allreduce",
+        timeout=3.0,
+        cluster=shared_cluster,
+    )
+    opt = lambda evs: [e for e in evs if e["kind"] == "optimizer"]
+    wait_for(run, lambda evs: len(opt(evs)) >= 8)
+    run.pause()
+    time.sleep(1.0)
+    before = len(opt(run.events))
+    time.sleep(4.0)  # longer than the timeout: the held pipelines' waits stay alive
+    assert len(opt(run.events)) == before and not run.done()
+    run.resume()
+    wait_for(run, lambda evs: len(opt(evs)) >= before + 8)
+    run.set_policy("sdpipe")
+    wait_for(run, lambda evs: any(e["kind"] == "group" and e["reason"] != "global" for e in evs))
+    run.set_heterogeneity(slowdown={1: 2.0})
+    wait_for(run, lambda evs: sum(e["kind"] == "control" and e.get("what") == "heterogeneity" for e in evs) >= 4)
+    run.stop()
+    result = run.result(timeout=60)
+    assert result.stopped
+    driver = [e["what"] for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"]
+    assert driver == ["pause", "resume", "policy", "heterogeneity", "stop"]
+    assert {e["pipeline"] for e in result.events if e["kind"] == "pause"} == {0, 1}
+    switch = [
+        e for e in result.events if e["kind"] == "control" and e.get("what") == "policy" and e["pipeline"] is not None
+    ]
+    assert len(switch) == 4 and len({e["step"] for e in switch}) == 1  # allreduce's replicas switched together
+    drains = [e for e in result.events if e["kind"] == "wait" and e.get("what") == "drain"]
+    assert drains  # sends waited for at the drains
+    assert live_process_groups(shared_cluster) == 0
+
+
+def test_checkpoint_resume_equals_the_uninterrupted_run(data, shared_cluster, tmp_path):
+    """A checkpoint follows an epoch's drain, so resuming from it continues the same run."""
+    train, _ = data
+    common = dict(stages=2, pipelines=2, policy="allreduce", schedule="async-2bw", epochs=3, cluster=shared_cluster)
+    whole = sdpipe.train(digits_mlp(), train, checkpoint_every=1, checkpoint_dir=tmp_path, **common).result(timeout=300)
+    resumed = sdpipe.train(digits_mlp(seed=1), train, resume_from=tmp_path / "epoch-0002", **common).result(timeout=300)
+    assert resumed.steps == whole.steps
+    for a, b in zip(whole.models, resumed.models):
+        assert max_diff(a, b) <= 1e-6
+
+
 def test_stop_mid_run_drains_and_ends(data, shared_cluster, no_leaks):
     train, _ = data
-    import time
 
     run = sdpipe.train(
         digits_mlp(),
