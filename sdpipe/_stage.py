@@ -81,10 +81,16 @@ class AsyncStream:
 
     ``update(loss, versions=n)`` is the run's weight update (the policy's hooks and the optimizer); it is
     called at every ``U`` of the schedule with the last stage's mean loss since the previous one and the
-    number of weight versions stashed then (its ``optimizer`` span records it).  Weight versions are
-    numbered by the updates since the stream started; a forward on version ``v`` clones the weights once
-    (the stash of ``v``), the micro-batch's backward differentiates that clone and adds the gradient to the
-    live weights, and a stash goes once no micro-batch in flight needs it.
+    number of older weight versions stashed then (its ``optimizer`` span records it).
+
+    Weight versions are numbered by the updates since the stream started.  Forwards on the current version
+    run on the live weights' storage (``functional_call`` with tensors that share it but keep their own
+    autograd version counters); just before an update, if a micro-batch in flight ran its forward on the
+    current version, the live weights move to a fresh copy and that version keeps the old storage (a copy on
+    update, as PipeDream-2BW's double buffer), so the update, and any averaging the policy does in it, never
+    touches weights a backward still needs.  A micro-batch's backward differentiates the version its forward
+    used and adds the gradient to the live weights; a version goes once no micro-batch in flight needs it.
+    All changes to the live weights happen inside ``update`` or after a drain.
     """
 
     def __init__(self, w, update_every: int):
@@ -97,7 +103,7 @@ class AsyncStream:
         self.stash: dict = {}  # version -> {name: tensor}
         self.pending: list = []  # (work, tensor) of the sends not known to be complete
         self.losses: list = []  # last stage: losses since the last update
-        self.peak_versions = 0  # most stashed versions at once
+        self.peak_versions = 0  # most older versions stashed at once (copies besides the live weights)
         self.peak_in_flight = 0  # most micro-batches between forward and backward at once
 
     @property
@@ -169,6 +175,7 @@ class AsyncStream:
                 self.pending.append(w.link.isend(self.input_grads.pop(g), w.stage - 1, TAG_GRAD))
                 w.span("send", step_of(), g, t, time.time())
             elif a.op == "U":
+                self._keep_current()
                 losses, self.losses = self.losses, []
                 update(sum(losses) / len(losses) if losses else None, versions=len(self.stash))
                 self.version += 1
@@ -178,12 +185,21 @@ class AsyncStream:
 
     def _forward(self, g: int, x):
         v = self.version
-        if v not in self.stash:
-            self.stash[v] = {n: p.detach().clone().requires_grad_(True) for n, p in self.named}
-            self.peak_versions = max(self.peak_versions, len(self.stash))
+        if v not in self.stash:  # the live weights' storage, not a copy
+            self.stash[v] = {n: p.data.requires_grad_(True) for n, p in self.named}
         self.version_of[g] = v
         self.peak_in_flight = max(self.peak_in_flight, len(self.version_of))
         return torch.func.functional_call(self.w.module, self.stash[v], (x,))
+
+    def _keep_current(self) -> None:
+        """Before an update: versions no micro-batch in flight needs go; the live weights move to a copy if a
+        micro-batch in flight used them."""
+        self._release()
+        if self.version in self.stash:
+            with torch.no_grad():
+                for _, p in self.named:
+                    p.data = p.data.clone()  # the stash keeps the old storage
+            self.peak_versions = max(self.peak_versions, len(self.stash))
 
     def _backward(self, g: int):
         """The gradient of micro-batch ``g`` on the weights its forward used, added to the live weights' own;
@@ -205,9 +221,9 @@ class AsyncStream:
         return got[len(stash)] if len(got) > len(stash) else None
 
     def _release(self) -> None:
-        """Drop the stashes no micro-batch in flight needs (the current version's stays for the next forwards)."""
+        """Drop the older versions no micro-batch in flight needs."""
         used = set(self.version_of.values())
-        for v in [v for v in self.stash if v not in used and v != self.version]:
+        for v in [v for v in self.stash if v not in used]:
             del self.stash[v]
 
 

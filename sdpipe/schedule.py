@@ -218,8 +218,8 @@ def async_plan(stages: int, microbatches: int, steps: int = 4, update_every: int
 
 
 def weight_versions(stages: int, update_every: int, stage: int = 0) -> int:
-    """How many weight versions stage ``stage`` of an asynchronous schedule stashes at most (besides the
-    weights it updates): one per update among the micro-batches in flight and the current one.
+    """How many copies of its weights stage ``stage`` of an asynchronous schedule holds at most: the live
+    weights (which the newest forwards use) and one per older version a micro-batch in flight still needs.
 
     >>> weight_versions(4, 1), weight_versions(4, 4)
     (4, 2)
