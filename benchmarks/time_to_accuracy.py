@@ -24,6 +24,7 @@ delayed 0.05 s).  Results: ``benchmarks/results/time_to_accuracy.md`` and
 paper's mixing) instead of by progress (the default), ``sdpipe-prototype``
 is ``sdpipe`` with the prototype's constant window (``window="prototype"``)
 and ``sdpipe-overlap`` averages overlapped with compute (``overlap=True``).
+A contender ``POLICY@SCHEDULE`` (``allreduce@async-2bw``) runs another schedule than 1F1B.
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
                 train_data, eval_data = digits(seed=seed)
                 order = policies if seed % 2 == 0 else policies[::-1]
                 for policy in order:
-                    mode, sched = VARIANTS.get(policy, (policy, None))
+                    name, _, schedule = policy.partition("@")  # "allreduce@async-2bw": another schedule
+                    mode, sched = VARIANTS.get(name, (name, None))
                     run = sdpipe.train(
                         digits_cnn(a.channels, seed=seed),
                         train_data,
@@ -247,6 +249,7 @@ def main(argv=None) -> int:
                         cuts=(6,) if S == 2 else None,
                         policy=mode,
                         scheduler=sched,
+                        schedule=schedule or "1f1b",
                         epochs=a.max_epochs,
                         batch_size=64,
                         seed=seed,

@@ -140,6 +140,13 @@ def test_no_flush_between_steps_and_a_drain_at_each_epoch_end(data, shared_clust
     n = steps_per_epoch(len(X), BATCH, 1) * M
     assert order.count(("B", n - 1)) == EPOCHS  # the drain took in each epoch's last micro-batch
     assert [r["epoch"] for r in result.history] == list(range(EPOCHS))
+    # the dashboard replays it: every forward and backward on the timeline, each with its weight version
+    from sdpipe.widgets import Dashboard
+
+    dash = Dashboard(result)
+    compute = [e for e in result.events if e["kind"] in ("forward", "backward")]
+    assert len(dash.trace("timeline/compute").x) > 0
+    assert all(isinstance(e["version"], int) for e in compute)
 
 
 @pytest.mark.parametrize("policy", ["allreduce", "sdpipe"])

@@ -208,3 +208,17 @@ def test_a_run_goes_on_while_every_worker_waits_in_an_open_round():
     result = simulate(S, D, costs=costs, microbatches=4, steps=steps)
     assert sum(h["samples"] for h in result.history) == steps * D * 32
     assert sum(e["kind"] == "group" and e["reason"] == "global" for e in result.events) == S
+
+
+@pytest.mark.parametrize("schedule", ["async-1f1b", "async-2bw"])
+def test_an_asynchronous_schedule_steps_at_its_steady_state_without_flush(schedule):
+    """A pipeline alone: a step of an asynchronous schedule lasts the slowest stage's M forwards and backwards
+    (no fill, no flush) and its updates; 1F1B's lasts its flushed plan."""
+    costs = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], optimizer=[1e-3, 1e-3])
+    net = Network(latency=0.0)  # sends free
+    flush = simulate(2, 1, costs=costs, policy="none", schedule="1f1b", steps=40, network=net)
+    steady = simulate(2, 1, costs=costs, policy="none", schedule=schedule, steps=40, network=net)
+    updates = 4 if schedule == "async-1f1b" else 1  # per step of 4 micro-batches
+    assert steady.wall_time == pytest.approx(40 * (4 * (0.003 + 0.006) + updates * 1e-3), rel=1e-6)
+    flushed = dry_run(build_plan("1f1b", 2, 4), {"F": 0.0025, "B": 0.005}).makespan  # at least this much
+    assert flush.wall_time > 40 * flushed > steady.wall_time - 40 * updates * 1e-3
