@@ -82,6 +82,84 @@ def in_flight_peak(events, stages):
     return peaks
 
 
+def _reset_peak() -> int:
+    """Reset this process's peak resident set (Linux: ``/proc/self/clear_refs``); its resident KiB now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS")
+
+
+def _peak_kib() -> int:
+    return _status_kib("VmHWM")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def measured_memory(hidden: int, repeats: int) -> list:
+    """Peak resident memory each worker added during one epoch of a wide MLP (64-H-H-H-10, S = 3, D = 1), per
+    schedule, each run on fresh worker processes after a warm-up epoch: the peak resident set (``VmHWM``,
+    reset through ``/proc/self/clear_refs`` just before the run) minus the resident set then."""
+    import sdpipe
+    from sdpipe.data import digits, digits_mlp
+
+    train_data, _ = digits()
+    rows = []
+    for r in range(repeats):
+        for name in SCHEDULES if r % 2 == 0 else SCHEDULES[::-1]:
+            client, cluster = local_cluster(3)
+            try:
+                warm = sdpipe.train(
+                    digits_mlp(hidden=hidden, layers=3),
+                    train_data,
+                    stages=3,
+                    cuts=(4, 6),
+                    pipelines=1,
+                    epochs=1,
+                    batch_size=64,
+                    policy="none",
+                    schedule="1f1b",
+                    cluster=client,
+                )
+                warm.result(timeout=600)  # imports and the first allocations, under the flush schedule
+                before = client.run(_reset_peak)
+                run = sdpipe.train(
+                    digits_mlp(hidden=hidden, layers=3),
+                    train_data,
+                    stages=3,
+                    cuts=(4, 6),
+                    pipelines=1,
+                    epochs=1,
+                    batch_size=64,
+                    policy="none",
+                    schedule=name,
+                    cluster=client,
+                )
+                res = run.result(timeout=600)
+                after = client.run(_peak_kib)
+                rank_of = {addr: rank for rank, addr in enumerate(run.workers)}
+                rise = {rank_of[a]: (after[a] - before[a]) / 1024 for a in after if a in rank_of}
+                info = {e["stage"]: e["weight_bytes"] for e in res.events if e["kind"] == "stage"}
+                rows.append(
+                    {
+                        "schedule": name,
+                        "repeat": r,
+                        "rise_mib": [rise.get(k, 0.0) for k in range(3)],
+                        "weight_mib": [info.get(k, 0) / 2**20 for k in range(3)],
+                    }
+                )
+                print(f"memory {name} r{r}: {rows[-1]['rise_mib']}", flush=True)
+            finally:
+                client.close()
+                cluster.close()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -89,10 +167,24 @@ def main(argv=None) -> int:
     ap.add_argument("--channels", type=int, default=64)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "async_schedules.md"))
     ap.add_argument("--from-json", metavar="FILE", help="write the results file again from a recorded .json")
+    ap.add_argument("--memory-hidden", type=int, default=2048, help="width of the MLP whose memory is measured")
+    ap.add_argument("--memory-only", action="store_true", help="measure the memory only, into --out's .json")
     args = ap.parse_args(argv)
-    if args.from_json:
-        recorded = json.loads(Path(args.from_json).read_text())
-        write(recorded["meta"], recorded["rows"], 4, Path(args.out))
+    if args.from_json or args.memory_only:
+        recorded = json.loads(Path(args.from_json or Path(args.out).with_suffix(".json")).read_text())
+        memory = recorded.get("memory")
+        if args.memory_only:
+            memory = {
+                "meta": run_meta(
+                    "async_schedules.py",
+                    argv,
+                    f"digits MLP 64-{args.memory_hidden}-{args.memory_hidden}-{args.memory_hidden}"
+                    "-10, S=3 x D=1 cut at layers 4 and 6, batch 64 in 4 micro-batches, one epoch per run, "
+                    "fresh workers",
+                ),
+                "rows": measured_memory(args.memory_hidden, 2),
+            }
+        write(recorded["meta"], recorded["rows"], 4, Path(args.out), memory)
         return 0
 
     import sdpipe
@@ -163,11 +255,20 @@ def main(argv=None) -> int:
         f"digits CNN ({args.channels} channels), batch {batch} in {M} micro-batches per pipeline, {args.epochs} "
         f"epochs, {args.repeats} repeats alternated; S=2 cut at layer 6; gloo on CPU",
     )
-    write(meta, rows, M, Path(args.out))
+    memory = {
+        "meta": run_meta(
+            "async_schedules.py",
+            argv,
+            f"digits MLP 64-{args.memory_hidden}-{args.memory_hidden}-{args.memory_hidden}-10, "
+            "S=3 x D=1 cut at layers 4 and 6, batch 64 in 4 micro-batches, one epoch per run, fresh workers",
+        ),
+        "rows": measured_memory(args.memory_hidden, 2),
+    }
+    write(meta, rows, M, Path(args.out), memory)
     return 0
 
 
-def write(meta, rows, M, out: Path) -> None:
+def write(meta, rows, M, out: Path, memory=None) -> None:
     lines = ["# Flush (1F1B) against the asynchronous schedules", ""] + meta_lines(meta)
     lines += [
         "",
@@ -245,9 +346,33 @@ def write(meta, rows, M, out: Path) -> None:
                 f"| {S} x {D} | {name} | {' / '.join(map(str, copies))} | {' / '.join(map(str, flight))} | "
                 f"{' / '.join(f'{h / 1e6:.2f} MB' for h in held)} |"
             )
+    if memory:
+        mm = memory["meta"]
+        lines += [
+            "",
+            "Measured: the peak resident memory each worker added during one epoch, "
+            f"median over the runs [min-max] ({mm['config']}; `{mm['command']}`, {mm['date']}): the peak resident "
+            "set (VmHWM, reset through /proc/self/clear_refs just before the run) minus the resident set then, "
+            "each run on fresh worker processes after an unrecorded warm-up epoch under 1F1B. Weights per copy: "
+            + " / ".join(f"{w:.1f} MiB" for w in memory["rows"][0]["weight_mib"])
+            + ".",
+            "",
+            "| schedule | stage 0 MiB | stage 1 MiB | stage 2 MiB |",
+            "|---|---|---|---|",
+        ]
+        for name in SCHEDULES:
+            rs = [r for r in memory["rows"] if r["schedule"] == name]
+            cells = []
+            for k in range(3):
+                v = [r["rise_mib"][k] for r in rs]
+                cells.append(f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]")
+            lines.append(f"| {name} | {' | '.join(cells)} |")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2) + "\n")
+    record = {"meta": meta, "rows": rows, "summary": summary}
+    if memory:
+        record["memory"] = memory
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 
 

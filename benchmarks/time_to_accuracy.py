@@ -238,8 +238,8 @@ def main(argv=None) -> int:
                 train_data, eval_data = digits(seed=seed)
                 order = policies if seed % 2 == 0 else policies[::-1]
                 for policy in order:
-                    name, _, schedule = policy.partition("@")  # "allreduce@async-2bw": another schedule
-                    mode, sched = VARIANTS.get(name, (name, None))
+                    variant, _, schedule = policy.partition("@")  # "allreduce@async-2bw": another schedule
+                    mode, sched = VARIANTS.get(variant, (variant, None))
                     run = sdpipe.train(
                         digits_cnn(a.channels, seed=seed),
                         train_data,

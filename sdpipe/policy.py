@@ -661,10 +661,16 @@ class GossipPairs(_GroupPolicy):
 
     name = "adpsgd"
 
+    @property
+    def tensors(self) -> list:
+        """The stage's state, looked up at each use: an asynchronous schedule moves the live weights to new
+        storage at an update (:class:`sdpipe._stage.AsyncStream`), so a list kept from set-up would go stale."""
+        return _state_tensors(self.worker)
+
     def setup(self, worker) -> None:
         super().setup(worker)
         D, stage = worker.pipelines, worker.stage
-        self.tensors = _state_tensors(worker)
+        self.worker = worker
         self.device = worker.link_device
         self.active = worker.pipeline % 2 == 0
         self.actives, self.passives = rules.gossip_roles(D)
@@ -909,10 +915,14 @@ class ParameterServer(SyncPolicy):
 
     name = "ps"
 
+    @property
+    def tensors(self) -> list:
+        """The stage's state, looked up at each use (see :attr:`GossipPairs.tensors`)."""
+        return _state_tensors(self.worker)
+
     def setup(self, worker) -> None:
         D, stage = worker.pipelines, worker.stage
         self.worker = worker
-        self.tensors = _state_tensors(worker)
         self.device = worker.link_device
         self.pulled = flatten(self.tensors, self.device).clone()
         self.staleness = int(worker.cfg["scheduler"]["staleness"])

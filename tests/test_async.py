@@ -149,10 +149,11 @@ def test_no_flush_between_steps_and_a_drain_at_each_epoch_end(data, shared_clust
     assert all(isinstance(e["version"], int) for e in compute)
 
 
-@pytest.mark.parametrize("policy", ["allreduce", "sdpipe"])
+@pytest.mark.parametrize("policy", ["allreduce", "sdpipe", "ps", "adpsgd"])
 def test_async_with_replicas(data, shared_cluster, policy):
-    """Two pipelines: under allreduce the replicas average per update and stay identical; under sdpipe a
-    ready signal follows each update and the epoch's global sync (after the drain) makes them identical."""
+    """Two pipelines under every policy: under allreduce the replicas average per update and stay identical;
+    under the others each update is followed by the policy's exchange (a ready signal, a push and pull, a
+    gossip pair), and the epoch's global sync (after the drain) makes the replicas identical."""
     train, held_out = data
     run = sdpipe.train(
         digits_mlp(),

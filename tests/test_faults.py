@@ -126,6 +126,36 @@ def test_sdpipe_goes_on_with_three_pipelines_after_a_worker_is_killed(data, clus
     assert live_process_groups(cluster8) == 0
 
 
+def test_an_asynchronous_schedule_goes_on_after_a_worker_is_killed(data, cluster8):
+    """Micro-batches in flight across steps on the killed pipeline: it is dropped like under 1F1B, the
+    others drain at each epoch's end and finish every epoch."""
+    train_data, eval_data = data
+    all_workers_ready(cluster8)
+    run = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        eval_data=eval_data,
+        stages=2,
+        pipelines=4,
+        policy="sdpipe",
+        schedule="async-2bw",
+        epochs=5,
+        batch_size=32,
+        cluster=cluster8,
+    )
+    kill_rank_when(run, cluster8, KILLED_RANK, epoch=1)
+    result = run.result(timeout=600)
+    assert set(result.lost) == {2} and result.finished_pipelines == [0, 1, 3]
+    last = max(h["epoch"] for h in result.history)
+    assert last == 4 and sorted(h["pipeline"] for h in result.history if h["epoch"] == last) == [0, 1, 3]
+    assert final_accuracy(result) > 0.85  # trained on (chance: 0.1)
+    lost = [e for e in result.events if e["kind"] == "worker-lost"]
+    after = [e for e in result.events if e["kind"] == "group" and e["start"] > lost[0]["end"]]
+    assert after and all(2 not in g["group"] for g in after)
+    assert port_closed(run.store_port)
+    assert live_process_groups(cluster8) == 0
+
+
 def test_allreduce_stops_with_an_error_naming_the_killed_worker(data, cluster8):
     train_data, eval_data = data
     all_workers_ready(cluster8)
