@@ -80,7 +80,8 @@ def test_cli_train_flags_are_the_train_config_fields():
     for f in scalar:
         action = flags[f.name]
         assert action.option_strings == [f"--{f.name.replace('_', '-')}"] and action.default == f.default, f.name
-        assert action.type is {"int": int, "float": float}.get(f.type, str) and action.help == docs[f.name], f.name
+        kind = {"int": int, "Optional[int]": int, "float": float}.get(f.type, str)
+        assert action.type is kind and action.help == docs[f.name], f.name
     args = parser.parse_args(
         [
             "train",
