@@ -105,8 +105,6 @@ class AsyncStream:
         self.stash: dict = {}  # version -> {name: tensor}
         self.pending: list = []  # (work, tensor) of the sends not known to be complete
         self.losses: list = []  # last stage: losses since the last update
-        self.peak_versions = 0  # most older versions stashed at once (copies besides the live weights)
-        self.peak_in_flight = 0  # most micro-batches between forward and backward at once
 
     @property
     def idle(self) -> bool:
@@ -190,7 +188,6 @@ class AsyncStream:
         if v not in self.stash:  # the live weights' storage, not a copy
             self.stash[v] = {n: p.data.requires_grad_(True) for n, p in self.named}
         self.version_of[g] = v
-        self.peak_in_flight = max(self.peak_in_flight, len(self.version_of))
         return torch.func.functional_call(self.w.module, self.stash[v], (x,))
 
     def _keep_current(self) -> None:
@@ -201,7 +198,6 @@ class AsyncStream:
             with torch.no_grad():
                 for _, p in self.named:
                     p.data = p.data.clone()  # the stash keeps the old storage
-            self.peak_versions = max(self.peak_versions, len(self.stash))
 
     def _backward(self, g: int):
         """The gradient of micro-batch ``g`` on the weights its forward used, added to the live weights' own;
