@@ -154,7 +154,8 @@ def main(argv=None) -> int:
 
         def run(scenario: str, policy: str, rep: int) -> None:
             t = time.time()
-            mode, variant = VARIANTS.get(policy, (policy, {}))
+            name, _, schedule = policy.partition("@")  # "sdpipe@async-1f1b": another schedule than 1F1B
+            mode, variant = VARIANTS.get(name, (name, {}))
             seed = rep if args.seeds else 0
             train_data, eval_data = digits(seed=seed)
             r = sdpipe.train(
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
                 cuts=cuts,
                 seed=seed,
                 policy=mode,
+                schedule=schedule or "1f1b",
                 heterogeneity=slept.get(scenario),
                 cluster=hosts,
                 **{**common, "scheduler": {**common["scheduler"], **variant}},
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
             reached = [r["time_to_target"] for r in pick(scenario, p) if r["time_to_target"] is not None]
             summary[scenario][p]["time_to_target"] = statistics.median(reached) if reached else None
             summary[scenario][p]["time_to_target_all"] = [r["time_to_target"] for r in pick(scenario, p)]
-            if VARIANTS.get(p, (p,))[0] == "sdpipe":
+            if VARIANTS.get(p.partition("@")[0], (p.partition("@")[0],))[0] == "sdpipe":
                 g = [r["groups"] for r in pick(scenario, p)]
                 summary[scenario][p]["groups_without_slow"] = statistics.median(
                     x["multi_member_groups_without_slow"] / max(1, x["multi_member_groups"]) for x in g
