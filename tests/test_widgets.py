@@ -224,7 +224,9 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
     try:
         deadline = time.monotonic() + 60
         while dash.view.count < 200:
-            assert time.monotonic() < deadline and not run.done()
+            if run.done():
+                run.result(timeout=10)  # a run that ended in an error raises it here, with its message
+            assert time.monotonic() < deadline and not run.done(), run.status
             time.sleep(0.1)
         t = time.monotonic()
         sum(range(1000))  # the caller's thread is free while the dashboard redraws
