@@ -28,6 +28,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
+from .schedule import ASYNC_SCHEDULES, default_update_every
 from .scheduler import POLICY_PRESETS, SchedulerPolicy
 
 __all__ = [
@@ -45,8 +46,8 @@ POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 #: policies a running run can switch between with Run.set_policy
 LIVE_POLICIES = ("sdpipe", "allreduce", "none")
 SCHEDULE_NAMES = ("1f1b", "gpipe", "async-1f1b", "async-2bw")
-#: schedules that never flush between steps (sdpipe.schedule.ASYNC_SCHEDULES)
-ASYNC_SCHEDULE_NAMES = ("async-1f1b", "async-2bw")
+#: schedules that never flush between steps
+ASYNC_SCHEDULE_NAMES = ASYNC_SCHEDULES
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
@@ -312,7 +313,7 @@ class TrainConfig:
             return self.microbatches
         if self.update_every is not None:
             return self.update_every
-        return 1 if self.schedule == "async-1f1b" else max(self.microbatches, self.stages)
+        return default_update_every(self.schedule, self.stages, self.microbatches)
 
     @property
     def microbatch_size(self) -> int:

@@ -486,11 +486,12 @@ class _Simulation:
         self.proxy = _Proxy(S, D, self.rng, lr, noise)
         self.jitter_sigma = [math.sqrt(math.log1p(j**2)) for j in costs.jitter]  # log-normal, mean 1
         # heterogeneity holds still in a simulation: each pipeline's step costs and each worker's link delay, once
-        plan = build_plan(config.schedule, S, M)  # with its sends and receives
-        if config.schedule in ASYNC_SCHEDULES:  # and a step's span in the steady state, from 8 and 9 steps
+        if config.schedule in ASYNC_SCHEDULES:  # a step's span in the steady state, from 8 and 9 steps
             every = config.resolved_update_every
             plan = (build_plan(config.schedule, S, M, steps=8, update_every=every), 8)
             plan = (plan, build_plan(config.schedule, S, M, steps=9, update_every=every))
+        else:
+            plan = build_plan(config.schedule, S, M)  # with its sends and receives
         finish: dict = {}
         self.step_costs = []  # per pipeline: (per-stage finish, compute, forward seconds of one step)
         for p in range(D):
