@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import _tree
 from .protocol import Keys
 
 TAG_CTRL, TAG_ACT, TAG_GRAD = 0, 1, 2
@@ -128,6 +129,28 @@ class Link:
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device)
         self.group.recv([buf], src, tag).wait()
         return buf.to(self.device)
+
+    def isend_tree(self, obj, dst: int, tag: int) -> list:
+        """Send a tensor structure (:mod:`sdpipe._tree`): a header with every tensor's sizes, then the tensors.
+
+        Returns the ``(work, tensor)`` pairs of the sends, which must be waited for (or kept) until complete.
+        """
+        leaves, _ = _tree.flatten(obj)
+        header = torch.tensor([n for t in leaves for n in t.shape], dtype=torch.int64)
+        return [self.isend(header, dst, tag)] + [self.isend(t, dst, tag) for t in leaves]
+
+    def recv_tree(self, layout: _tree.Layout, src: int, tag: int):
+        """Receive a structure of ``layout`` sent by :meth:`isend_tree`; its sizes come with it."""
+        header = self.recv((layout.header_size,), torch.int64, src, tag).tolist()
+        leaves, at = [], 0
+        for dtype, nd in zip(layout.dtypes, layout.ndims):
+            leaves.append(self.recv(tuple(header[at : at + nd]), getattr(torch, dtype), src, tag))
+            at += nd
+        return _tree.unflatten(layout.skeleton, leaves)
+
+    def recv_like(self, tensors: list, src: int, tag: int) -> list:
+        """Receive one tensor of each of ``tensors``' shapes and dtypes (the gradients of tensors sent before)."""
+        return [self.recv(tuple(t.shape), t.dtype, src, tag) for t in tensors]
 
 
 def mark_lost(store, pipeline: int, why: str) -> None:

@@ -151,7 +151,10 @@ class Launcher:
         to three times.
         """
         run, cfg, S = self.run, self.run.config, self.run.config.stages
-        X, Y, EX, EY = data
+        source, eval_source = data
+        # stage 0 reads the inputs of a batch, the last stage its targets
+        X, Y = source.part("inputs"), source.part("targets")
+        EX, EY = (None, None) if eval_source is None else (eval_source.part("inputs"), eval_source.part("targets"))
 
         def scatter(obj, where):
             if obj is None:

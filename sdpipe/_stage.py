@@ -13,67 +13,101 @@ updates (``U``) after every ``update_every`` backwards; the run drains it where 
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional
 
 import torch
 
 from ._comm import TAG_ACT, TAG_GRAD
+from ._tree import flatten, rows, split, to_device
 from .schedule import async_drain, async_step, stage_communication
 
 __all__ = ["train_step", "evaluate", "AsyncStream"]
 
 
 def train_step(w, step: int, xb, yb) -> Optional[float]:
-    """Run this stage's share of one step (all micro-batches) and return the loss at the last stage."""
+    """Run this stage's share of one step (all micro-batches) and return the loss at the last stage.
+
+    ``xb`` (stage 0) and ``yb`` (the last stage) are the batch's inputs and targets, tensor structures cut
+    into the step's micro-batches along dimension 0.  A micro-batch's loss counts its share of the batch's
+    samples, so a step minimizes the batch's loss as one process would (for a mean-reducing ``loss_fn``).
+    """
     M = w.cfg["microbatches"]
-    mb = w.cfg["batch_size"] // M
+    xs = split(xb, M) if w.first else None
+    ys = split(yb, M) if w.last else None
+    n = rows(flatten(yb)[0]) if w.last else 0
     inputs, outputs, grads, pending = {}, {}, {}, []
-    losses = []
+    loss_sum = None
     for a in w.plan:
         m = a.microbatch
         t = time.time()
         if a.op == "RF":
-            x = w.link.recv((mb, *w.shapes.inp), w.shapes.in_dtype, w.stage - 1, TAG_ACT)
-            if x.is_floating_point():
-                x.requires_grad_(True)
-            inputs[m] = x
+            inputs[m] = _receive(w)
             w.span("recv", step, m, t, time.time())
         elif a.op == "F":
-            x = xb[m * mb : (m + 1) * mb] if w.first else inputs[m]
-            out = w.module(x)
+            out = w.module(xs[m] if w.first else inputs[m])
             if w.last:
-                loss = w.loss_fn(out, yb[m * mb : (m + 1) * mb])
-                losses.append(float(loss.detach()))
-                outputs[m] = loss / M
+                loss = w.loss_fn(out, ys[m])
+                parts = n / rows(flatten(ys[m])[0])  # M when the micro-batches are equal
+                loss_sum = (loss_sum or 0.0) + float(loss.detach()) / parts
+                outputs[m] = loss / parts
             else:
                 outputs[m] = out
             w.slow(time.time() - t)
             w.span("forward", step, m, t, time.time())
         elif a.op == "SF":
-            pending.append(w.link.isend(outputs[m], w.stage + 1, TAG_ACT))
+            pending += w.link.isend_tree(outputs[m], w.stage + 1, TAG_ACT)
             w.span("send", step, m, t, time.time())
         elif a.op == "RB":
-            grads[m] = w.link.recv((mb, *w.shapes.out), w.shapes.out_dtype, w.stage + 1, TAG_GRAD)
+            grads[m] = w.link.recv_like(differentiable(outputs[m]), w.stage + 1, TAG_GRAD)
             w.span("recv", step, m, t, time.time())
         elif a.op == "B":
             out = outputs.pop(m)
             if w.last:
                 out.backward()
             else:
-                torch.autograd.backward(out, grads.pop(m))
+                _backward(out, grads.pop(m))
             w.slow(time.time() - t)
             w.span("backward", step, m, t, time.time())
         elif a.op == "SB":
-            g = inputs.pop(m).grad
-            pending.append(w.link.isend(g, w.stage - 1, TAG_GRAD))
+            pending += _send_input_grads(w, input_grads(inputs.pop(m)))
             w.span("send", step, m, t, time.time())
     if pending:
         t = time.time()
         for work, _ in pending:
             work.wait()
         w.span("wait", step, None, t, time.time())
-    return sum(losses) / len(losses) if losses else None
+    return loss_sum
+
+
+def differentiable(obj) -> list:
+    """The floating-point tensors of a structure: the ones a gradient flows back through, in order."""
+    return [t for t in flatten(obj)[0] if t.is_floating_point()]
+
+
+def _receive(w):
+    """A micro-batch's input from the previous stage; its floating-point tensors will want their gradients."""
+    x = w.link.recv_tree(w.layout_in, w.stage - 1, TAG_ACT)
+    for t in differentiable(x):
+        t.requires_grad_(True)
+    return x
+
+
+def input_grads(x) -> list:
+    """The gradients of a received input's floating-point tensors (zeros for one the stage did not use)."""
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in differentiable(x)]
+
+
+def _send_input_grads(w, grads: list) -> list:
+    return [w.link.isend(g, w.stage - 1, TAG_GRAD) for g in grads]
+
+
+def _backward(out, grads: list) -> None:
+    """Backward from a stage's output given the gradients of its floating-point tensors (those that need one)."""
+    pairs = [(t, g) for t, g in zip(differentiable(out), grads) if t.requires_grad]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
 class AsyncStream:
@@ -137,23 +171,20 @@ class AsyncStream:
     def _walk(self, actions, step_of, xb, yb, first, update) -> Optional[float]:
         w = self.w
         M = w.cfg["microbatches"]
-        mb = w.cfg["batch_size"] // M
+        xs = split(xb, M) if w.first and xb is not None else None
+        ys = split(yb, M) if w.last and yb is not None else None
         step_losses = []
         for a in stage_communication(actions, w.stage, w.stages):
             g = a.microbatch
             t = time.time()
             if a.op == "RF":
-                x = w.link.recv((mb, *w.shapes.inp), w.shapes.in_dtype, w.stage - 1, TAG_ACT)
-                if x.is_floating_point():
-                    x.requires_grad_(True)
-                self.inputs[g] = x
+                self.inputs[g] = _receive(w)
                 w.span("recv", step_of(), g, t, time.time())
             elif a.op == "F":
                 m = g - first
-                x = xb[m * mb : (m + 1) * mb] if w.first else self.inputs[g]
-                out = self._forward(g, x)
+                out = self._forward(g, xs[m] if w.first else self.inputs[g])
                 if w.last:
-                    loss = w.loss_fn(out, yb[m * mb : (m + 1) * mb])
+                    loss = w.loss_fn(out, ys[m])
                     step_losses.append(float(loss.detach()))
                     self.losses.append(step_losses[-1])
                     out = loss / self.update_every
@@ -161,10 +192,10 @@ class AsyncStream:
                 w.slow(time.time() - t)
                 w.span("forward", step_of(), g, t, time.time(), version=self.version_of[g])
             elif a.op == "SF":
-                self.pending.append(w.link.isend(self.outputs[g], w.stage + 1, TAG_ACT))
+                self.pending += w.link.isend_tree(self.outputs[g], w.stage + 1, TAG_ACT)
                 w.span("send", step_of(), g, t, time.time())
             elif a.op == "RB":
-                self.grads[g] = w.link.recv((mb, *w.shapes.out), w.shapes.out_dtype, w.stage + 1, TAG_GRAD)
+                self.grads[g] = w.link.recv_like(differentiable(self.outputs[g]), w.stage + 1, TAG_GRAD)
                 w.span("recv", step_of(), g, t, time.time())
             elif a.op == "B":
                 v = self.version_of[g]
@@ -172,7 +203,7 @@ class AsyncStream:
                 w.slow(time.time() - t)
                 w.span("backward", step_of(), g, t, time.time(), version=v)
             elif a.op == "SB":
-                self.pending.append(w.link.isend(self.input_grads.pop(g), w.stage - 1, TAG_GRAD))
+                self.pending += _send_input_grads(w, self.input_grads.pop(g))
                 w.span("send", step_of(), g, t, time.time())
             elif a.op == "U":
                 self._keep_current()
@@ -199,16 +230,22 @@ class AsyncStream:
                 for _, p in self.named:
                     p.data = p.data.clone()  # the stash keeps the old storage
 
-    def _backward(self, g: int):
+    def _backward(self, g: int) -> list:
         """The gradient of micro-batch ``g`` on the weights its forward used, added to the live weights' own;
-        the gradient of its input (stages after the first), or None."""
+        the gradients of its input's floating-point tensors (stages after the first; zeros for one not used)."""
         w = self.w
         out = self.outputs.pop(g)
         stash = self.stash[self.version_of.pop(g)]
-        x = self.inputs.pop(g, None) if not w.first else None
-        wants = list(stash.values()) + ([x] if x is not None and x.requires_grad else [])
-        grad_out = None if w.last else self.grads.pop(g)
-        got = torch.autograd.grad(out, wants, grad_outputs=grad_out, allow_unused=True) if wants else ()
+        xs = differentiable(self.inputs.pop(g)) if not w.first else []
+        if w.last:
+            outs, grad_outs = [out], None
+        else:
+            pairs = [(t, gr) for t, gr in zip(differentiable(out), self.grads.pop(g)) if t.requires_grad]
+            outs, grad_outs = [t for t, _ in pairs], [gr for _, gr in pairs]
+        wants = list(stash.values()) + xs
+        got = (
+            torch.autograd.grad(outs, wants, grad_outputs=grad_outs, allow_unused=True) if outs else [None] * len(wants)
+        )
         for (_, p), gp in zip(self.named, got):
             if gp is None:
                 continue
@@ -216,7 +253,7 @@ class AsyncStream:
                 p.grad = gp.detach().clone()
             else:
                 p.grad.add_(gp)
-        return got[len(stash)] if len(got) > len(stash) else None
+        return [gx if gx is not None else torch.zeros_like(x) for x, gx in zip(xs, got[len(stash) :])]
 
     def _release(self) -> None:
         """Drop the older versions no micro-batch in flight needs."""
@@ -226,32 +263,39 @@ class AsyncStream:
 
 
 def evaluate(w, step: int, X, Y) -> Optional[dict]:
-    """Forward the eval data through this pipeline; the last stage returns loss and accuracy."""
+    """Forward the eval data through this pipeline; the last stage returns the loss and the run's metric."""
     n = w.spec.eval_size
     bs = w.cfg["batch_size"]
+    metric, name = w.spec.metric, w.spec.metric_name
     w.module.eval()
-    loss_sum, correct, t = 0.0, 0, time.time()
-    classify = w.spec.classify
+    loss_sum, metric_sum, elements, t = 0.0, 0.0, 0, time.time()
     with torch.no_grad():
         for lo in range(0, n, bs):
-            k = min(bs, n - lo)
-            if w.first:
-                x = X[lo : lo + k].to(w.device)
-            else:
-                x = w.link.recv((k, *w.shapes.inp), w.shapes.in_dtype, w.stage - 1, TAG_ACT)
+            idx = torch.arange(lo, min(n, lo + bs))
+            x = to_device(X.take(idx), w.device) if w.first else w.link.recv_tree(w.layout_in, w.stage - 1, TAG_ACT)
             out = w.module(x)
             if not w.last:
-                w.link.send(out, w.stage + 1, TAG_ACT)
+                for work, _ in w.link.isend_tree(out, w.stage + 1, TAG_ACT):
+                    work.wait()
                 continue
-            y = Y[lo : lo + k].to(w.device)
-            loss_sum += float(w.loss_fn(out, y)) * k
-            if classify:
-                correct += int((out.argmax(dim=-1) == y).sum())
+            y = to_device(Y.take(idx), w.device)
+            loss_sum += float(w.loss_fn(out, y)) * len(idx)
+            if metric == "accuracy":  # per target element: a token of a sequence, a label of a sample
+                metric_sum += int((out.argmax(dim=-1) == y).sum())
+                elements += y.numel()
+            elif callable(metric):
+                metric_sum += float(metric(out, y)) * len(idx)
     w.module.train()
     w.span("eval", step, None, t, time.time())
     if not w.last:
         return None
     res = {"eval_loss": loss_sum / n}
-    if classify:
-        res["accuracy"] = correct / n
+    if metric == "accuracy":
+        res[name] = metric_sum / elements
+    elif metric == "perplexity":
+        res[name] = math.exp(min(res["eval_loss"], 700.0))
+    elif callable(metric):
+        res[name] = metric_sum / n
+    if name:
+        res["metric"] = name  # which key holds it, for whoever shows the records
     return res

@@ -17,9 +17,9 @@ from typing import Optional
 from ._runtime import Run
 from .checkpoint import load_checkpoint
 from .config import TrainConfig, config_keywords
-from .data import as_tensors, steps_per_epoch
+from .data import as_source
 from .partition import partition
-from .protocol import WorkerSpec
+from .protocol import WorkerSpec, metric_name
 from .schedule import build_plan
 
 __all__ = ["train"]
@@ -27,14 +27,46 @@ __all__ = ["train"]
 
 @config_keywords
 def train(
-    model, train_data, *, eval_data=None, loss_fn=None, cluster=None, resume_from=None, security=None, **options
+    model,
+    train_data,
+    *,
+    eval_data=None,
+    loss_fn=None,
+    metric=None,
+    collate_fn=None,
+    cluster=None,
+    resume_from=None,
+    security=None,
+    **options,
 ) -> Run:
     """Train ``model`` with ``stages`` x ``pipelines`` workers; returns a :class:`Run` at once.
 
     ``model`` is an ``nn.Sequential`` (cut into ``stages`` contiguous stages,
     balanced by parameter count unless ``cuts`` is given) or a list of stage
-    modules.  ``train_data``/``eval_data`` are a torch Dataset or an
-    ``(inputs, targets)`` pair.  ``cluster=None`` starts an embedded
+    modules.  A stage returns a tensor or a tuple, list or dict of tensors
+    (nested as you like, the micro-batch along dimension 0 of each); the next
+    stage receives that structure as its one argument.
+
+    ``train_data``/``eval_data`` are an ``(inputs, targets)`` pair (tensors,
+    or structures of tensors with the samples along dimension 0) or a
+    map-style torch ``Dataset`` whose items ``collate_fn`` (default: torch's
+    ``default_collate``) turns into an ``(inputs, targets)`` pair per batch;
+    a ``collate_fn`` that pads each batch to its own longest sequence gives
+    batches of different shapes, which is fine.
+
+    ``loss_fn(output, targets) -> loss`` (default: cross entropy) takes the
+    last stage's output for one micro-batch; a step's loss is the
+    micro-batches' losses weighted by their share of the batch's samples (for a
+    mean-reducing loss, the batch's mean, as one process would compute it).
+    ``metric``: what the evaluation reports next to the held-out loss, under
+    its name: ``"accuracy"`` (the share of target elements whose class scores,
+    on the output's last dimension, are highest), ``"perplexity"``
+    (``exp`` of the held-out loss), a function ``(output, targets) -> number``
+    (averaged over the evaluation's batches, weighted by their samples; named
+    by its ``__name__``), or None: accuracy for integer targets of class
+    scores, else the loss alone.
+
+    ``cluster=None`` starts an embedded
     ``LocalCluster`` (one single-threaded process per worker, closed at the
     end); a scheduler address or a ``distributed.Client`` uses an existing one.
 
@@ -58,27 +90,34 @@ def train(
     one-line ``ValueError`` naming the field.
     """
     config = TrainConfig(**options)  # options only ever holds TrainConfig fields (see config_keywords)
-    return _start(config, model, train_data, eval_data, loss_fn, cluster, resume_from, security)
+    data = (train_data, eval_data, collate_fn)
+    return _start(config, model, data, loss_fn, metric, cluster, resume_from, security)
 
 
-def _start(config: TrainConfig, model, train_data, eval_data, loss_fn, cluster, resume_from, security) -> Run:
+def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_from, security) -> Run:
     """The checks after the configuration's own, the worker spec, and the run."""
+    import torch
     from torch import nn
 
     if cluster is None:
         _check_main_guard()
     _check_device(config, cluster)
     stage_modules = [copy.deepcopy(m) for m in partition(model, config.stages, config.cuts)]
-    X, Y = as_tensors(train_data, "train_data")
-    EX = EY = None
-    if eval_data is not None:
-        EX, EY = as_tensors(eval_data, "eval_data")
-    steps = _check_data(config, len(X))
+    train_data, eval_data, collate_fn = data
+    if collate_fn is not None and not callable(collate_fn):
+        raise ValueError(
+            f"collate_fn: must be callable (list of items) -> (inputs, targets), got {type(collate_fn).__name__}"
+        )
+    source = as_source(train_data, "train_data", collate_fn)
+    eval_source = None if eval_data is None else as_source(eval_data, "eval_data", collate_fn)
+    steps, batches = _check_data(config, len(source))
     if loss_fn is None:
         loss_fn = nn.CrossEntropyLoss()
     elif not callable(loss_fn):
         raise ValueError(f"loss_fn: must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
-    shapes = _probe_shapes(stage_modules, X[: config.microbatch_size])
+    sample, targets = source.take(torch.arange(config.microbatch_size))
+    layouts, output = _probe_layouts(stage_modules, sample)
+    metric = _check_loss_and_metric(loss_fn, metric, output, targets)
     resume = None
     start = {}
     if resume_from is not None:
@@ -95,13 +134,13 @@ def _start(config: TrainConfig, model, train_data, eval_data, loss_fn, cluster, 
         backend=config.resolved_backend,
         stage_modules=stage_modules,
         loss_fn=loss_fn,
-        shapes=shapes,
+        layouts=layouts,
         plan=build_plan(config.schedule, config.stages, config.microbatches, update_every=config.resolved_update_every),
-        train_size=len(X),
-        eval_size=0 if EX is None else len(EX),
+        train_size=len(source),
+        eval_size=0 if eval_source is None else len(eval_source),
         steps_per_epoch=steps,
-        batches_per_epoch=len(X) // config.batch_size,
-        classify=not Y.is_floating_point(),
+        batches_per_epoch=batches,
+        metric=metric,
         t0=time.time(),
         **start,
     )
@@ -109,7 +148,7 @@ def _start(config: TrainConfig, model, train_data, eval_data, loss_fn, cluster, 
         config,
         stage_modules,
         spec,
-        (X, Y, EX, EY),
+        (source, eval_source),
         cluster,
         from_sequential=isinstance(model, nn.Sequential),
         resume=resume,
@@ -132,17 +171,25 @@ def _check_device(config: TrainConfig, cluster) -> None:
         )
 
 
-def _check_data(config: TrainConfig, n: int) -> int:
-    """Steps per pipeline and epoch, or a one-line error when the data holds no full step."""
-    steps = steps_per_epoch(n, config.batch_size, config.pipelines)
-    if n < config.batch_size:
-        raise ValueError(f"batch_size: {config.batch_size} exceeds the {n} training samples")
+def _check_data(config: TrainConfig, n: int) -> tuple[int, int]:
+    """Steps per pipeline in lock step and batches per epoch, or a one-line error when the data holds no full step."""
+    bs, rest = config.batch_size, n % config.batch_size
+    if n < bs:
+        raise ValueError(f"batch_size: {bs} exceeds the {n} training samples")
+    batches = n // bs
+    if not config.drop_last and rest:
+        if rest < config.microbatches:
+            raise ValueError(
+                f"drop_last: the last batch would hold {rest} samples, fewer than the {config.microbatches} "
+                f"micro-batches; keep drop_last=True or change batch_size"
+            )
+        batches += 1
+    steps = batches // config.pipelines
     if steps < 1 and config.policy == "allreduce":
         raise ValueError(
-            f"batch_size: {config.batch_size} x {config.pipelines} pipelines exceeds the {n} training "
-            f"samples; no full step per epoch"
+            f"batch_size: {bs} x {config.pipelines} pipelines exceeds the {n} training samples; no full step per epoch"
         )
-    return steps
+    return steps, batches
 
 
 def _check_security(security, cluster) -> None:
@@ -156,24 +203,75 @@ def _check_security(security, cluster) -> None:
         raise ValueError("security: applies to a scheduler address or a cluster object; a Client brings its own")
 
 
-def _probe_shapes(stage_modules, sample):
-    """Feature shape and dtype of each stage's output, from one micro-batch on the driver."""
+def _probe_layouts(stage_modules, sample):
+    """The layout of each stage's output (:mod:`sdpipe._tree`), from one micro-batch on the driver, and the last
+    stage's output; one-line errors naming the stage that fails, or returns what cannot cross a boundary."""
     import torch
 
-    shapes = []
+    from ._tree import describe, layout_of
+
+    layouts = []
     x = sample
     with torch.no_grad():
         for s, mod in enumerate(stage_modules):
+            given = "a micro-batch of train_data" if s == 0 else f"stage {s - 1}'s output {describe(x)}"
             try:
                 x = copy.deepcopy(mod)(x)
             except Exception as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise ValueError(f"model: stage {s} fails on {given}: {type(e).__name__}: {first}") from None
+            try:
+                layouts.append(layout_of(x, "output"))
+            except ValueError as e:
                 raise ValueError(
-                    f"model: stage {s} fails on a micro-batch of train_data: {type(e).__name__}: {e}"
+                    f"model: stage {s} must return a tensor or a tuple, list or dict of tensors with the micro-batch "
+                    f"as dimension 0; its {e}"
                 ) from None
-            if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != sample.shape[0]:
-                raise ValueError(f"model: stage {s} must return one tensor with the micro-batch as dimension 0")
-            shapes.append((tuple(x.shape[1:]), str(x.dtype).replace("torch.", "")))
-    return shapes
+    return layouts, x
+
+
+def _check_loss_and_metric(loss_fn, metric, output, targets):
+    """The metric to report (a name or a function), after one trial of the loss and the metric on the last
+    stage's output for the trial micro-batch."""
+    import torch
+
+    from ._tree import describe
+
+    what = f"the last stage's output {describe(output)} and targets {describe(targets)}"
+    try:
+        with torch.no_grad():
+            loss = loss_fn(output, targets)
+    except Exception as e:
+        raise ValueError(f"loss_fn: fails on {what}: {type(e).__name__}: {str(e).strip()[:200]}") from None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise ValueError(f"loss_fn: must return a one-element float tensor, got {describe(loss)} for {what}")
+    classes = (
+        isinstance(output, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and not targets.is_floating_point()
+        and output.dim() == targets.dim() + 1
+        and tuple(output.shape[:-1]) == tuple(targets.shape)
+    )
+    if metric is None:
+        return "accuracy" if classes else None
+    if metric == "accuracy":
+        if not classes:
+            raise ValueError(
+                f"metric: 'accuracy' needs integer targets and class scores on the output's last dimension; got {what}"
+            )
+        return metric
+    if metric == "perplexity":
+        return metric
+    if callable(metric):
+        try:
+            with torch.no_grad():
+                float(metric(output, targets))
+        except Exception as e:
+            raise ValueError(f"metric: {metric_name(metric)} fails on {what}: {type(e).__name__}: {e}") from None
+        return metric
+    raise ValueError(
+        f"metric: must be 'accuracy', 'perplexity', a function (output, targets) -> number or None, got {metric!r}"
+    )
 
 
 def _unguarded_main_line() -> Optional[tuple]:

@@ -18,13 +18,11 @@ The loop asks its policy (``coupled``, ``decide_stop``), never its type.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import random
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,6 +32,7 @@ from . import events
 from ._boundary import CTL_MAX_AGE, Dispenser, PipelineControl
 from ._comm import Link, first_lost, make_group
 from ._stage import AsyncStream, evaluate, train_step
+from ._tree import to_device
 from .checkpoint import write_rank
 from .config import Heterogeneity
 from .data import batch_indices
@@ -141,14 +140,6 @@ def nccl_interface(address: str):
     return None
 
 
-@dataclass
-class _Shapes:
-    inp: tuple  # feature shape entering this stage (None for stage 0)
-    out: tuple  # feature shape leaving this stage
-    in_dtype: torch.dtype
-    out_dtype: torch.dtype
-
-
 class Worker:
     """State of one worker during a run (what policies see as ``worker``)."""
 
@@ -183,13 +174,9 @@ class Worker:
         self.module.train()
         self.loss_fn = spec.loss_fn
         self.optimizer = self._make_optimizer(cfg)
-        shapes = spec.shapes
-        self.shapes = _Shapes(
-            inp=tuple(shapes[self.stage - 1][0]) if not self.first else None,
-            out=tuple(shapes[self.stage][0]),
-            in_dtype=getattr(torch, shapes[self.stage - 1][1]) if not self.first else None,
-            out_dtype=getattr(torch, shapes[self.stage][1]),
-        )
+        #: the layouts (sdpipe._tree) of what this stage receives and returns; sizes travel with each micro-batch
+        self.layout_in = spec.layouts[self.stage - 1] if not self.first else None
+        self.layout_out = spec.layouts[self.stage]
         self.plan = spec.plan[self.stage]
         self.stream = None  # an asynchronous schedule's micro-batches in flight across steps
         if cfg["schedule"] in ASYNC_SCHEDULES:
@@ -341,10 +328,7 @@ class Worker:
         """A ``stage`` record: bytes of this stage's synchronized state and of one micro-batch's output."""
         weight_bytes = sum(t.numel() * t.element_size() for t in _state_tensors(self))
         mb = self.cfg["batch_size"] // self.cfg["microbatches"]
-        activation_bytes = 0
-        if not self.last:
-            item = torch.empty((), dtype=self.shapes.out_dtype).element_size()
-            activation_bytes = mb * math.prod(self.shapes.out) * item
+        activation_bytes = 0 if self.last else mb * self.layout_out.sample_bytes()
         now = time.time() - self.t0
         self.sink.add(events.stage_info(self.pipeline, self.stage, now, weight_bytes, activation_bytes, self.host))
 
@@ -380,6 +364,7 @@ class Training:
         # what coupled replicas agreed in their last collective: stop, policy version, pause
         self.agreed = (False, 0, False)
         self.stopped = False
+        self.batch_rows = 0  # samples of the last batch trained
 
     def run(self) -> dict:
         w, cfg = self.w, self.w.cfg
@@ -417,7 +402,7 @@ class Training:
             loss = self._train(epoch, msg.batch)
             if loss is not None:
                 losses.append(loss)
-            samples += cfg["batch_size"]
+            samples += self.batch_rows
             j += 1
         if samples:
             self._report(epoch, time.time() - started, losses, samples)
@@ -457,8 +442,9 @@ class Training:
             time.sleep(h.straggle_delay)
             w.span("straggle", step, None, t, time.time())
         idx = batch_indices(w.spec.train_size, cfg["batch_size"], cfg["seed"], epoch, batch)
-        xb = self.X[idx].to(w.device) if w.first else None
-        yb = self.Y[idx].to(w.device) if w.last else None
+        xb = to_device(self.X.take(idx), w.device) if w.first else None
+        yb = to_device(self.Y.take(idx), w.device) if w.last else None
+        self.batch_rows = len(idx)
         if w.stream is not None:  # its updates come where the schedule puts them
             return w.stream.step(lambda: self.step, xb, yb, lambda loss, **kw: self._update(epoch, loss, **kw))
         loss = train_step(w, step, xb, yb)
@@ -497,7 +483,7 @@ class Training:
             "pipeline": w.pipeline,
             "loss": sum(losses) / len(losses),
             "samples": samples,
-            "share": samples / (w.spec.batches_per_epoch * bs),
+            "share": samples / min(w.spec.train_size, w.spec.batches_per_epoch * bs),
             "samples_per_s": samples / train_time,
             "steps": len(losses),
             "complete": not self.stopped,

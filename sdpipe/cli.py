@@ -20,7 +20,7 @@ from typing import Optional
 from .config import Heterogeneity, TrainConfig, field_docs
 
 #: the field types that one command-line word gives, and how to read it
-_SCALARS = {int: int, float: float, str: str, Optional[str]: str, Optional[int]: int}
+_SCALARS = {int: int, float: float, str: str, Optional[str]: str, Optional[int]: int, bool: bool}
 
 
 def _flag_fields(cls) -> dict[str, type]:
@@ -35,11 +35,13 @@ def _add_fields(group, cls, names=None) -> None:
     kinds, docs = _flag_fields(cls), field_docs(cls)
     defaults = {f.name: f.default for f in fields(cls)}
     for name in names or kinds:
+        # a yes/no field is a pair of flags: --drop-last / --no-drop-last
+        kind = {"action": argparse.BooleanOptionalAction} if kinds[name] is bool else {"type": kinds[name]}
         group.add_argument(
             f"--{name.replace('_', '-')}",
-            type=kinds[name],
             default=defaults[name],
             help=docs[name].replace("%", "%%") or name.replace("_", " "),
+            **kind,
         )
 
 
@@ -174,6 +176,9 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
                 value = [_slowdown(f"{k}={v}") for k, v in value.items()]
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"config: {path}: field 'slowdown': {e}") from None
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ValueError(f"config: {path}: field {key!r} must be true or false, got {value!r}")
         elif action.type in (int, float):
             ok = (
                 isinstance(value, (int, float))

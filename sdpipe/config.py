@@ -195,6 +195,9 @@ class TrainConfig:
     micro-batches of a step (at least the number of stages, so that two weight versions suffice)."""
     batch_size: int = 32
     """Samples per step per pipeline."""
+    drop_last: bool = True
+    """Leave out an epoch's last samples that do not fill a batch; False trains them as a shorter last batch (it
+    must hold at least one sample per micro-batch)."""
     epochs: int = 10
     """Passes over the training data."""
     sync_every: int = 1
@@ -240,6 +243,8 @@ class TrainConfig:
         _positive_int("microbatches", self.microbatches)
         _check_update_every(self.schedule, self.update_every, self.stages)
         _positive_int("batch_size", self.batch_size)
+        if not isinstance(self.drop_last, bool):
+            raise ValueError(f"drop_last: must be True or False, got {self.drop_last!r}")
         if self.batch_size % self.microbatches:
             raise ValueError(
                 f"batch_size: {self.batch_size} is not divisible into {self.microbatches} micro-batches; "

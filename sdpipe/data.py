@@ -11,37 +11,142 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["as_tensors", "batch_indices", "steps_per_epoch", "leaves_tail", "digits", "digits_mlp"]
+__all__ = [
+    "Source",
+    "TensorSource",
+    "MapSource",
+    "as_source",
+    "batch_indices",
+    "steps_per_epoch",
+    "leaves_tail",
+    "digits",
+    "digits_mlp",
+]
 
 
-def as_tensors(data, name: str):
-    """``(inputs, targets)`` tensors from a torch Dataset or a pair of tensors."""
+class Source:
+    """A training or evaluation set as the workers read it: ``take(idx)`` gives the rows ``idx`` of a batch.
+
+    A source holds inputs and targets, or one of them (:meth:`part`: stage 0 needs only the inputs, the last
+    stage only the targets).  Inputs and targets are tensor structures (:mod:`sdpipe._tree`) with the samples
+    along dimension 0.
+    """
+
+    which: str = "both"
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def take(self, idx):
+        """``(inputs, targets)`` of the rows ``idx`` (a 1-d int64 tensor); only one of them for a part."""
+        raise NotImplementedError
+
+    def part(self, which: str) -> "Source":
+        """This source reading only ``"inputs"`` or ``"targets"``."""
+        raise NotImplementedError
+
+    def _pick(self, inputs, targets):
+        return {"both": (inputs, targets), "inputs": inputs, "targets": targets}[self.which]
+
+
+class TensorSource(Source):
+    """Inputs and targets held in memory as tensor structures; a batch is fancy indexing."""
+
+    def __init__(self, inputs, targets, which: str = "both"):
+        self.inputs, self.targets, self.which = inputs, targets, which
+        self._n = _rows(inputs if inputs is not None else targets)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def take(self, idx):
+        from ._tree import index
+
+        pick = lambda obj: None if obj is None else index(obj, idx)
+        return self._pick(pick(self.inputs), pick(self.targets))
+
+    def part(self, which: str) -> "TensorSource":
+        return TensorSource(
+            self.inputs if which != "targets" else None, self.targets if which != "inputs" else None, which
+        )
+
+
+class MapSource(Source):
+    """A map-style ``Dataset``: a batch is ``collate_fn([dataset[i] for i in idx])``, an ``(inputs, targets)`` pair.
+
+    Stage 0 and the last stage each read the batch's items (each takes its part), so a dataset that does work
+    per item does it twice; a dataset held in memory costs nothing more.
+    """
+
+    def __init__(self, dataset, collate_fn=None, which: str = "both"):
+        self.dataset, self.collate_fn, self.which = dataset, collate_fn, which
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def take(self, idx):
+        from torch.utils.data import default_collate
+
+        batch = (self.collate_fn or default_collate)([self.dataset[i] for i in idx.tolist()])
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("collate_fn: must return an (inputs, targets) pair")
+        return self._pick(batch[0], batch[1])
+
+    def part(self, which: str) -> "MapSource":
+        return MapSource(self.dataset, self.collate_fn, which)
+
+
+def _rows(obj) -> int:
+    from ._tree import flatten, rows
+
+    return rows(flatten(obj)[0])
+
+
+def as_source(data, name: str, collate_fn=None) -> Source:
+    """A :class:`Source` from an ``(inputs, targets)`` pair of tensor structures or a map-style ``Dataset``.
+
+    Checked here, each failure a one-line ``ValueError`` naming ``name``: the kind of data, that it holds
+    samples, that inputs and targets hold as many, and that one batch of two items can be built.
+    """
     import torch
-    from torch.utils.data import Dataset
+    from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        X, Y = data
-    elif isinstance(data, Dataset):
+    from ._tree import flatten, rows
+
+    if isinstance(data, IterableDataset):
+        raise ValueError(f"{name}: an IterableDataset has no length or random access; pass a map-style Dataset")
+    if isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data, Dataset):
+        try:
+            counts = [rows(flatten(part, name)[0], name) for part in data]
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{name}: must be an (inputs, targets) pair of tensors or tensor structures ({e})"
+            ) from None
+        if counts[0] != counts[1]:
+            raise ValueError(f"{name}: inputs hold {counts[0]} samples but targets hold {counts[1]}")
+        if counts[0] == 0:
+            raise ValueError(f"{name}: holds no samples")
+        return TensorSource(data[0], data[1])
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        return as_source(tuple(data.tensors), name)
+    if isinstance(data, Dataset):
         try:
             n = len(data)
         except TypeError:
             raise ValueError(f"{name}: a Dataset must have a length (map-style)") from None
         if n == 0:
             raise ValueError(f"{name}: the Dataset is empty")
-        items = [data[i] for i in range(n)]
-        if not all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items[:1]):
-            raise ValueError(f"{name}: a Dataset must yield (input, target) pairs")
-        X = torch.stack([torch.as_tensor(it[0]) for it in items])
-        Y = torch.stack([torch.as_tensor(it[1]) for it in items])
-    else:
-        raise ValueError(
-            f"{name}: must be a torch Dataset or an (inputs, targets) pair of tensors, got {type(data).__name__}"
-        )
-    if X.shape[0] != Y.shape[0]:
-        raise ValueError(f"{name}: inputs hold {X.shape[0]} samples but targets hold {Y.shape[0]}")
-    if X.shape[0] == 0:
-        raise ValueError(f"{name}: holds no samples")
-    return X, Y
+        source = MapSource(data, collate_fn)
+        try:
+            inputs, targets = source.take(torch.arange(min(2, n)))
+            flatten(inputs, f"{name} inputs")
+            flatten(targets, f"{name} targets")
+        except Exception as e:
+            raise ValueError(f"{name}: a batch of its first items fails: {type(e).__name__}: {e}") from None
+        return source
+    raise ValueError(
+        f"{name}: must be a torch Dataset or an (inputs, targets) pair of tensors, got {type(data).__name__}"
+    )
 
 
 def steps_per_epoch(n: int, batch_size: int, pipelines: int) -> int:
@@ -78,7 +183,8 @@ def _permutation(n: int, seed: int, epoch: int):
 
 
 def batch_indices(n: int, batch_size: int, seed: int, epoch: int, batch: int):
-    """Sample indices of batch ``batch`` of ``epoch`` (a fresh permutation per epoch)."""
+    """Sample indices of batch ``batch`` of ``epoch`` (a fresh permutation per epoch); the last batch of an
+    epoch is shorter when ``n`` is not a multiple of ``batch_size`` (kept unless the run drops it)."""
     return _permutation(n, seed, epoch)[batch * batch_size : (batch + 1) * batch_size]
 
 

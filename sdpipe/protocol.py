@@ -38,6 +38,15 @@ SERVICE_TIMEOUT = 30.0
 
 
 # ------------------------------------------------------------------ the worker's start
+def metric_name(metric) -> Optional[str]:
+    """A metric's name in the epoch records: the string itself, a function's ``__name__`` ("metric" for a
+    lambda), or None for none."""
+    if metric is None or isinstance(metric, str):
+        return metric
+    name = getattr(metric, "__name__", "")
+    return name if name.isidentifier() else "metric"
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
     """Everything a worker task needs, built once by the driver (``train``) and sent with every rank's task."""
@@ -52,8 +61,9 @@ class WorkerSpec:
     """One ``nn.Module`` per stage, with the initial weights."""
     loss_fn: Any
     """``loss_fn(output, target) -> loss`` at the last stage."""
-    shapes: list
-    """Per stage: (feature shape of its output, dtype name), probed on the driver."""
+    layouts: list
+    """Per stage: the :class:`~sdpipe._tree.Layout` of its output (nesting, dtypes, dimensions), probed on the
+    driver."""
     plan: dict
     """The schedule: stage -> its list of actions (:mod:`sdpipe.schedule`)."""
     train_size: int
@@ -62,8 +72,9 @@ class WorkerSpec:
     """Steps each pipeline takes per epoch when all take the same (lock-step shards)."""
     batches_per_epoch: int
     """Batches in one epoch, handed out from the shared counter (work follows speed)."""
-    classify: bool
-    """Integer targets: the evaluation reports accuracy too."""
+    metric: Any
+    """What the evaluation reports next to its loss: "accuracy", "perplexity", a function (output, targets) ->
+    number, or None."""
     t0: float
     """The run's time origin (seconds since the epoch): every event time counts from it."""
     start_epoch: int = 0
@@ -73,6 +84,11 @@ class WorkerSpec:
     store_host: Optional[str] = None
     """Address of the run's rendezvous store (set once it listens)."""
     store_port: Optional[int] = None
+
+    @property
+    def metric_name(self) -> Optional[str]:
+        """The metric's name in the epoch records (a function's ``__name__``), or None."""
+        return metric_name(self.metric)
 
     @property
     def topic(self) -> str:

@@ -1,5 +1,6 @@
 """The command line, run as a user would."""
 
+import argparse
 import subprocess
 import sys
 
@@ -79,7 +80,13 @@ def test_cli_train_flags_are_the_train_config_fields():
     scalar = [f for f in fields(TrainConfig) if f.name not in ("cuts", "heterogeneity", "scheduler")]
     for f in scalar:
         action = flags[f.name]
-        assert action.option_strings == [f"--{f.name.replace('_', '-')}"] and action.default == f.default, f.name
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.type == "bool":  # a pair of flags
+            assert isinstance(action, argparse.BooleanOptionalAction), f.name
+            assert action.option_strings == [flag, f"--no-{flag[2:]}"] and action.default == f.default, f.name
+            assert action.help == docs[f.name], f.name
+            continue
+        assert action.option_strings == [flag] and action.default == f.default, f.name
         kind = {"int": int, "Optional[int]": int, "float": float}.get(f.type, str)
         assert action.type is kind and action.help == docs[f.name], f.name
     args = parser.parse_args(
@@ -97,11 +104,13 @@ def test_cli_train_flags_are_the_train_config_fields():
             "1=2",
             "--model",
             "cnn",
+            "--no-drop-last",
         ]
     )
     config, options = _check(args)
     assert config == TrainConfig(**options)
     assert (config.weight_decay, config.host, config.timeout, config.batch_size) == (0.01, "10.0.0.2", 30.0, 64)
+    assert config.drop_last is False
     assert config.heterogeneity.slowdown == {1: 2.0} and config.cuts == (6,)
     assert {k: v for k, v in config.to_dict().items() if k not in ("heterogeneity", "scheduler", "cuts")} == {
         f.name: getattr(args, f.name) for f in scalar
