@@ -22,7 +22,8 @@ class RunResult:
     models: list
     """One full ``nn.Sequential`` per pipeline, on the CPU."""
     history: list
-    """One dict per epoch and pipeline: epoch, pipeline, loss, accuracy (with eval data), samples_per_s, ..."""
+    """One dict per epoch and pipeline: epoch, pipeline, loss, samples_per_s, ...; with eval data eval_loss and
+    the run's metric under its name (``metric`` says which: "accuracy", "perplexity", a function's name)."""
     events: list
     """Every event record of the run, in arrival order."""
     config: TrainConfig
@@ -35,6 +36,11 @@ class RunResult:
     lost: dict = field(default_factory=dict)
     """Pipelines lost during the run (a worker process or its Dask worker died): pipeline -> what was lost.
     Their entry in ``models`` is None."""
+
+    @property
+    def metric(self):
+        """The name of the metric the evaluation reported (its key in ``history``), or None."""
+        return next((h["metric"] for h in self.history if "metric" in h), None)
 
     @property
     def finished_pipelines(self) -> list:

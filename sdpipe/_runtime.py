@@ -112,6 +112,8 @@ class Run(Steering):
         self.updates_per_epoch = (
             spec.steps_per_epoch * config.pipelines if config.policy == "allreduce" else spec.batches_per_epoch
         )
+        #: Name of the metric the evaluation reports (its key in the epoch records), or None: the loss alone.
+        self.metric = spec.metric_name
         self.policy = config.policy
         self.scheduler_policy = config.scheduler_policy()
         self.heterogeneity = config.heterogeneity or Heterogeneity()

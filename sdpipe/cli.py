@@ -85,14 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
-        help="train the built-in example (MLP on scikit-learn's digits)",
+        help="train a built-in example (digits MLP or CNN, a GPT-style character model, a small ResNet)",
         formatter_class=fmt,
         description="Train the built-in example on an embedded Dask LocalCluster (or --cluster) and "
         "print a progress bar per epoch and a summary.",
     )
-    t.add_argument("--example", choices=["digits"], default="digits", help="built-in model and data")
     t.add_argument(
-        "--model", choices=["mlp", "cnn"], default="mlp", help="the digits MLP or a small CNN (more compute per weight)"
+        "--example",
+        choices=["digits", "gpt", "resnet"],
+        default="digits",
+        help="built-in model and data: digits (scikit-learn's digits, --model mlp or cnn), gpt (a GPT-style character "
+        "model on the standard library's source text, held-out perplexity), resnet (a small ResNet on upscaled digits)",
+    )
+    t.add_argument(
+        "--model",
+        choices=["mlp", "cnn"],
+        default="mlp",
+        help="with --example digits: the MLP or a small CNN (more compute per weight)",
     )
     t.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
     t.add_argument(
@@ -258,8 +267,10 @@ def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int, fir
             if len(done) < pipelines:
                 break
             loss = sum(m["loss"] for m in done) / len(done)
-            accs = [m["accuracy"] for m in done if "accuracy" in m]
-            bar.set_postfix(loss=f"{loss:.3f}", **({"acc": f"{min(accs):.3f}"} if accs else {}))
+            name = next((m["metric"] for m in done if "metric" in m), None)
+            held = [m[name] for m in done if name in m]
+            shown = {name[:4]: f"{(min if name == 'accuracy' else max)(held):.3f}"} if held else {}
+            bar.set_postfix(loss=f"{loss:.3f}", **shown)
             bar.close()
             bar, current = None, current + 1
         if finished:
@@ -277,9 +288,27 @@ def _check(args) -> tuple[TrainConfig, dict]:
         options["heterogeneity"] = Heterogeneity(
             slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay
         )
-    if args.model == "cnn" and args.stages == 2:
+    if args.example == "digits" and args.model == "cnn" and args.stages == 2:
         options["cuts"] = (6,)  # balanced by compute, not by weights
     return TrainConfig(**options), options
+
+
+def _example(args) -> tuple:
+    """The built-in example's model, training and held-out data, and its loss and metric (if not the defaults)."""
+    from .data import digits, digits_cnn, digits_mlp
+
+    if args.example == "gpt":
+        from .examples import char_data, char_gpt, lm_loss
+
+        train_data, eval_data = char_data()
+        return char_gpt(seed=args.seed), train_data, eval_data, {"loss_fn": lm_loss, "metric": "perplexity"}
+    train_data, eval_data = digits(seed=args.seed)
+    if args.example == "resnet":
+        from .examples import digits_resnet
+
+        return digits_resnet(seed=args.seed), train_data, eval_data, {}
+    model = digits_cnn(seed=args.seed) if args.model == "cnn" else digits_mlp(hidden=args.hidden, seed=args.seed)
+    return model, train_data, eval_data, {}
 
 
 def _train(args) -> int:
@@ -292,11 +321,11 @@ def _train(args) -> int:
     )
 
     from . import train
-    from .data import digits, digits_cnn, digits_mlp
 
-    train_data, eval_data = digits(seed=args.seed)
-    model = digits_cnn(seed=args.seed) if args.model == "cnn" else digits_mlp(hidden=args.hidden, seed=args.seed)
-    run = train(model, train_data, eval_data=eval_data, cluster=args.cluster, resume_from=args.resume_from, **options)
+    model, train_data, eval_data, extra = _example(args)
+    run = train(
+        model, train_data, eval_data=eval_data, cluster=args.cluster, resume_from=args.resume_from, **extra, **options
+    )
     per_epoch = run.updates_per_epoch
     try:
         shown = None
@@ -331,16 +360,16 @@ def _train(args) -> int:
         f"({samples / trained:.0f} samples/s, evaluation included); the workers took {began:.1f} s to start"
     )
     print(f"  last epoch ({last + 1}), per pipeline:")
+    name = result.metric
     for h in rows:
-        acc = f"{h['accuracy']:.4f}" if "accuracy" in h else "-"
-        print(
-            f"  pipeline {h['pipeline']}: loss {h['loss']:.4f}  held-out accuracy {acc}  "
-            f"{h['samples_per_s']:.0f} samples/s"
-        )
+        held = f"  held-out loss {h['eval_loss']:.4f}" if "eval_loss" in h else ""
+        held += f"  held-out {name} {h[name]:.4f}" if name in h else ""
+        print(f"  pipeline {h['pipeline']}: loss {h['loss']:.4f}{held}  {h['samples_per_s']:.0f} samples/s")
     print(f"  max parameter difference between pipelines: {result.max_param_diff():.3g}")
-    accs = [h["accuracy"] for h in rows if "accuracy" in h]
-    if accs:
-        print(f"  held-out accuracy: min {min(accs):.4f} over {len(accs)} pipelines")
+    values = [h[name] for h in rows if name in h]
+    if values:  # the worst pipeline's
+        worst, word = (min, "min") if name == "accuracy" else (max, "max")
+        print(f"  held-out {name}: {word} {worst(values):.4f} over {len(values)} pipelines")
     if run.contention:
         print(f"  note: {run.contention}")
     for p, what in sorted(result.lost.items()):

@@ -265,6 +265,8 @@ class Dashboard:
         self.result = source if isinstance(source, RunResult) else None
         cfg = source.config
         self.config = cfg
+        #: the key of the held-out metric the epoch records carry ("accuracy", "perplexity", ...), else the loss
+        self.metric = source.metric or "eval_loss"
         self.interval = interval
         self.view = RunView(cfg.stages, cfg.pipelines, cfg.batch_size, window=window)
         self._cursor = 0
@@ -295,7 +297,7 @@ class Dashboard:
             "timeline": "Stage timeline (recent seconds)",
             "stragglers": "Stragglers: compute per step (red: above 2x the median; p: pipeline, s: stage)",
             "loss": "training loss per step",
-            "accuracy": "held-out accuracy per epoch",
+            "accuracy": f"held-out {self.metric.replace('eval_loss', 'loss')} per epoch",
             "shares": "Whole run: seconds by kind",
         }
         for s in range(S):
@@ -714,8 +716,8 @@ class Dashboard:
             for p in range(v.pipelines):
                 losses = v.losses.get(p, [])
                 T(f"loss/{p}").update(x=[s for s, _ in losses], y=r_list([x for _, x in losses]))
-                ep = [m for m in v.epochs.get(p, []) if "accuracy" in m]
-                T(f"accuracy/{p}").update(x=[m["epoch"] for m in ep], y=[m["accuracy"] for m in ep])
+                ep = [m for m in v.epochs.get(p, []) if self.metric in m]
+                T(f"accuracy/{p}").update(x=[m["epoch"] for m in ep], y=[m[self.metric] for m in ep])
         with self.figure.batch_update():  # x, y, marker colours
             T("stragglers").update(
                 x=short,
