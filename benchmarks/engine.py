@@ -1,6 +1,6 @@
 """Engine efficiency: sdpipe's allreduce against torch.distributed.pipelining, same work, gloo on the CPU.
 
-    python benchmarks/engine.py [--stages 2] [--pipelines 2] [--model cnn|mlp] [--steps 60] [--repeats 3]
+    python benchmarks/engine.py [--stages 2] [--pipelines 2] [--model cnn|mlp|gpt] [--steps 60] [--repeats 3]
 
 Contenders, alternated in every repeat so that machine drift affects all alike:
 
@@ -12,7 +12,11 @@ Contenders, alternated in every repeat so that machine drift affects all alike:
   gradients all-reduced across pipelines per stage and an Adam step.
 
 Same model cut at the same layers, same micro-batching, same batches in the
-same order (``sdpipe.data.batch_indices``), same optimizer.  Measured:
+same order (``sdpipe.data.batch_indices``), same optimizer and loss.  Models:
+the digits CNN or MLP (cross entropy), or ``gpt``: ``sdpipe.examples.char_gpt``
+on the standard library's text in windows of 64 characters (``lm_loss``, the
+mean cross entropy of every position; results ``engine_gpt.md`` with
+``--out``).  Measured:
 samples/s of all pipelines over the steps after a warm-up epoch, and the peak
 resident memory of each worker process (fresh processes per contender).
 Results: ``benchmarks/results/engine.md`` and ``.json``.
@@ -34,11 +38,40 @@ from _common import local_cluster, meta_lines, run_meta, save_figure
 def make_model(name: str):
     from sdpipe.data import digits_cnn, digits_mlp
 
+    if name == "gpt":
+        from sdpipe.examples import char_gpt
+
+        return char_gpt()
     return digits_cnn(32) if name == "cnn" else digits_mlp(hidden=512)
 
 
 def cuts_for(name: str, stages: int):
     return {("cnn", 2): (6,), ("cnn", 4): (3, 5, 8)}.get((name, stages))
+
+
+def load_data(name: str):
+    """``(X, Y)`` training tensors of the model's data."""
+    if name == "gpt":
+        import torch
+
+        from sdpipe.examples import char_data
+
+        windows, _ = char_data()
+        items = [windows[i] for i in range(len(windows))]
+        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+    from sdpipe.data import digits
+
+    return digits()[0]
+
+
+def loss_for(name: str):
+    import torch
+
+    if name == "gpt":
+        from sdpipe.examples import lm_loss
+
+        return lm_loss
+    return torch.nn.CrossEntropyLoss()
 
 
 def _torch_worker(rank, args, port, out):
@@ -49,7 +82,7 @@ def _torch_worker(rank, args, port, out):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from sdpipe import partition
-    from sdpipe.data import batch_indices, digits
+    from sdpipe.data import batch_indices
 
     torch.set_num_threads(1)
     S, D, M, B = args["stages"], args["pipelines"], args["microbatches"], args["batch_size"]
@@ -67,9 +100,9 @@ def _torch_worker(rank, args, port, out):
         module = partition(make_model(args["model"]), S, cuts_for(args["model"], S))[s]
         stage = PipelineStage(module, s, S, torch.device("cpu"), group=pipes[p])
         kind = Schedule1F1B if args["schedule"] == "1f1b" else ScheduleGPipe
-        schedule = kind(stage, M, loss_fn=torch.nn.CrossEntropyLoss())
+        schedule = kind(stage, M, loss_fn=loss_for(args["model"]))
         opt = torch.optim.Adam(module.parameters(), lr=0.002)
-        (X, Y), _ = digits()
+        X, Y = load_data(args["model"])
         n = len(X)
         per_epoch = n // B // D
         warm, steps = per_epoch, args["steps"]
@@ -131,9 +164,8 @@ def run_torch(args: dict) -> dict:
 
 def run_sdpipe(args: dict) -> dict:
     import sdpipe
-    from sdpipe.data import digits
 
-    (X, Y), _ = digits()
+    X, Y = load_data(args["model"])
     S, D, B = args["stages"], args["pipelines"], args["batch_size"]
     per_epoch = len(X) // B // D
     epochs = 1 + -(-args["steps"] // per_epoch)  # a warm-up epoch, then at least ``steps`` steps
@@ -142,6 +174,7 @@ def run_sdpipe(args: dict) -> dict:
         result = sdpipe.train(
             make_model(args["model"]),
             (X, Y),
+            loss_fn=loss_for(args["model"]),
             stages=S,
             pipelines=D,
             policy="allreduce",
@@ -165,7 +198,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--pipelines", type=int, default=2)
-    ap.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    ap.add_argument("--model", choices=["cnn", "mlp", "gpt"], default="cnn")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60, help="measured steps per pipeline (after a warm-up epoch)")
@@ -202,7 +235,8 @@ def main(argv=None) -> int:
     meta = run_meta(
         "engine.py",
         argv,
-        f"digits {a.model.upper()}, {a.stages} stages x {a.pipelines} pipelines, batch {a.batch_size}, "
+        f"{'GPT-style character model (sdpipe.examples.char_gpt)' if a.model == 'gpt' else 'digits ' + a.model.upper()}"
+        f", {a.stages} stages x {a.pipelines} pipelines, batch {a.batch_size}, "
         f"{a.microbatches} micro-batches, Adam 0.002, gloo on the CPU, {a.steps} measured steps per pipeline "
         f"after a warm-up epoch, {a.repeats} repeats alternated",
     )
