@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import _tree
 from .protocol import Keys
 
-TAG_CTRL, TAG_ACT, TAG_GRAD = 0, 1, 2
+TAG_CTRL, TAG_ACT, TAG_GRAD, TAG_TARGET = 0, 1, 2, 3
 
 
 # How long the members of a new averaging group may take to connect. They meet in the run's store

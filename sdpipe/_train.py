@@ -15,9 +15,10 @@ import uuid
 from typing import Optional
 
 from ._runtime import Run
+from ._tree import layout_of
 from .checkpoint import load_checkpoint
 from .config import TrainConfig, config_keywords
-from .data import as_source
+from .data import StreamSource, as_source
 from .partition import partition
 from .protocol import WorkerSpec, metric_name
 from .schedule import build_plan
@@ -96,7 +97,6 @@ def train(
 
 def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_from, security) -> Run:
     """The checks after the configuration's own, the worker spec, and the run."""
-    import torch
     from torch import nn
 
     if cluster is None:
@@ -110,12 +110,13 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
         )
     source = as_source(train_data, "train_data", collate_fn)
     eval_source = None if eval_data is None else as_source(eval_data, "eval_data", collate_fn)
-    steps, batches = _check_data(config, len(source))
+    streamed = isinstance(source, StreamSource)
+    steps, batches = _check_data(config, len(source), source.shard_sizes(config.pipelines) if streamed else None)
     if loss_fn is None:
         loss_fn = nn.CrossEntropyLoss()
     elif not callable(loss_fn):
         raise ValueError(f"loss_fn: must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
-    sample, targets = source.take(torch.arange(config.microbatch_size))
+    sample, targets = source.sample(config.microbatch_size)
     layouts, output = _probe_layouts(stage_modules, sample)
     metric = _check_loss_and_metric(loss_fn, metric, output, targets)
     resume = None
@@ -141,6 +142,8 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
         steps_per_epoch=steps,
         batches_per_epoch=batches,
         metric=metric,
+        streamed=streamed,
+        target_layout=layout_of(targets, "targets") if streamed else None,
         t0=time.time(),
         **start,
     )
@@ -171,19 +174,23 @@ def _check_device(config: TrainConfig, cluster) -> None:
         )
 
 
-def _check_data(config: TrainConfig, n: int) -> tuple[int, int]:
-    """Steps per pipeline in lock step and batches per epoch, or a one-line error when the data holds no full step."""
+def _check_data(config: TrainConfig, n: int, shards: Optional[list] = None) -> tuple[int, int]:
+    """Steps per pipeline in lock step and batches per epoch, or a one-line error when the data holds no full step.
+
+    ``shards``: a stream's items per pipeline; its pipelines read their own shards only, so an epoch's batches
+    are their shards' and lock-step pipelines take the full batches of the smallest shard."""
     bs, rest = config.batch_size, n % config.batch_size
     if n < bs:
         raise ValueError(f"batch_size: {bs} exceeds the {n} training samples")
-    batches = n // bs
-    if not config.drop_last and rest:
-        if rest < config.microbatches:
-            raise ValueError(
-                f"drop_last: the last batch would hold {rest} samples, fewer than the {config.microbatches} "
-                f"micro-batches; keep drop_last=True or change batch_size"
-            )
-        batches += 1
+    if not config.drop_last and rest and rest < config.microbatches and shards is None:
+        raise ValueError(
+            f"drop_last: the last batch would hold {rest} samples, fewer than the {config.microbatches} "
+            f"micro-batches; keep drop_last=True or change batch_size"
+        )
+    if shards is not None:
+        whole = lambda k: k // bs + (not config.drop_last and k % bs >= config.microbatches)
+        return min(shards) // bs, sum(whole(k) for k in shards)
+    batches = n // bs + (not config.drop_last and rest > 0)
     steps = batches // config.pipelines
     if steps < 1 and config.policy == "allreduce":
         raise ValueError(

@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from . import events
 from ._boundary import CTL_MAX_AGE, Dispenser, PipelineControl
-from ._comm import Link, first_lost, make_group
+from ._comm import TAG_TARGET, Link, first_lost, make_group
 from ._stage import AsyncStream, evaluate, train_step
-from ._tree import to_device
+from ._tree import flatten, rows, to_device
 from .checkpoint import write_rank
 from .config import Heterogeneity
-from .data import batch_indices
+from .data import ShardReader, batch_indices
 from .policy import _state_tensors, make_policy
 from .protocol import ControlMessage, GroupServiceClient, GroupServiceError, Keys, Op, WorkerSpec, run_prefix
 from .schedule import ASYNC_SCHEDULES, default_update_every
@@ -193,6 +193,7 @@ class Worker:
         self.hetero_version = 0
         self.policy_version = 0
         self.dispenser = Dispenser(self.store, self.pipeline, self.pipelines, spec.batches_per_epoch)
+        self.reader = None  # stage 0 on a stream: its pipeline's shard (set with the data, in Training)
         self.ctl = PipelineControl(self, connect_store(spec, self.timeout) if self.first else None)
         self.policy = make_policy(cfg["policy"])
         self.policy.setup(self)
@@ -266,7 +267,10 @@ class Worker:
         return self.ctl.read(max_age)
 
     def dispense(self, epoch: int) -> Optional[int]:
-        """Stage 0: the next batch of ``epoch`` from the shared counter, or None (see :class:`Dispenser`)."""
+        """Stage 0: the next batch of ``epoch`` from the shared counter (see :class:`Dispenser`), or from this
+        pipeline's shard of a stream (:class:`~sdpipe.data.ShardReader`); None at the epoch's end."""
+        if self.reader is not None:
+            return self.reader.next(epoch)
         return self.dispenser.next(epoch)
 
     def ask_group(self, step: int, global_sync: bool, waiting: bool = True) -> dict:
@@ -361,6 +365,8 @@ class Training:
     def __init__(self, worker: Worker, X, Y, EX, EY, step: int):
         self.w, self.step = worker, step
         self.X, self.Y, self.EX, self.EY = X, Y, EX, EY
+        if worker.spec.streamed and worker.first:
+            worker.reader = ShardReader(X, worker.pipeline, worker.pipelines, worker.cfg)
         # what coupled replicas agreed in their last collective: stop, policy version, pause
         self.agreed = (False, 0, False)
         self.stopped = False
@@ -441,15 +447,44 @@ class Training:
         if h.straggle_prob > 0 and w.rng.random() < h.straggle_prob:
             time.sleep(h.straggle_delay)
             w.span("straggle", step, None, t, time.time())
-        idx = batch_indices(w.spec.train_size, cfg["batch_size"], cfg["seed"], epoch, batch)
-        xb = to_device(self.X.take(idx), w.device) if w.first else None
-        yb = to_device(self.Y.take(idx), w.device) if w.last else None
-        self.batch_rows = len(idx)
+        sent = []
+        if w.spec.streamed:
+            xb, yb, sent = self._stream_batch(epoch)
+        else:
+            idx = batch_indices(w.spec.train_size, cfg["batch_size"], cfg["seed"], epoch, batch)
+            xb = to_device(self.X.take(idx), w.device) if w.first else None
+            yb = to_device(self.Y.take(idx), w.device) if w.last else None
+            self.batch_rows = len(idx)
         if w.stream is not None:  # its updates come where the schedule puts them
-            return w.stream.step(lambda: self.step, xb, yb, lambda loss, **kw: self._update(epoch, loss, **kw))
-        loss = train_step(w, step, xb, yb)
-        self._update(epoch, loss)
+            loss = w.stream.step(lambda: self.step, xb, yb, lambda loss, **kw: self._update(epoch, loss, **kw))
+        else:
+            loss = train_step(w, step, xb, yb)
+        for work, _ in sent:  # a stream's targets, sent to the last stage
+            work.wait()
+        if w.stream is None:
+            self._update(epoch, loss)
         return loss
+
+    def _stream_batch(self, epoch: int) -> tuple:
+        """``(inputs, targets, sends)`` of a stream's batch: stage 0 reads it from its shard and sends the targets
+        to the last stage (``sends`` to wait for), which receives them."""
+        w = self.w
+        xb = yb = None
+        sent: list = []
+        self.batch_rows = w.cfg["batch_size"]  # a middle stage's count; the first and last know the batch's
+        if w.first:
+            xb, yb = w.reader.take(epoch)
+            self.batch_rows = rows(flatten(xb)[0])
+            xb = to_device(xb, w.device)
+            if w.last:
+                yb = to_device(yb, w.device)
+            else:
+                sent = w.link.isend_tree(yb, w.stages - 1, TAG_TARGET)
+                yb = None
+        elif w.last:
+            yb = w.link.recv_tree(w.spec.target_layout, 0, TAG_TARGET)
+            self.batch_rows = rows(flatten(yb)[0])
+        return xb, yb, sent
 
     def _update(self, epoch: int, loss: Optional[float], **fields) -> None:
         """One weight update: the policy's sync of the gradients (coupled replicas also agree on stop, policy

@@ -15,6 +15,8 @@ __all__ = [
     "Source",
     "TensorSource",
     "MapSource",
+    "StreamSource",
+    "ShardReader",
     "as_source",
     "batch_indices",
     "steps_per_epoch",
@@ -44,6 +46,12 @@ class Source:
     def part(self, which: str) -> "Source":
         """This source reading only ``"inputs"`` or ``"targets"``."""
         raise NotImplementedError
+
+    def sample(self, k: int):
+        """``(inputs, targets)`` of the first ``k`` samples (the driver's trial micro-batch)."""
+        import torch
+
+        return self.take(torch.arange(k))
 
     def _pick(self, inputs, targets):
         return {"both": (inputs, targets), "inputs": inputs, "targets": targets}[self.which]
@@ -96,14 +104,121 @@ class MapSource(Source):
         return MapSource(self.dataset, self.collate_fn, which)
 
 
+class StreamSource(Source):
+    """An ``IterableDataset``, sharded per pipeline: pipeline ``p`` of ``D`` trains on items ``p, p + D, ...`` of
+    each pass over it, in batches of consecutive items of its shard (:class:`ShardReader`).
+
+    Only stage 0 reads the stream; it sends each batch's targets to its pipeline's last stage.  ``items``: the
+    number of items of one pass (``len(dataset)``, else counted by one pass on the driver).
+    """
+
+    def __init__(self, dataset, collate_fn=None, items: int = 0, which: str = "both"):
+        self.dataset, self.collate_fn, self.items, self.which = dataset, collate_fn, items, which
+
+    def __len__(self) -> int:
+        return self.items
+
+    def collate(self, items: list):
+        from torch.utils.data import default_collate
+
+        batch = (self.collate_fn or default_collate)(items)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("collate_fn: must return an (inputs, targets) pair")
+        return batch[0], batch[1]
+
+    def sample(self, k: int):
+        import itertools
+
+        return self.collate(list(itertools.islice(iter(self.dataset), k)))
+
+    def part(self, which: str):
+        # stage 0 reads inputs and targets from the stream; the last stage receives the targets from it
+        return self if which == "inputs" else None
+
+    def shard_sizes(self, pipelines: int) -> list:
+        """Items of each pipeline's shard in one pass."""
+        return [len(range(p, self.items, pipelines)) for p in range(pipelines)]
+
+
+class ShardReader:
+    """Stage 0 of one pipeline on a :class:`StreamSource`: the batches of its shard, a fresh pass each epoch.
+
+    ``next(epoch)`` reads the next batch ahead and gives its number within the epoch (None when the shard is
+    used up: a shorter last batch counts unless ``drop_last``, if it holds at least ``microbatches`` items);
+    ``take(epoch)`` gives the batch read ahead, or reads one (a lock-step policy counts its steps itself).
+    """
+
+    def __init__(self, source: StreamSource, pipeline: int, pipelines: int, cfg: dict):
+        self.source, self.pipeline, self.pipelines = source, pipeline, pipelines
+        self.batch_size, self.drop_last, self.microbatches = cfg["batch_size"], cfg["drop_last"], cfg["microbatches"]
+        self.epoch, self.items, self.read, self.ahead = None, None, 0, None
+
+    def _start(self, epoch: int) -> None:
+        import itertools
+
+        if self.epoch != epoch:
+            self.epoch, self.read, self.ahead = epoch, 0, None
+            self.items = itertools.islice(iter(self.source.dataset), self.pipeline, None, self.pipelines)
+
+    def _read(self):
+        import itertools
+
+        items = list(itertools.islice(self.items, self.batch_size))
+        if len(items) < self.batch_size and (self.drop_last or len(items) < self.microbatches):
+            return None
+        self.read += 1
+        return self.source.collate(items)
+
+    def next(self, epoch: int):
+        self._start(epoch)
+        if self.ahead is None:
+            self.ahead = self._read()
+        return None if self.ahead is None else self.read - 1
+
+    def take(self, epoch: int):
+        self._start(epoch)
+        batch, self.ahead = self.ahead, None
+        if batch is None:
+            batch = self._read()
+        if batch is None:
+            raise RuntimeError(f"pipeline {self.pipeline}: its shard of the stream ran out within epoch {epoch}")
+        return batch
+
+
 def _rows(obj) -> int:
     from ._tree import flatten, rows
 
     return rows(flatten(obj)[0])
 
 
+def _stream(data, name: str, collate_fn, shard: bool) -> Source:
+    """An ``IterableDataset``: for training a :class:`StreamSource`; for evaluation its items, read once here
+    (every pipeline evaluates all of them)."""
+    import itertools
+
+    try:
+        items = None
+        if not shard:
+            items = list(iter(data))
+            n = len(items)
+        elif hasattr(data, "__len__"):
+            n = len(data)
+        else:  # one pass, counting: the progress and a lock-step policy's steps need the epoch's length
+            n = sum(1 for _ in iter(data))
+        first = list(itertools.islice(iter(data), 2))
+        source = StreamSource(data, collate_fn, n)
+        if first:
+            source.collate(first)
+    except Exception as e:
+        raise ValueError(f"{name}: reading its first items fails: {type(e).__name__}: {e}") from None
+    if n == 0:
+        raise ValueError(f"{name}: the IterableDataset yields no items")
+    return source if shard else MapSource(items, collate_fn)
+
+
 def as_source(data, name: str, collate_fn=None) -> Source:
-    """A :class:`Source` from an ``(inputs, targets)`` pair of tensor structures or a map-style ``Dataset``.
+    """A :class:`Source` from an ``(inputs, targets)`` pair of tensor structures, a map-style ``Dataset`` or an
+    ``IterableDataset`` (training data: sharded per pipeline; evaluation data: read once on the driver).
 
     Checked here, each failure a one-line ``ValueError`` naming ``name``: the kind of data, that it holds
     samples, that inputs and targets hold as many, and that one batch of two items can be built.
@@ -114,7 +229,7 @@ def as_source(data, name: str, collate_fn=None) -> Source:
     from ._tree import flatten, rows
 
     if isinstance(data, IterableDataset):
-        raise ValueError(f"{name}: an IterableDataset has no length or random access; pass a map-style Dataset")
+        return _stream(data, name, collate_fn, shard=name == "train_data")
     if isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data, Dataset):
         try:
             counts = [rows(flatten(part, name)[0], name) for part in data]

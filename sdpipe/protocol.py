@@ -75,6 +75,11 @@ class WorkerSpec:
     metric: Any
     """What the evaluation reports next to its loss: "accuracy", "perplexity", a function (output, targets) ->
     number, or None."""
+    streamed: bool = False
+    """The training data is an ``IterableDataset``: stage 0 reads its pipeline's shard and sends each batch's
+    targets to the last stage."""
+    target_layout: Any = None
+    """With ``streamed``: the layout of a batch's targets (what the last stage receives)."""
     t0: float
     """The run's time origin (seconds since the epoch): every event time counts from it."""
     start_epoch: int = 0
