@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -130,22 +131,25 @@ class Link:
         self.group.recv([buf], src, tag).wait()
         return buf.to(self.device)
 
-    def isend_tree(self, obj, dst: int, tag: int) -> list:
-        """Send a tensor structure (:mod:`sdpipe._tree`): a header with every tensor's sizes, then the tensors.
+    def isend_tree(self, obj, dst: int, tag: int, layout: Optional[_tree.Layout] = None, where: str = "output") -> list:
+        """Send a tensor structure (:mod:`sdpipe._tree`): a header with every tensor's dtype and sizes, then the
+        tensors.  With ``layout``, a structure unlike it is a ``ValueError`` naming ``where`` (nothing is sent).
 
         Returns the ``(work, tensor)`` pairs of the sends, which must be waited for (or kept) until complete.
         """
-        leaves, _ = _tree.flatten(obj)
-        header = torch.tensor([n for t in leaves for n in t.shape], dtype=torch.int64)
+        leaves, skeleton = _tree.flatten(obj, where)
+        if layout is not None and skeleton != layout.skeleton:
+            raise ValueError(
+                f"{where} {_tree.describe(obj)} is not structured as on the trial micro-batch; a stage must return "
+                f"the same nesting of tensors every time"
+            )
+        header = torch.tensor(_tree.header(leaves), dtype=torch.int64)
         return [self.isend(header, dst, tag)] + [self.isend(t, dst, tag) for t in leaves]
 
     def recv_tree(self, layout: _tree.Layout, src: int, tag: int):
-        """Receive a structure of ``layout`` sent by :meth:`isend_tree`; its sizes come with it."""
+        """Receive a structure of ``layout`` sent by :meth:`isend_tree`; its dtypes and sizes come with it."""
         header = self.recv((layout.header_size,), torch.int64, src, tag).tolist()
-        leaves, at = [], 0
-        for dtype, nd in zip(layout.dtypes, layout.ndims):
-            leaves.append(self.recv(tuple(header[at : at + nd]), getattr(torch, dtype), src, tag))
-            at += nd
+        leaves = [self.recv(shape, getattr(torch, dtype), src, tag) for dtype, shape in _tree.read_header(header)]
         return _tree.unflatten(layout.skeleton, leaves)
 
     def recv_like(self, tensors: list, src: int, tag: int) -> list:

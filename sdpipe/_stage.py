@@ -57,7 +57,9 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
             w.slow(time.time() - t)
             w.span("forward", step, m, t, time.time())
         elif a.op == "SF":
-            pending += w.link.isend_tree(outputs[m], w.stage + 1, TAG_ACT)
+            pending += w.link.isend_tree(
+                outputs[m], w.stage + 1, TAG_ACT, w.layout_out, f"model: stage {w.stage}'s output"
+            )
             w.span("send", step, m, t, time.time())
         elif a.op == "RB":
             grads[m] = w.link.recv_like(differentiable(outputs[m]), w.stage + 1, TAG_GRAD)
@@ -192,7 +194,9 @@ class AsyncStream:
                 w.slow(time.time() - t)
                 w.span("forward", step_of(), g, t, time.time(), version=self.version_of[g])
             elif a.op == "SF":
-                self.pending += w.link.isend_tree(self.outputs[g], w.stage + 1, TAG_ACT)
+                self.pending += w.link.isend_tree(
+                    self.outputs[g], w.stage + 1, TAG_ACT, w.layout_out, f"model: stage {w.stage}'s output"
+                )
                 w.span("send", step_of(), g, t, time.time())
             elif a.op == "RB":
                 self.grads[g] = w.link.recv_like(differentiable(self.outputs[g]), w.stage + 1, TAG_GRAD)
@@ -275,7 +279,9 @@ def evaluate(w, step: int, X, Y) -> Optional[dict]:
             x = to_device(X.take(idx), w.device) if w.first else w.link.recv_tree(w.layout_in, w.stage - 1, TAG_ACT)
             out = w.module(x)
             if not w.last:
-                for work, _ in w.link.isend_tree(out, w.stage + 1, TAG_ACT):
+                for work, _ in w.link.isend_tree(
+                    out, w.stage + 1, TAG_ACT, w.layout_out, f"model: stage {w.stage}'s output"
+                ):
                     work.wait()
                 continue
             y = to_device(Y.take(idx), w.device)

@@ -2,15 +2,17 @@
 
 A stage may return a tensor or any nesting of tuples, lists and dicts (string keys) of tensors, every tensor
 with the micro-batch as dimension 0; the next stage receives the same structure as its one argument (as in
-``nn.Sequential``).  A :class:`Layout` is the part that is fixed for a run: the nesting, and each tensor's
-dtype and number of dimensions, probed on the driver from one trial micro-batch.  The sizes are not fixed:
-they travel with every micro-batch (:meth:`sdpipe._comm.Link.isend_tree`), so a smaller last batch and
-sequences of different lengths cross a boundary without padding to one size.
+``nn.Sequential``).  A :class:`Layout` is the part that is fixed for a run: the nesting, probed on the driver
+from one trial micro-batch (with each tensor's dtype and dimensions in the trial).  Each tensor's dtype and
+sizes travel with every micro-batch (:meth:`sdpipe._comm.Link.isend_tree`), so a smaller last batch and sequences
+of different lengths cross a boundary without padding to one size.
 
 Worked case: ``{"h": h, "mask": m}`` with ``h`` float32 of shape (4, 7, 16) and ``m`` bool of shape (4, 7)
 flattens to the tensors ``[h, m]`` (dict keys in their order) with the skeleton ``("dict", (("h", None),
 ("mask", None)))``; its layout has dtypes ``("float32", "bool")`` and dimensions ``(3, 2)``, and its header
-on the wire is the int64 tensor ``[4, 7, 16, 4, 7]``.
+on the wire is the int64 tensor ``[0, 3, 4, 7, 16, 0, 0, 0, 0, 0,  9, 2, 4, 7, 0, 0, 0, 0, 0, 0]`` (per
+tensor: its dtype's number, its dimensions, its sizes padded to eight): the receiver knows the header's length
+from the layout, and the dtype and sizes of every tensor from the header.
 """
 
 from __future__ import annotations
@@ -77,24 +79,8 @@ class Layout:
 
     @property
     def header_size(self) -> int:
-        """Length of the int64 header that carries every tensor's sizes."""
-        return sum(self.ndims)
-
-    def check(self, obj, where: str) -> list:
-        """The tensors of ``obj``, after checking it has this layout (a ``ValueError`` naming ``where``)."""
-        try:
-            leaves, skeleton = flatten(obj, where)
-        except TypeError as e:
-            raise ValueError(str(e)) from None
-        if skeleton != self.skeleton:
-            raise ValueError(f"{where}: its structure changed from the trial micro-batch's")
-        for i, (t, dt, nd) in enumerate(zip(leaves, self.dtypes, self.ndims)):
-            if t.dim() != nd or _dtype_name(t.dtype) != dt:
-                raise ValueError(
-                    f"{where}: tensor {i} is {_dtype_name(t.dtype)} with {t.dim()} dimensions, "
-                    f"the trial micro-batch's {dt} with {nd}"
-                )
-        return leaves
+        """Length of the int64 header that carries every tensor's dtype and sizes (:func:`header`)."""
+        return len(self.dtypes) * (2 + MAX_DIMS)
 
     def sample_bytes(self) -> int:
         """Bytes of one sample of this structure, at the probe's sizes."""
@@ -112,6 +98,41 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+#: the most dimensions a tensor crossing a boundary may have
+MAX_DIMS = 8
+#: the dtypes a tensor crossing a boundary may have, by their number in a header
+DTYPES = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+)
+
+
+def header(leaves) -> list:
+    """What travels ahead of a structure's tensors: per tensor its dtype's number in :data:`DTYPES`, its number
+    of dimensions and its sizes, padded to :data:`MAX_DIMS` (a fixed length, :attr:`Layout.header_size`)."""
+    out = []
+    for t in leaves:
+        out += [DTYPES.index(_dtype_name(t.dtype)), t.dim(), *t.shape, *([0] * (MAX_DIMS - t.dim()))]
+    return out
+
+
+def read_header(values: list) -> list:
+    """``[(dtype name, shape), ...]`` from a :func:`header`."""
+    step = 2 + MAX_DIMS
+    rows = [values[i : i + step] for i in range(0, len(values), step)]
+    return [(DTYPES[r[0]], tuple(r[2 : 2 + r[1]])) for r in rows]
+
+
 def layout_of(obj, where: str = "output") -> Layout:
     """The layout of a tensor structure whose tensors all have a dimension 0 of one size (``ValueError`` else)."""
     try:
@@ -119,6 +140,12 @@ def layout_of(obj, where: str = "output") -> Layout:
     except TypeError as e:
         raise ValueError(str(e)) from None
     rows(leaves, where)
+    for i, t in enumerate(leaves):
+        if _dtype_name(t.dtype) not in DTYPES or t.dim() > MAX_DIMS:
+            raise ValueError(
+                f"{where}: tensor {i} is {_dtype_name(t.dtype)} with {t.dim()} dimensions; a boundary carries "
+                f"{', '.join(DTYPES)} with up to {MAX_DIMS}"
+            )
     return Layout(
         skeleton,
         tuple(_dtype_name(t.dtype) for t in leaves),

@@ -23,6 +23,21 @@ def test_cli_train_prints_progress_and_summary(policy, no_leaks):
     assert out.stdout.count("held-out accuracy 0.") == 2
 
 
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    "example, metric",
+    [("gpt", "held-out perplexity"), ("resnet", "held-out accuracy")],
+)
+def test_cli_trains_the_gpt_and_resnet_examples(example, metric, no_leaks):
+    out = sdpipe("train", "--example", example, "--epochs", "1", "--pipelines", "1", "--stages", "2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "epoch 1/1: 100%" in out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("  pipeline 0:"))
+    assert f"{metric} " in line and "held-out loss" in line, out.stdout
+    if example == "gpt":  # perplexity after one epoch, from 128 untrained
+        assert float(line.split("held-out perplexity ")[1].split()[0]) < 40, line
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import sdpipe
-from sdpipe._tree import Layout, flatten, layout_of, split, unflatten
+from sdpipe._tree import Layout, flatten, header, layout_of, read_header, split, unflatten
 from sdpipe.data import batch_indices, digits
 
 from helpers import assert_records_valid
@@ -28,11 +28,11 @@ def test_structures_flatten_split_and_rebuild():
     assert [p["h"].shape[0] for p in parts] == [2, 2, 1] and parts[2]["rest"][0].shape == (1, 7)
     layout = layout_of(obj)
     assert layout == Layout(skeleton, ("float32", "bool", "float32"), (3, 2, 2), ((7, 3), (7,), (3,)))
-    assert layout.header_size == 7
-    # sizes may change from one micro-batch to the next, the layout may not
-    layout.check({"h": torch.randn(2, 9, 3), "rest": (torch.zeros(2, 9, dtype=torch.bool), [torch.randn(2, 3)])}, "x")
-    with pytest.raises(ValueError, match="x: tensor 1 is int64 with 2 dimensions, the trial micro-batch's bool"):
-        layout.check({"h": h, "rest": (m.long(), [h[:, 0]])}, "x")
+    assert layout.header_size == 30  # per tensor: dtype, dimensions, 8 sizes
+    # dtypes and sizes travel in the header: they may change from one micro-batch to the next
+    other = [torch.randn(2, 9, 3, dtype=torch.float64), torch.zeros(2, 9, dtype=torch.bool), torch.randn(2, 3)]
+    assert read_header(header(other)) == [("float64", (2, 9, 3)), ("bool", (2, 9)), ("float32", (2, 3))]
+    assert len(header(other)) == layout.header_size
     with pytest.raises(ValueError, match=r"output\['a'\]\[1\] is a str"):
         layout_of({"a": (h, "mask")})
     with pytest.raises(ValueError, match="micro-batch as dimension 0"):
@@ -301,6 +301,15 @@ def test_gpt_example_under_allreduce_reports_perplexity_with_identical_replicas(
     for h in last:
         assert h["perplexity"] == pytest.approx(math.exp(h["eval_loss"]))
         assert h["eval_loss"] < min(4.2, first[h["pipeline"]]["eval_loss"])  # ln(128) = 4.85 untrained
+    # the dashboard shows the metric by its name
+    from sdpipe.widgets import Dashboard
+
+    dash = Dashboard(result)
+    assert "held-out perplexity per epoch" in [a.text for a in dash.figure.layout.annotations]
+    curve = dash.trace("accuracy/1")
+    assert list(curve.x) == [0, 1] and list(curve.y) == pytest.approx(
+        [h["perplexity"] for h in sorted(result.history, key=lambda h: h["epoch"]) if h["pipeline"] == 1]
+    )
 
 
 # ------------------------------------------------------------------ an IterableDataset, sharded per pipeline
