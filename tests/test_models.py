@@ -387,3 +387,43 @@ def test_a_stream_is_sharded_per_pipeline(policy, shared_cluster, no_leaks):
     ]
     assert result.max_param_diff() < 1e-6
     assert min(h["accuracy"] for h in result.history if h["epoch"] == 2) > 0.85
+
+
+class Shifty(nn.Module):
+    """Returns a tuple on full micro-batches and a bare tensor on a shorter one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h, h) if x.shape[0] == 8 else h
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 10)
+
+    def forward(self, inp):
+        return self.lin(inp[0] + inp[1]) if isinstance(inp, tuple) else self.lin(inp)
+
+
+@pytest.mark.cluster
+def test_a_stage_whose_structure_changes_ends_the_run_with_one_line_naming_it(shared_cluster, no_leaks):
+    (X, Y), _ = digits()
+    run = sdpipe.train(
+        [Shifty(), Pair()],
+        (X[:100], Y[:100]),  # batches of 32, 32, 32 and 4: the last one's micro-batches hold 1 sample
+        stages=2,
+        pipelines=1,
+        batch_size=32,
+        drop_last=False,
+        epochs=1,
+        cluster=shared_cluster,
+    )
+    with pytest.raises(Exception) as info:
+        run.result(timeout=120)
+    assert "model: stage 0's output float32[1, 16] is not structured as on the trial micro-batch" in str(info.value)
+    assert run.status == "error"
