@@ -55,7 +55,9 @@ def connect(cluster, config: TrainConfig, security=None):
         ):
             lc = LocalCluster(**kwargs)
         try:
-            return Client(lc, set_as_default=False), lc, True
+            client = Client(lc, set_as_default=False)
+            client.run(quiet_run_failures)
+            return client, lc, True
         except BaseException:
             lc.close()
             raise
@@ -250,3 +252,23 @@ def bound_store(host: str, timeout: float):
         raise
     sock.detach()  # the store owns the socket now
     return store
+
+
+class QuietRunFailures(logging.Filter):
+    """Drops Dask's "Compute Failed" record of a training rank's task (key ``sdpipe-...``).
+
+    The run reports a failed rank itself, as one line naming the worker and its error (``RunError``); on the
+    embedded cluster Dask's record would add the rank's traceback to the user's terminal or notebook.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = record.msg, record.args
+        failed = isinstance(msg, str) and msg.startswith("Compute Failed") and isinstance(args, tuple) and args
+        return not (failed and str(args[0]).startswith("sdpipe-"))
+
+
+def quiet_run_failures() -> None:
+    """(In a worker process of the embedded cluster) install :class:`QuietRunFailures` once."""
+    log = logging.getLogger("distributed.worker")
+    if not any(isinstance(f, QuietRunFailures) for f in log.filters):
+        log.addFilter(QuietRunFailures())

@@ -427,3 +427,38 @@ def test_a_stage_whose_structure_changes_ends_the_run_with_one_line_naming_it(sh
         run.result(timeout=120)
     assert "model: stage 0's output float32[1, 16] is not structured as on the trial micro-batch" in str(info.value)
     assert run.status == "error"
+
+
+SCRIPT = """
+import sdpipe
+from torch import nn
+from sdpipe.data import digits
+
+
+class Broken(nn.Module):
+    def forward(self, x):
+        return x[:, :16] if x.shape[0] == 8 else (x[:, :16],)
+
+
+if __name__ == "__main__":
+    (X, Y), _ = digits()
+    run = sdpipe.train([Broken(), nn.Linear(16, 10)], (X[:100], Y[:100]), stages=2, pipelines=1, batch_size=32,
+                       drop_last=False, epochs=1)
+    try:
+        run.result(timeout=120)
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}")
+"""
+
+
+@pytest.mark.cluster
+def test_a_failed_rank_on_the_embedded_cluster_prints_no_traceback(tmp_path, no_leaks):
+    """The run's error is one line; Dask's record of the failed task (its traceback) stays out of the terminal."""
+    import subprocess
+    import sys
+
+    (tmp_path / "broken.py").write_text(SCRIPT)
+    out = subprocess.run([sys.executable, "broken.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("RunError: worker pipeline 0 stage 0") and "is not structured as" in out.stdout
+    assert "Traceback" not in out.stderr and "Compute Failed" not in out.stderr, out.stderr[-3000:]
