@@ -54,6 +54,12 @@ stage asked, they form one group with reason "global".  A pending round is
 closed at once when a worker asks for the global group, so nobody waits on a
 worker that will not come.
 
+Joining (elastic pipelines): a worker that was not live, or was lost, joins a stage with ``Join`` once it
+holds a live replica's state (its ``donor``): it is in no group before that, and from then on a live worker
+like any other.  Its model equals the donor's, so the union counts it in the donor's component from its join
+(the connectivity bound counts it from there); without a donor it is a component of its own.  A global group
+waits for it from its join on, not before.
+
 Pairing: above ``pair_threshold`` live workers an ordinary round splits its
 sorted members into adjacent pairs (a trailing odd worker joins the last pair).
 
@@ -77,6 +83,7 @@ __all__ = [
     "Ready",
     "Lost",
     "Tick",
+    "Join",
     "Group",
     "StageScheduler",
     "GroupScheduler",
@@ -242,7 +249,17 @@ class Tick:
     time: float
 
 
-Event = Union[Ready, Lost, Tick]
+@dataclass(frozen=True)
+class Join:
+    """Worker (a pipeline id) joined the stage, holding the state it took from the live worker ``donor`` (None:
+    a state of its own); it takes part in rounds from its next Ready."""
+
+    worker: int
+    time: float
+    donor: Optional[int] = None
+
+
+Event = Union[Ready, Lost, Tick, Join]
 
 
 @dataclass(frozen=True)
@@ -542,7 +559,22 @@ class StageScheduler:
             return self._lost(event)
         if isinstance(event, Tick):
             return self._try_close(event.time)
-        raise TypeError(f"event: {event!r} is not Ready, Lost or Tick")
+        if isinstance(event, Join):
+            return self._join(event)
+        raise TypeError(f"event: {event!r} is not Ready, Lost, Tick or Join")
+
+    def _join(self, ev: Join) -> list:
+        w, donor = ev.worker, ev.donor
+        if w in self.live:
+            raise ValueError(f"worker: {w} already takes part in stage {self.stage}")
+        if donor is not None and donor not in self.live:
+            raise ValueError(f"donor: {donor} is not a live worker of stage {self.stage} (live: {sorted(self.live)})")
+        self.live.add(w)
+        self.windows[w] = self.policy.window_init
+        self.dsu.find(w)  # a component of its own, or (with a donor) the donor's: its model is the donor's
+        if donor is not None:
+            self.dsu.union([donor, w])
+        return self._try_close(ev.time)
 
     def _ready(self, ev: Ready) -> list:
         w = ev.worker
@@ -745,6 +777,10 @@ class GroupScheduler:
     def lost(self, worker: int, now: float) -> list:
         """A whole pipeline is gone: remove it from every stage."""
         return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Lost(worker, now))])
+
+    def join(self, worker: int, now: float, donor: Optional[int] = None) -> list:
+        """A whole pipeline joins (or rejoins): every stage's worker ``worker`` took the state of ``donor``'s."""
+        return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Join(worker, now, donor))])
 
     def leave(self, stage: int, worker: int, now: float) -> list:
         """One worker left its stage (its pipeline stopped)."""

@@ -13,6 +13,7 @@ from sdpipe.scheduler import (
     WINDOW_RULES,
     DisjointSet,
     GroupScheduler,
+    Join,
     Lost,
     Ready,
     SchedulerPolicy,
@@ -21,13 +22,18 @@ from sdpipe.scheduler import (
 )
 
 
-def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, jitter=0.5):
+def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, jitter=0.5, joins=(), start=None):
     """Event-driven run of the scheduler: worker p of each stage computes for 1/speed[p] (x 1 +- jitter),
-    sends Ready, waits for its group, repeats. ``losses``: (time, pipeline) pairs.
+    sends Ready, waits for its group, repeats. ``losses``: (time, pipeline) pairs.  ``start``: the pipelines
+    live at the start (default all); ``joins``: (time, pipeline, donor or None) triples, a donor being any
+    live pipeline (``"any"``: the first live one); each join is logged as (time, None, (pipeline, donor)).
     Returns (decisions, log of (time, stage, group, live-before-decision, waiting-before))."""
     rng = random.Random(seed)
     D = len(speeds)
+    start = range(D) if start is None else start
     sched = GroupScheduler(stages, D, policy)
+    for p in set(range(D)) - set(start):  # not there yet: as a pipeline lost before the start
+        sched.lost(p, 0.0)
     heap, seq = [], 0
 
     def push(t, kind, *args):
@@ -37,12 +43,15 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
 
     step = {(s, p): 0 for s in range(stages) for p in range(D)}
     for s in range(stages):
-        for p in range(D):
-            push(rng.uniform(1 - jitter, 1 + jitter) / speeds[p], "ready", s, p)
+        for p in start:
+            push(rng.uniform(1 - jitter, 1 + jitter) / speeds[p], "ready", s, p, 0)
     for t, p in losses:
         push(t, "lost", p)
+    for t, p, donor in joins:
+        push(t, "join", p, donor)
     log = []
-    lost = set()
+    lost = set(range(D)) - set(start)
+    gen = dict.fromkeys(range(D), 0)  # a pipeline's life: ready signals of an earlier one are void
     now = 0.0
 
     def apply(decisions, before):
@@ -51,16 +60,19 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
             after = (set(st_.live), st_.live - st_.global_waiting)
             log.append((now, g, before[g.stage] + after))
             if g.reason == "global":
+                for m in g.members:  # a worker that did its last step leaves the run after the global group
+                    if step[(g.stage, m)] >= steps:
+                        push(now, "leave", g.stage, m)
                 continue
             for m in g.members:
-                push(now + rng.uniform(1 - jitter, 1 + jitter) / speeds[m], "ready", g.stage, m)
+                push(now + rng.uniform(1 - jitter, 1 + jitter) / speeds[m], "ready", g.stage, m, gen[m])
 
     guard = 0
-    while heap:
+    while heap or sched.next_deadline() is not None:  # a round may still close at its deadline
         guard += 1
         assert guard < 200_000, "scheduler simulation did not finish (deadlock?)"
         deadline = sched.next_deadline()
-        if deadline is not None and deadline <= heap[0][0]:
+        if deadline is not None and (not heap or deadline <= heap[0][0]):
             now = deadline
             before = {
                 s: (set(sched.stages[s].live), sched.stages[s].waiting | sched.stages[s].global_waiting)
@@ -75,10 +87,28 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
         }
         if kind == "lost":
             lost.add(args[0])
+            gen[args[0]] += 1
             apply(sched.lost(args[0], now), before)
             continue
-        s, p = args
-        if p in lost:
+        if kind == "leave":
+            apply(sched.leave(args[0], args[1], now), before)
+            continue
+        if kind == "join":
+            p, donor = args
+            live = sched.stages[0].live
+            if p not in lost or not live:  # still there, or nobody left to take a state from
+                continue
+            donor = min(live) if donor == "any" else donor
+            if donor is not None and donor not in live:
+                continue
+            lost.discard(p)
+            log.append((now, None, (p, donor)))
+            apply(sched.join(p, now, donor), before)
+            for s in range(stages):  # its first step after taking the state
+                push(now + rng.uniform(1 - jitter, 1 + jitter) / speeds[p], "ready", s, p, gen[p])
+            continue
+        s, p, life = args
+        if p in lost or life != gen[p]:
             continue
         step[(s, p)] += 1
         # a worker that did its last step asks for the global group (the epoch end)
@@ -348,3 +378,86 @@ def test_disjoint_set_counts_its_components(n, unions):
         assert d.count == before - merges
         assert d.count == len({d.find(i) for i in range(n)})
     assert d.copy().count == d.count
+
+
+def test_a_joiner_is_grouped_only_after_its_join_and_the_global_waits_for_it_from_then():
+    st_ = StageScheduler(0, [0, 1], POLICY_PRESETS["allreduce"])
+    with pytest.raises(ValueError, match="not a live worker"):
+        st_.handle(Ready(2, 1, 0.1))
+    with pytest.raises(ValueError, match="donor: 5 is not a live worker of stage 0"):
+        st_.handle(Join(2, 0.1, donor=5))
+    assert st_.handle(Join(2, 0.2, donor=0)) == []
+    with pytest.raises(ValueError, match="worker: 2 already takes part in stage 0"):
+        st_.handle(Join(2, 0.3))
+    assert st_.dsu.connects([0, 2]) and not st_.dsu.connects([1, 2])  # it holds the donor's model
+    # an allreduce round now waits for all three
+    assert st_.handle(Ready(0, 1, 1.0)) == [] and st_.handle(Ready(1, 1, 1.1)) == []
+    (g,) = st_.handle(Ready(2, 1, 1.2))
+    assert g.members == (0, 1, 2) and g.reason == "full"
+    # so does the global group
+    assert st_.handle(Ready(0, 2, 2.0, global_sync=True)) == []
+    assert st_.handle(Ready(1, 2, 2.0, global_sync=True)) == []
+    (g,) = st_.handle(Ready(2, 2, 2.5, global_sync=True))
+    assert g.members == (0, 1, 2) and g.reason == "global"
+    # a worker lost and back: rejoins without a donor, as a component of its own
+    st_.handle(Lost(1, 3.0))
+    st_.handle(Join(1, 4.0))
+    assert st_.live == {0, 1, 2} and not st_.dsu.connects([0, 1])
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    speeds=st.lists(st.floats(min_value=0.1, max_value=5.0), min_size=2, max_size=10),
+    joiners=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+    staleness=st.integers(2, 8),
+    stages=st.integers(1, 3),
+    rule=st.sampled_from(WINDOW_RULES),
+    overlap=st.booleans(),
+    n_losses=st.integers(0, 2),
+)
+def test_joins_under_random_speeds_losses_and_rejoins(
+    speeds, joiners, seed, staleness, stages, rule, overlap, n_losses
+):
+    """Pipelines join (with a donor's state, or their own) and lost ones rejoin while the others train:
+    nobody is grouped before its join, every global group holds every live worker, the union a connected round
+    reports (joiners counted in their donor's component from the join) does connect, and nothing deadlocks."""
+    D = len(speeds)
+    first = max(1, D - joiners)
+    rng = random.Random(seed)
+    joins = [(rng.uniform(0, 20), p, rng.choice([None, "any"])) for p in range(first, D)]
+    losses = [(rng.uniform(0, 20), rng.randrange(D)) for _ in range(n_losses)]
+    joins += [(t + rng.uniform(0.5, 5), p, rng.choice([None, "any"])) for t, p in losses]  # and back
+    policy = SchedulerPolicy(window=rule, overlap=overlap, staleness=staleness, window_init=0.01, pair_threshold=6)
+    sched, log, step, lost = drive(
+        stages, speeds, policy, steps=20, losses=losses, joins=joins, seed=seed, start=range(first)
+    )
+    joined_at = {p: 0.0 for p in range(first)}
+    dsu = {s: DisjointSet(range(first)) for s in range(stages)}
+    for i, (now, g, info) in enumerate(log):
+        if g is None:  # a join
+            p, donor = info
+            joined_at[p] = now
+            for s in range(stages):
+                dsu[s].find(p)
+                if donor is not None:
+                    dsu[s].union([donor, p])
+            continue
+        live, waiting, live_after, available_after = info
+        assert set(g.members) <= live and set(g.members) <= waiting, (g, live, waiting)
+        assert all(joined_at.get(m, math.inf) <= now for m in g.members), (g, joined_at)
+        if g.reason == "global":  # every worker live once the event is applied (a leave may be what closed it)
+            assert set(g.members) == live_after, (g, live_after)
+            dsu[g.stage] = DisjointSet(live_after)
+            continue
+        dsu[g.stage].union(g.members)
+        round_done = (
+            i + 1 == len(log)
+            or log[i + 1][1] is None
+            or ((log[i + 1][1].stage, log[i + 1][1].round) != (g.stage, g.round))
+        )
+        if g.connected and round_done:
+            assert dsu[g.stage].connects(available_after | set(g.members)), (g, available_after)
+            dsu[g.stage] = DisjointSet(live_after)
+    # every pipeline there at the end trained after its (last) join
+    assert all(step[(s, p)] > 0 for s in range(stages) for p in range(D) if p not in lost)
