@@ -36,7 +36,7 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
     M = w.cfg["microbatches"]
     xs = split(xb, M) if w.first else None
     ys = split(yb, M) if w.last else None
-    n = rows(flatten(yb)[0]) if w.last else 0
+    n = rows(yb) if w.last else 0
     inputs, outputs, grads, pending = {}, {}, {}, []
     loss_sum = None
     for a in w.plan:
@@ -49,7 +49,7 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
             out = w.module(xs[m] if w.first else inputs[m])
             if w.last:
                 loss = w.loss_fn(out, ys[m])
-                parts = n / rows(flatten(ys[m])[0])  # M when the micro-batches are equal
+                parts = n / rows(ys[m])  # M when the micro-batches are equal
                 loss_sum = (loss_sum or 0.0) + float(loss.detach()) / parts
                 outputs[m] = loss / parts
             else:

@@ -154,9 +154,10 @@ def layout_of(obj, where: str = "output") -> Layout:
     )
 
 
-def rows(leaves, where: str = "output") -> int:
-    """The size of dimension 0 shared by ``leaves`` (a ``ValueError`` naming ``where`` if they disagree)."""
-    sizes = {t.shape[0] if t.dim() else None for t in leaves}
+def rows(obj, where: str = "output") -> int:
+    """The size of dimension 0 shared by the tensors of a structure (a list of tensors is one); a
+    ``ValueError`` naming ``where`` if they disagree."""
+    sizes = {t.shape[0] if t.dim() else None for t in flatten(obj, where)[0]}
     if None in sizes or len(sizes) != 1:
         raise ValueError(
             f"{where}: every tensor must have the micro-batch as dimension 0 (sizes {sorted(map(str, sizes))})"

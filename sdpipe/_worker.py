@@ -32,7 +32,7 @@ from . import events
 from ._boundary import CTL_MAX_AGE, Dispenser, PipelineControl
 from ._comm import TAG_TARGET, Link, first_lost, make_group
 from ._stage import AsyncStream, evaluate, train_step
-from ._tree import flatten, rows, to_device
+from ._tree import rows, to_device
 from .checkpoint import write_rank
 from .config import Heterogeneity
 from .data import ShardReader, batch_indices
@@ -474,7 +474,7 @@ class Training:
         self.batch_rows = w.cfg["batch_size"]  # a middle stage's count; the first and last know the batch's
         if w.first:
             xb, yb = w.reader.take(epoch)
-            self.batch_rows = rows(flatten(xb)[0])
+            self.batch_rows = rows(xb)
             xb = to_device(xb, w.device)
             if w.last:
                 yb = to_device(yb, w.device)
@@ -483,7 +483,7 @@ class Training:
                 yb = None
         elif w.last:
             yb = w.link.recv_tree(w.spec.target_layout, 0, TAG_TARGET)
-            self.batch_rows = rows(flatten(yb)[0])
+            self.batch_rows = rows(yb)
         return xb, yb, sent
 
     def _update(self, epoch: int, loss: Optional[float], **fields) -> None:

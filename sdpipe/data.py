@@ -26,6 +26,16 @@ __all__ = [
 ]
 
 
+def collate(collate_fn, items: list) -> tuple:
+    """``(inputs, targets)`` of a batch of dataset items, by ``collate_fn`` (default torch's ``default_collate``)."""
+    from torch.utils.data import default_collate
+
+    batch = (collate_fn or default_collate)(items)
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError("collate_fn: must return an (inputs, targets) pair")
+    return batch[0], batch[1]
+
+
 class Source:
     """A training or evaluation set as the workers read it: ``take(idx)`` gives the rows ``idx`` of a batch.
 
@@ -62,7 +72,9 @@ class TensorSource(Source):
 
     def __init__(self, inputs, targets, which: str = "both"):
         self.inputs, self.targets, self.which = inputs, targets, which
-        self._n = _rows(inputs if inputs is not None else targets)
+        from ._tree import rows
+
+        self._n = rows(inputs if inputs is not None else targets)
 
     def __len__(self) -> int:
         return self._n
@@ -93,12 +105,7 @@ class MapSource(Source):
         return len(self.dataset)
 
     def take(self, idx):
-        from torch.utils.data import default_collate
-
-        batch = (self.collate_fn or default_collate)([self.dataset[i] for i in idx.tolist()])
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError("collate_fn: must return an (inputs, targets) pair")
-        return self._pick(batch[0], batch[1])
+        return self._pick(*collate(self.collate_fn, [self.dataset[i] for i in idx.tolist()]))
 
     def part(self, which: str) -> "MapSource":
         return MapSource(self.dataset, self.collate_fn, which)
@@ -118,18 +125,10 @@ class StreamSource(Source):
     def __len__(self) -> int:
         return self.items
 
-    def collate(self, items: list):
-        from torch.utils.data import default_collate
-
-        batch = (self.collate_fn or default_collate)(items)
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError("collate_fn: must return an (inputs, targets) pair")
-        return batch[0], batch[1]
-
     def sample(self, k: int):
         import itertools
 
-        return self.collate(list(itertools.islice(iter(self.dataset), k)))
+        return collate(self.collate_fn, list(itertools.islice(iter(self.dataset), k)))
 
     def part(self, which: str):
         # stage 0 reads inputs and targets from the stream; the last stage receives the targets from it
@@ -167,7 +166,7 @@ class ShardReader:
         if len(items) < self.batch_size and (self.drop_last or len(items) < self.microbatches):
             return None
         self.read += 1
-        return self.source.collate(items)
+        return collate(self.source.collate_fn, items)
 
     def next(self, epoch: int):
         self._start(epoch)
@@ -185,12 +184,6 @@ class ShardReader:
         return batch
 
 
-def _rows(obj) -> int:
-    from ._tree import flatten, rows
-
-    return rows(flatten(obj)[0])
-
-
 def _stream(data, name: str, collate_fn, shard: bool) -> Source:
     """An ``IterableDataset``: for training a :class:`StreamSource`; for evaluation its items, read once here
     (every pipeline evaluates all of them)."""
@@ -206,14 +199,13 @@ def _stream(data, name: str, collate_fn, shard: bool) -> Source:
         else:  # one pass, counting: the progress and a lock-step policy's steps need the epoch's length
             n = sum(1 for _ in iter(data))
         first = list(itertools.islice(iter(data), 2))
-        source = StreamSource(data, collate_fn, n)
         if first:
-            source.collate(first)
+            collate(collate_fn, first)
     except Exception as e:
         raise ValueError(f"{name}: reading its first items fails: {type(e).__name__}: {e}") from None
     if n == 0:
         raise ValueError(f"{name}: the IterableDataset yields no items")
-    return source if shard else MapSource(items, collate_fn)
+    return StreamSource(data, collate_fn, n) if shard else MapSource(items, collate_fn)
 
 
 def as_source(data, name: str, collate_fn=None) -> Source:
@@ -232,7 +224,7 @@ def as_source(data, name: str, collate_fn=None) -> Source:
         return _stream(data, name, collate_fn, shard=name == "train_data")
     if isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data, Dataset):
         try:
-            counts = [rows(flatten(part, name)[0], name) for part in data]
+            counts = [rows(part, name) for part in data]
         except (TypeError, ValueError) as e:
             raise ValueError(
                 f"{name}: must be an (inputs, targets) pair of tensors or tensor structures ({e})"
