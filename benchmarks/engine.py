@@ -52,13 +52,10 @@ def cuts_for(name: str, stages: int):
 def load_data(name: str):
     """``(X, Y)`` training tensors of the model's data."""
     if name == "gpt":
-        import torch
-
         from sdpipe.examples import char_data
 
         windows, _ = char_data()
-        items = [windows[i] for i in range(len(windows))]
-        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+        return windows.tensors()
     from sdpipe.data import digits
 
     return digits()[0]

@@ -37,17 +37,14 @@ def single_process(seed: int, steps: int, batch_size: int, lr: float) -> float:
     train_set, eval_set = char_data()
     model = char_gpt(seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    n, per_epoch = len(train_set), len(train_set) // batch_size
+    (X, Y), (EX, EY) = train_set.tensors(), eval_set.tensors()
+    n, per_epoch = len(X), len(X) // batch_size
     for k in range(steps):
         epoch, b = divmod(k, per_epoch)
-        idx = batch_indices(n, batch_size, seed, epoch, b).tolist()
-        x = torch.stack([train_set[i][0] for i in idx])
-        y = torch.stack([train_set[i][1] for i in idx])
+        idx = batch_indices(n, batch_size, seed, epoch, b)
         opt.zero_grad()
-        lm_loss(model(x), y).backward()
+        lm_loss(model(X[idx]), Y[idx]).backward()
         opt.step()
-    EX = torch.stack([eval_set[i][0] for i in range(len(eval_set))])
-    EY = torch.stack([eval_set[i][1] for i in range(len(eval_set))])
     with torch.no_grad():
         return float(lm_loss(model(EX), EY))
 

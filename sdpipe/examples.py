@@ -80,6 +80,11 @@ class CharWindows(Dataset):
         lo = i * self.block
         return self.tokens[lo : lo + self.block], self.tokens[lo + 1 : lo + self.block + 1]
 
+    def tensors(self) -> tuple:
+        """``(X, Y)``: every window at once, as two (windows, block) tensors (item ``i`` is ``(X[i], Y[i])``)."""
+        n, b = len(self), self.block
+        return self.tokens[: n * b].view(n, b), self.tokens[1 : n * b + 1].view(n, b)
+
 
 def char_data(block: int = 64, train_chars: int = 200_000, eval_chars: int = 20_000):
     """``(train, held_out)`` :class:`CharWindows` of :func:`stdlib_text`."""
