@@ -105,11 +105,18 @@ def _send_input_grads(w, grads: list) -> list:
     return [w.link.isend(g, w.stage - 1, TAG_GRAD) for g in grads]
 
 
+def _outputs_with_grads(out, grads: list) -> tuple:
+    """``(tensors, their gradients)``: the floating-point tensors of a stage's output that need a gradient, and
+    the received gradients that go with them (``grads`` follows :func:`differentiable`'s order)."""
+    pairs = [(t, g) for t, g in zip(differentiable(out), grads) if t.requires_grad]
+    return [t for t, _ in pairs], [g for _, g in pairs]
+
+
 def _backward(out, grads: list) -> None:
     """Backward from a stage's output given the gradients of its floating-point tensors (those that need one)."""
-    pairs = [(t, g) for t, g in zip(differentiable(out), grads) if t.requires_grad]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    outs, grad_outs = _outputs_with_grads(out, grads)
+    if outs:
+        torch.autograd.backward(outs, grad_outs)
 
 
 class AsyncStream:
@@ -244,8 +251,7 @@ class AsyncStream:
         if w.last:
             outs, grad_outs = [out], None
         else:
-            pairs = [(t, gr) for t, gr in zip(differentiable(out), self.grads.pop(g)) if t.requires_grad]
-            outs, grad_outs = [t for t, _ in pairs], [gr for _, gr in pairs]
+            outs, grad_outs = _outputs_with_grads(out, self.grads.pop(g))
         wants = list(stash.values()) + xs
         got = (
             torch.autograd.grad(outs, wants, grad_outputs=grad_outs, allow_unused=True) if outs else [None] * len(wants)
