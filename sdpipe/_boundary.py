@@ -27,7 +27,7 @@ from .config import Heterogeneity
 from .data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
 from .protocol import Command, ControlMessage, Keys, Op
 
-__all__ = ["CTL_INTERVAL", "CTL_MAX_AGE", "CommandWatcher", "PipelineControl", "Dispenser"]
+__all__ = ["CTL_INTERVAL", "CTL_MAX_AGE", "CommandWatcher", "PipelineControl", "Dispenser", "membership"]
 
 CTL_INTERVAL = 0.1  # seconds: how often a pipeline's stage 0 looks for the driver's commands
 CTL_MAX_AGE = 2.5 * CTL_INTERVAL  # the oldest reading a step acts on
@@ -67,6 +67,7 @@ class PipelineControl:
         self.worker = worker
         self._cache = None  # (monotonic time, raw value) of the last read
         self._send = None  # (work, tensor) of the control message in flight to the next stage
+        self.seen = worker.members_version  # stage 0: the last membership change looked at
         self.watcher = None
         if watcher_store is not None:
             self.watcher = CommandWatcher(watcher_store)
@@ -133,9 +134,38 @@ class PipelineControl:
                 self.worker.span("pause", step, None, start, time.time())
                 return cmd.stop, cmd.hetero, cmd.policy
 
-    def apply(self, step: int, hv: int, pv: int, epoch: int, j) -> None:
-        """Take up new heterogeneity or a new policy at this step boundary (same step on every stage)."""
+    def changes(self, version: int) -> tuple:
+        """Stage 0 at a step boundary: look at the membership changes up to ``version`` not seen yet.
+
+        Returns ``(leave, claims)``: whether the driver asked this pipeline to leave, and whether it claimed to
+        donate its state to a joining pipeline (the first pipeline to claim a join, by compare-and-set, donates;
+        one leaving does not claim).  The claim is acted on by :meth:`apply`, on every stage of the pipeline.
+        """
         w = self.worker
+        leave = claims = False
+        for v in range(self.seen + 1, version + 1):
+            rec = membership(w.store, v)
+            if rec["kind"] == "leave" and rec["pipeline"] == w.pipeline:
+                leave = True
+        for v in range(self.seen + 1, version + 1):
+            rec = membership(w.store, v)
+            if rec["kind"] == "join" and not leave:
+                key = Keys.join(rec["pipeline"], rec["generation"], "donor")
+                claims = w.store.compare_set(key, "", str(w.pipeline)).decode() == str(w.pipeline) or claims
+        self.seen = max(self.seen, version)
+        return leave, claims
+
+    def apply(self, step: int, hv: int, pv: int, epoch: int, j, members: int = 0) -> None:
+        """Take up new heterogeneity, a new policy or a change of the pipelines present at this step boundary
+        (same step on every stage)."""
+        w = self.worker
+        for v in range(w.members_version + 1, members + 1):
+            rec = membership(w.store, v)
+            if rec["kind"] == "join":
+                key = Keys.join(rec["pipeline"], rec["generation"], "donor")
+                if w.store.check([key]) and w.store.get(key).decode() == str(w.pipeline):
+                    w.donate(rec["pipeline"], rec["generation"], v, epoch, step)
+        w.members_version = max(w.members_version, members)
         if hv != w.hetero_version:
             w.hetero = Heterogeneity.from_dict(json.loads(w.store.get(Keys.hetero(hv)).decode()))
             w.hetero_version = hv
@@ -158,6 +188,11 @@ class PipelineControl:
         if self.watcher is not None:
             self.watcher.close()
         self._send = None
+
+
+def membership(store, version: int) -> dict:
+    """Membership change ``version`` (the driver's JSON under :meth:`Keys.members`)."""
+    return json.loads(store.get(Keys.members(version)).decode())
 
 
 class Dispenser:
@@ -223,10 +258,9 @@ class Dispenser:
             # never measured, or too long ago: a pipeline that fell behind would otherwise keep a
             # stale estimate, leave every epoch and never measure itself again
             return False
+        ids = int(self.store.get(Keys.PIPELINE_IDS)) if self.store.check([Keys.PIPELINE_IDS]) else self.pipelines
         keys = [
-            Keys.step_time(epoch, p)
-            for p in range(self.pipelines)
-            if p != self.pipeline and not pipeline_lost(self.store, p)
+            Keys.step_time(epoch, p) for p in range(ids) if p != self.pipeline and not pipeline_lost(self.store, p)
         ]  # a lost pipeline takes nothing
         keys = [k for k in keys if self.store.check([k])]
         times = [float(v) for v in self.store.multi_get(keys)] if keys else []

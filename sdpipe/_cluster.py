@@ -14,7 +14,16 @@ import time
 from .config import TrainConfig
 from .hosts import EmulatedHosts
 
-__all__ = ["CONNECT_TIMEOUT", "connect", "count_workers", "pick_workers", "host_cores", "route_address", "bound_store"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "connect",
+    "count_workers",
+    "pick_workers",
+    "free_workers",
+    "host_cores",
+    "route_address",
+    "bound_store",
+]
 
 #: Seconds to reach an existing Dask scheduler before giving up.
 CONNECT_TIMEOUT = 10.0
@@ -196,6 +205,35 @@ def pick_workers(client, config: TrainConfig) -> list:
                 f"still run earlier tasks after {config.timeout:.0f}s"
             )
         time.sleep(0.5)
+
+
+def free_workers(client, n: int, config: TrainConfig, embedded=None, more: int = 0) -> list:
+    """``n`` workers with a free thread for a pipeline joining a running run.
+
+    Waits (at most the run's ``timeout``) for workers to free up or to be added (``cluster.scale``); an
+    embedded cluster (``embedded``, the run's own ``LocalCluster``) starts the missing worker processes itself,
+    and ``more`` besides (the pipelines queued to join next start at the same time).
+    """
+    deadline = time.monotonic() + config.timeout
+    scaled = False
+    while True:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        addrs = sorted(info)
+        if config.device == "cuda":
+            addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]
+        free = client.run(_free_threads, workers=addrs, on_error="return") if addrs else {}
+        idle = [a for a in addrs if isinstance(free.get(a), int) and free[a] >= 1]
+        if len(idle) >= n:
+            return idle[:n]
+        if embedded is not None and not scaled:
+            embedded.scale(len(addrs) + n + more - len(idle))
+            scaled = True
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"cluster: {len(idle)} free worker(s) after {config.timeout:.0f}s, a pipeline needs {n} "
+                f"(one per stage); add workers to the cluster (cluster.scale)"
+            )
+        time.sleep(0.25)
 
 
 def route_address(scheduler_address: str) -> str:

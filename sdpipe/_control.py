@@ -43,6 +43,19 @@ class ControlPlane:
         store.set(Keys.policy(0), json.dumps({"mode": mode, "name": policy_name}))
         self._write()
 
+    def set_pipeline_ids(self, n: int) -> None:
+        """Publish how many pipeline ids the run has handed out (stage 0's tail rule looks at all of them)."""
+        with self.lock:
+            self._store.set(Keys.PIPELINE_IDS, str(n))
+
+    def change_members(self, change: dict) -> int:
+        """Publish one change of the pipelines present (a join or a leave) as the next version; returns it."""
+        with self.lock:
+            version = self.command.members + 1
+            self._store.set(Keys.members(version), json.dumps(change))
+            self._write(members=version)
+        return version
+
     def _write(self, **changes) -> None:
         # readers on several connections keep the reading with the highest sequence number
         self.command = self.command.next(**changes)

@@ -20,7 +20,34 @@ from ._watch import RunWatcher
 from ._worker import worker_main
 from .protocol import GroupServiceClient, GroupServiceError, WorkerSpec, run_prefix
 
-__all__ = ["Launcher"]
+__all__ = ["Launcher", "submit_rank"]
+
+
+def submit_rank(run, spec: WorkerSpec, rank: int, addr: str, placed: tuple, resume=None, join=None):
+    """Submit rank ``rank``'s task, pinned to worker ``addr`` (never re-run elsewhere); stage 0 gets the inputs
+    of ``placed`` (the data's futures), the last stage the targets.  ``join``: a pipeline joining a running run
+    (its generation names the task)."""
+    S = run.config.stages
+    s = rank % S
+    fX, fY, fEX, fEY = placed
+    key = f"sdpipe-{run.run_id}-rank{rank}" + (f"-g{join['generation']}" if join else "")
+    return run._client.submit(
+        worker_main,
+        spec,
+        rank,
+        fX if s == 0 else None,
+        fY if s == S - 1 else None,
+        fEX if s == 0 else None,
+        fEY if s == S - 1 else None,
+        resume,
+        join,
+        key=key,
+        workers=[addr],
+        allow_other_workers=False,
+        resources={"GPU": 1} if run.config.device == "cuda" else None,
+        pure=False,
+        retries=0,
+    )
 
 
 class Launcher:
@@ -84,6 +111,7 @@ class Launcher:
             run._startup = "submitting the workers' tasks"
             run._futures = self._submit(spec, workers, placed)
             run._data_futures = [f for f in placed if f is not None]
+            run._spec, run._placed = spec, placed  # pipelines that join later start from them
         except BaseException:
             run._cleanup()
             raise
@@ -114,34 +142,21 @@ class Launcher:
             raise ValueError(f"resume_from: the group service rejected the checkpoint's scheduler ({e})") from None
         mode = "scheduled" if cfg.policy == "sdpipe" else cfg.policy
         run._control = ControlPlane(run._run_store, service, mode, cfg.policy, run.heterogeneity)
+        run._control.set_pipeline_ids(cfg.pipelines)
 
     def _submit(self, spec: WorkerSpec, workers: list, placed: tuple) -> list:
         run, S = self.run, self.run.config.stages
-        fX, fY, fEX, fEY = placed
-        resources = {"GPU": 1} if run.config.device == "cuda" else None
-        futures = []
-        for rank, addr in enumerate(workers):
-            s = rank % S
-            resume = self._resume.stage_state(*divmod(rank, S)) if self._resume is not None else None
-            futures.append(
-                run._client.submit(
-                    worker_main,
-                    spec,
-                    rank,
-                    fX if s == 0 else None,
-                    fY if s == S - 1 else None,
-                    fEX if s == 0 else None,
-                    fEY if s == S - 1 else None,
-                    resume,
-                    key=f"sdpipe-{run.run_id}-rank{rank}",
-                    workers=[addr],
-                    allow_other_workers=False,
-                    resources=resources,
-                    pure=False,
-                    retries=0,
-                )
+        return [
+            submit_rank(
+                run,
+                spec,
+                rank,
+                addr,
+                placed,
+                resume=self._resume.stage_state(*divmod(rank, S)) if self._resume is not None else None,
             )
-        return futures
+            for rank, addr in enumerate(workers)
+        ]
 
     def _place_data(self, data) -> tuple:
         """Choose the workers and copy the data to the first and last stages' ones.

@@ -34,8 +34,13 @@ class RunResult:
     steps: dict = field(default_factory=dict)
     """Steps each pipeline completed."""
     lost: dict = field(default_factory=dict)
-    """Pipelines lost during the run (a worker process or its Dask worker died): pipeline -> what was lost.
+    """Pipelines lost during the run (a worker process or its Dask worker died) and not taken back: pipeline ->
+    what was lost.  Their entry in ``models`` is None."""
+    left: dict = field(default_factory=dict)
+    """Pipelines that left the run (``Run.remove_pipeline``, or added too late to join): pipeline -> when.
     Their entry in ``models`` is None."""
+    pipelines: int = 0
+    """Pipeline ids the run handed out: the first ``config.pipelines``, then one per pipeline added."""
 
     @property
     def metric(self):
@@ -45,7 +50,7 @@ class RunResult:
     @property
     def finished_pipelines(self) -> list:
         """The pipelines that ran to the end."""
-        return [p for p in range(self.config.pipelines) if p not in self.lost]
+        return [p for p in range(len(self.models)) if self.models[p] is not None]
 
     def max_param_diff(self) -> float:
         """Largest absolute difference of any parameter between the first finished pipeline and the others."""
@@ -70,18 +75,27 @@ def plain_config(config: TrainConfig) -> dict:
 
 
 def assemble(
-    config: TrainConfig, stage_modules: list, results: dict, lost: dict, events: list, from_sequential: bool
+    config: TrainConfig,
+    stage_modules: list,
+    results: dict,
+    lost: dict,
+    events: list,
+    from_sequential: bool,
+    left: dict = None,
+    pipelines: int = None,
 ) -> RunResult:
     """The run's :class:`RunResult` from each finished rank's result (its weights, steps, whether it stopped).
 
-    A lost pipeline's model is None.  An ``nn.Sequential`` comes back with its original layer names; a list
-    of stages as one module per stage.
+    A lost pipeline's model is None, as is that of a pipeline that left.  An ``nn.Sequential`` comes back
+    with its original layer names; a list of stages as one module per stage.
     """
     from torch import nn
 
+    left = left or {}
+    pipelines = config.pipelines if pipelines is None else pipelines
     models = []
-    for p in range(config.pipelines):
-        if p in lost:
+    for p in range(pipelines):
+        if p in lost or p in left:
             models.append(None)
             continue
         parts = []
@@ -97,7 +111,9 @@ def assemble(
         events=events,
         config=config,
         wall_time=max([e["end"] for e in events] + [0.0]),
-        stopped=any(r["stopped"] for r in results.values()),
-        steps={p: results[p * config.stages]["steps"] for p in range(config.pipelines) if p not in lost},
+        stopped=any(r.get("stopped") for r in results.values()),
+        steps={p: results[p * config.stages]["steps"] for p in range(pipelines) if p not in lost and p not in left},
         lost=dict(lost),
+        left=dict(left),
+        pipelines=pipelines,
     )

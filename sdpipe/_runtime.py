@@ -21,6 +21,7 @@ from typing import Optional
 
 from ._cluster import connect, count_workers
 from ._control import Steering
+from ._elastic import Elastic
 from ._result import RunError, RunResult, history
 from .config import Heterogeneity, TrainConfig
 from .hosts import EmulatedHosts
@@ -79,12 +80,13 @@ class EventInbox:
         log.warning("sdpipe: some events of run %s did not arrive within %.0fs", run_id, timeout)
 
 
-class Run(Steering):
+class Run(Steering, Elastic):
     """Handle of a running (or finished) training run.
 
     Usable from a notebook while training goes on: ``events_since`` returns the
     new events, ``stop`` ends the run at the next step boundary, ``result``
-    blocks for the outcome; the steering calls are :class:`~sdpipe._control.Steering`'s.
+    blocks for the outcome; the steering calls are :class:`~sdpipe._control.Steering`'s, and adding and removing
+    pipelines while it runs :class:`~sdpipe._elastic.Elastic`'s.
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class Run(Steering):
         self._own_client = False
         self._monitor_thread: Optional[threading.Thread] = None
         self._startup = "connecting to the Dask cluster"
+        self._init_membership()
         if cluster is not None:
             # an existing cluster: reached (bounded) and checked here, so a wrong address or too few workers
             # raises from train() itself; an embedded cluster starts in the background
@@ -302,6 +305,8 @@ class Run(Steering):
             except Exception:
                 pass
             for f in self._futures + self._data_futures:
+                if f is None:
+                    continue
                 try:
                     f.release()
                 except Exception:

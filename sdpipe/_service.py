@@ -12,6 +12,9 @@ hosts one :class:`~sdpipe.scheduler.GroupScheduler` per run.  Its routes
 ``sdpipe_leave(run_id, stage, pipeline, token=None)``
     a worker leaves its stage for good: stop or failure (worker); with
     ``stage=None`` a whole pipeline was lost (driver, with the run's token).
+``sdpipe_join(run_id, stage, pipeline, donor)``
+    a pipeline joins a stage holding a copy of the live ``donor``'s state (the donor's worker, at the step
+    it copied its state); the joiner is in no group before its first ready signal.
 ``sdpipe_set_policy(run_id, token, policy, policy_name)``
     change the policy live (driver).
 ``sdpipe_pause(run_id, token, paused)``
@@ -46,7 +49,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from . import events
 from .protocol import GroupServiceError
-from .scheduler import GroupScheduler, Ready, SchedulerPolicy
+from .scheduler import GroupScheduler, Join, Ready, SchedulerPolicy
 
 log = logging.getLogger("sdpipe.service")
 
@@ -67,6 +70,7 @@ class _RunState:
         self.paused = False
         self.resumed_at = -1e9  # service clock of the last resume
         self.stopping = False
+        self.joins: dict = {}  # (stage, pipeline) -> times it joined the stage while the run ran
 
 
 class GroupService(SchedulerPlugin):
@@ -85,6 +89,7 @@ class GroupService(SchedulerPlugin):
                 "sdpipe_open": self.open,
                 "sdpipe_ready": self.ready,
                 "sdpipe_leave": self.leave,
+                "sdpipe_join": self.join,
                 "sdpipe_set_policy": self.set_policy,
                 "sdpipe_pause": self.pause,
                 "sdpipe_stop": self.stop,
@@ -123,7 +128,10 @@ class GroupService(SchedulerPlugin):
     def _dispatch(self, run_id: str, st: _RunState, decisions: list) -> None:
         records = []
         for g in decisions:
-            name = f"s{g.stage}-" + "-".join(map(str, g.members))
+            # a rejoined pipeline is a new member: its groups get new names (members cache groups by name)
+            name = f"s{g.stage}-" + "-".join(
+                f"{m}" + (f"j{st.joins[g.stage, m]}" if (g.stage, m) in st.joins else "") for m in g.members
+            )
             answer = {
                 "round": g.round,
                 "members": list(g.members),
@@ -236,6 +244,16 @@ class GroupService(SchedulerPlugin):
                 if p == pipeline and not fut.done():
                     st.waiters.pop((s, p), None)
                     fut.set_result({"error": f"pipeline {pipeline} was lost"})
+        self._dispatch(run_id, st, decisions)
+        return {"ok": True}
+
+    def join(self, run_id, stage, pipeline, donor):
+        st = self._run(run_id)
+        try:
+            decisions = st.core.handle(stage, Join(pipeline, self._now(st), donor))
+        except ValueError as e:
+            raise GroupServiceError(str(e)) from None
+        st.joins[stage, pipeline] = st.joins.get((stage, pipeline), 0) + 1
         self._dispatch(run_id, st, decisions)
         return {"ok": True}
 

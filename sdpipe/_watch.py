@@ -101,7 +101,14 @@ class RunWatcher:
             run._inbox.wait_for({r: res["events"] for r, res in results.items()}, run.run_id)
             if error is None:
                 run._result = assemble(
-                    self.config, run._stage_modules, results, run._lost, run.events, run._from_sequential
+                    self.config,
+                    run._stage_modules,
+                    results,
+                    run._lost,
+                    run.events,
+                    run._from_sequential,
+                    left=run._left,
+                    pipelines=run._ids,
                 )
         except BaseException as e:  # keep the handle usable whatever happened
             error = error or e
@@ -122,12 +129,20 @@ class RunWatcher:
         while True:
             if not run._joined():
                 self._count_ranks()
-            statuses = [f.status for f in run._futures]
+            futures = run._futures
+            statuses = [f.status for f in futures]
             live = [r for r in range(len(statuses)) if r // S not in run._lost]
-            if all(statuses[r] == "finished" for r in live):
+            trained = [r for r in live if r // S not in run._joining]
+            if run._joins_pending() and all(statuses[r] == "finished" for r in trained):
+                # the others finished: a pipeline still waiting for its state gives up (bounded: it polls)
+                run._ending = True
+                run._cancel_joins()
+            if all(statuses[r] == "finished" for r in live) and not (run._joins_pending() and not run._ending):
                 # the lost pipelines' other workers fail on their own (their peers are gone); bounded
                 gone = [r for r in range(len(statuses)) if r // S in run._lost]
-                if all(statuses[r] != "pending" for r in gone) or time.monotonic() > lost_at + self.config.timeout + 10:
+                if all(statuses[r] != "pending" for r in gone) or (
+                    lost_at is not None and time.monotonic() > lost_at + self.config.timeout + 10
+                ):
                     return error
             if error is None:
                 error = self._poll_checkpoint() if self.ckpt_next is not None else None
@@ -163,6 +178,10 @@ class RunWatcher:
             if statuses[rank] not in ("error", "cancelled"):
                 continue
             failure = self._describe_failure(rank, run._futures[rank])
+            p = rank // self.config.stages
+            if p in run._joining:  # a pipeline that had not joined yet: the run goes on without it
+                run._join_failed(p, str(failure.__cause__ or failure))
+                continue
             if is_worker_death(failure.__cause__):
                 error = self._on_lost(rank, "its worker process died")
             elif is_comm_failure(failure.__cause__):
@@ -186,7 +205,9 @@ class RunWatcher:
         except Exception as e:
             return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
         missing = {
-            r for r, addr in enumerate(run._workers) if addr not in alive and run._futures[r].status == "pending"
+            r
+            for r, addr in enumerate(run._workers)
+            if addr is not None and addr not in alive and run._futures[r].status == "pending"
         }
         confirmed, self._missing = sorted(missing & self._missing), missing
         for rank in confirmed:
@@ -221,15 +242,12 @@ class RunWatcher:
     def _poll_checkpoint(self) -> Optional[BaseException]:
         """Once every live worker wrote its part of the next checkpoint: the manifest, then the folder into place."""
         run, cfg, epoch = self.run, self.config, self.ckpt_next
-        ranks = [r for r in range(cfg.world_size) if r // cfg.stages not in run._lost]
+        present = run.pipelines
+        ranks = [p * cfg.stages + s for p in present for s in range(cfg.stages)]
         try:
             if run._run_store.add(Keys.checkpoint_count(epoch), 0) < len(ranks):
                 return None
-            steps = {
-                str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages)))
-                for p in range(cfg.pipelines)
-                if p not in run._lost
-            }
+            steps = {str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages))) for p in present}
             scheduler = None
             if run._control.mode in ("scheduled", "adpsgd"):
                 scheduler = run._control.service.state()["core"]
@@ -240,6 +258,7 @@ class RunWatcher:
                 {
                     "run_id": run.run_id,
                     "ranks": ranks,
+                    "pipelines": present,
                     "steps": steps,
                     "config": plain_config(cfg),
                     "policy": run.policy,
@@ -264,24 +283,41 @@ class RunWatcher:
         if run._control.mode not in LOSS_TOLERANT:
             return LostWorker(f"{what} was lost ({why}); policy {run.policy!r} cannot go on without it")
         run._lost[p] = f"{what} was lost ({why})"
+        run._leaving.discard(p)
         run._inbox.add(events.worker_lost(p, s, time.time() - run.t0, run._workers[rank], why))
-        log.warning("sdpipe: %s; the run goes on with %d pipeline(s)", run._lost[p], cfg.pipelines - len(run._lost))
-        if len(run._lost) == cfg.pipelines:
+        rejoin = cfg.rejoin and not run._stop_requested
+        log.warning(
+            "sdpipe: %s; the run goes on with %d pipeline(s)%s",
+            run._lost[p],
+            len(run.pipelines),
+            " and takes it back once workers are free (rejoin)" if rejoin else "",
+        )
+        if not run.pipelines and not run._joins_pending():
             return RunError(f"every pipeline was lost; last: {run._lost[p]}")
         try:  # the others stop pairing with it, the scheduler takes it out of every stage
             mark_lost(run._run_store, p, why)
             run._control.service.lose_pipeline(p)
         except Exception as e:
             log.warning("sdpipe: could not tell the group service that pipeline %d was lost: %s", p, e)
+        if rejoin:
+            run._rejoin_later(p)
         return None
 
     def _collect(self) -> dict:
         run, S = self.run, self.config.stages
-        return {
+        results = {
             rank: f.result(timeout=self.config.timeout)
             for rank, f in enumerate(run._futures)
             if f.status == "finished" and rank // S not in run._lost
         }
+        for rank, res in results.items():  # pipelines that left, or gave their join up as the run ended
+            p = rank // S
+            if res.get("left"):
+                run._left.setdefault(p, f"removed at step {res['steps']}")
+            elif res.get("joined") is False:
+                run._left.setdefault(p, "the run ended before it joined")
+            run._leaving.discard(p)
+        return results
 
     def _root_cause(self) -> Optional[BaseException]:
         """The failure that started it: peers of a failed worker fail after it with communication errors."""

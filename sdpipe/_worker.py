@@ -141,9 +141,14 @@ def nccl_interface(address: str):
 
 
 class Worker:
-    """State of one worker during a run (what policies see as ``worker``)."""
+    """State of one worker during a run (what policies see as ``worker``).
 
-    def __init__(self, spec: WorkerSpec, rank: int, sink: EventSink):
+    ``join``: this worker's pipeline joins a running run (``{"generation", "mode", "policy"}``: its generation,
+    the policy mode and version in force); it takes its state from a live replica (:meth:`await_state`)
+    before its first step.
+    """
+
+    def __init__(self, spec: WorkerSpec, rank: int, sink: EventSink, join: Optional[dict] = None):
         cfg = spec.config
         self.spec, self.cfg, self.rank, self.sink = spec, cfg, rank, sink
         self.stages, self.pipelines = cfg["stages"], cfg["pipelines"]
@@ -162,8 +167,13 @@ class Worker:
         self.rng = random.Random(cfg["seed"] * 100003 + rank)
         self._groups: list = []
 
+        self.join = join
+        self.generation = join["generation"] if join else 0
+        #: the last change of the pipelines present this worker took up (a joiner: its own join's, with its state)
+        self.members_version = 0
         self.store = connect_store(spec, self.timeout)
-        self.store.add(Keys.RANKS_STARTED, 1)  # the driver shows the start-up: started, then connected (below)
+        if join is None:
+            self.store.add(Keys.RANKS_STARTED, 1)  # the driver shows the start-up: started, then connected (below)
         # rendezvous wait on their own connection, so the wait can be watched on self.store meanwhile; made now,
         # next to the first (made at the first group, it could come after the run was stopped and then try a
         # closed store for the whole connect timeout)
@@ -184,8 +194,9 @@ class Worker:
             self.stream = AsyncStream(self, every)
         self.link = None
         if self.stages > 1:
+            name = f"pipe{self.pipeline}" + (f".g{self.generation}" if self.generation else "")
             self.link = Link(
-                self.group(f"pipe{self.pipeline}", self.stage, self.stages, pipelines=[self.pipeline]),
+                self.group(name, self.stage, self.stages, pipelines=[self.pipeline]),
                 self.device,
                 self.backend,
             )
@@ -195,9 +206,12 @@ class Worker:
         self.dispenser = Dispenser(self.store, self.pipeline, self.pipelines, spec.batches_per_epoch)
         self.reader = None  # stage 0 on a stream: its pipeline's shard (set with the data, in Training)
         self.ctl = PipelineControl(self, connect_store(spec, self.timeout) if self.first else None)
-        self.policy = make_policy(cfg["policy"])
+        # a joiner takes the policy in force (a live switch may have changed it since the start)
+        self.policy = make_policy(join["mode"] if join else cfg["policy"])
+        if join:
+            self.policy_version = join["policy"]
         self.policy.setup(self)
-        self.store.add(Keys.RANKS_READY, 1)
+        self.store.add(Keys.join(self.pipeline, self.generation, "ready") if join else Keys.RANKS_READY, 1)
 
     # ----------------------------------------------------------- set-up
     def _make_optimizer(self, cfg: dict):
@@ -311,6 +325,64 @@ class Worker:
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
 
+    def donate(self, joiner: int, generation: int, version: int, epoch: int, step: int) -> None:
+        """Give this stage's state to pipeline ``joiner`` (it joins the run): weights, optimizer state, where the
+        run is (epoch, step), the policy's mass.  At a step boundary; the group service counts the joiner from
+        now on, unioned with this replica (its model is this one's)."""
+        import io
+
+        t = time.time()
+        self.policy.settle(self, step)  # an overlapped averaging in flight lands first
+        state = {
+            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "epoch": epoch,
+            "step": step,
+            "mass": getattr(self.policy, "mass", 1.0),
+            "base": self.dispenser.base.get(epoch, 0),
+            "donor": self.pipeline,
+            "members": version,  # the joiner has taken up the membership changes up to its own join
+        }
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        if self.policy.name in ("scheduled", "adpsgd"):
+            self.service.join(stage=self.stage, pipeline=joiner, donor=self.pipeline)
+        self.store.set(Keys.join(joiner, generation, f"state/{self.stage}"), buf.getvalue())
+        self.span("control", step, None, t, time.time(), what="donated", to=joiner, bytes=buf.tell())
+
+    def await_state(self) -> Optional[dict]:
+        """A joiner: wait for the state its donor gives (bounded by the run's timeout, not counting a pause);
+        None when the driver gave the join up (the run ended first)."""
+        import io
+
+        key = Keys.join(self.pipeline, self.generation, f"state/{self.stage}")
+        cancel = Keys.join(self.pipeline, self.generation, "cancel")
+        waited, last = 0.0, time.monotonic()
+        while not self.store.check([key]):
+            if self.store.check([cancel]):
+                return None
+            time.sleep(0.05)
+            now = time.monotonic()
+            waited += 0.0 if self.read_ctl(1.0).pause else now - last
+            last = now
+            if waited > self.timeout:
+                raise TimeoutError(
+                    f"pipeline {self.pipeline} stage {self.stage}: no live replica gave its state within the run's "
+                    f"timeout ({self.timeout:.0f}s) to join"
+                )
+        state = torch.load(io.BytesIO(self.store.get(key)), weights_only=False)
+        self.store.delete_key(key)
+        self.module.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if hasattr(self.policy, "mass"):
+            self.policy.mass = state["mass"]
+        if state["base"]:
+            self.dispenser.base[state["epoch"]] = state["base"]
+        self.members_version = self.ctl.seen = state["members"]
+        self.store.add(Keys.join(self.pipeline, self.generation, "loaded"), 1)
+        return state
+
     def checkpoint(self, epoch: int, step: int) -> None:
         """Write this worker's part of the checkpoint after ``epoch`` epochs, then count it in the store."""
         t = time.time()
@@ -362,8 +434,10 @@ class Training:
     failure raises out of it (``worker_main`` cleans up).
     """
 
-    def __init__(self, worker: Worker, X, Y, EX, EY, step: int):
+    def __init__(self, worker: Worker, X, Y, EX, EY, step: int, start_epoch: Optional[int] = None):
         self.w, self.step = worker, step
+        self.start_epoch = worker.spec.start_epoch if start_epoch is None else start_epoch
+        self.left = False  # the driver asked this pipeline to leave the run (Op.LEAVE)
         self.X, self.Y, self.EX, self.EY = X, Y, EX, EY
         if worker.spec.streamed and worker.first:
             worker.reader = ShardReader(X, worker.pipeline, worker.pipelines, worker.cfg)
@@ -374,13 +448,20 @@ class Training:
 
     def run(self) -> dict:
         w, cfg = self.w, self.w.cfg
-        for epoch in range(w.spec.start_epoch, cfg["epochs"]):
+        for epoch in range(self.start_epoch, cfg["epochs"]):
             self._epoch(epoch)
             if self.stopped:
                 break
         w.ctl.wait_sent()
         state = {k: v.detach().cpu().clone() for k, v in w.module.state_dict().items()}
-        return {"rank": w.rank, "state": state, "steps": self.step, "stopped": self.stopped}
+        return {
+            "rank": w.rank,
+            "state": state,
+            "steps": self.step,
+            "stopped": self.stopped and not self.left,
+            "left": self.left,
+            "generation": w.generation,
+        }
 
     def _epoch(self, epoch: int) -> None:
         w, cfg = self.w, self.w.cfg
@@ -390,11 +471,19 @@ class Training:
             msg = self._boundary(epoch, j)
             if msg.op is Op.PAUSE:  # stage 0 holds the pipeline; this is its heartbeat
                 continue
-            if w.stream is not None and not w.stream.idle and (msg.op is not Op.RUN or msg.policy != w.policy_version):
+            changes = msg.policy != w.policy_version or msg.members != w.members_version
+            if w.stream is not None and not w.stream.idle and (msg.op is not Op.RUN or changes):
                 # an asynchronous schedule drains where the run needs consistent weights: the epoch's end (its
-                # global sync, evaluation and checkpoint), a stop, a policy change
+                # global sync, evaluation and checkpoint), a stop, a policy change, a state given to a joiner
                 w.stream.drain(lambda: self.step, lambda loss, **kw: self._update(epoch, loss, **kw))
-            w.ctl.apply(self.step, msg.hetero, msg.policy, epoch, j if msg.op is Op.RUN else None)
+            w.ctl.apply(self.step, msg.hetero, msg.policy, epoch, j if msg.op is Op.RUN else None, msg.members)
+            if msg.op is Op.LEAVE:  # this pipeline leaves; the others go on (its batches are theirs now)
+                self.stopped = self.left = True
+                w.policy.settle(w, self.step)
+                w.policy.leave(w)
+                now = time.time()
+                w.span("control", self.step, None, now, now, what="left", applied_by="worker")
+                break
             if msg.op is Op.STOP:
                 self.stopped = True
                 w.policy.stopping(w, self.step)
@@ -435,9 +524,13 @@ class Training:
             self.agreed = (agreed_stop, agreed_version, False)
             if coupled:
                 stop, pv = stop or agreed_stop, agreed_version or w.policy_version
-        batch = None if stop else w.policy.next_batch(w, epoch, j)
-        op = Op.STOP if stop else (Op.EPOCH_END if batch is None else Op.RUN)
-        return w.ctl.exchange(ControlMessage(op, epoch, self.step, -1 if batch is None else batch, hv, pv))
+        leave = False
+        if not stop and cmd.members > w.ctl.seen:
+            leave, _ = w.ctl.changes(cmd.members)
+        batch = None if stop or leave else w.policy.next_batch(w, epoch, j)
+        op = Op.STOP if stop else Op.LEAVE if leave else (Op.EPOCH_END if batch is None else Op.RUN)
+        mv = w.ctl.seen
+        return w.ctl.exchange(ControlMessage(op, epoch, self.step, -1 if batch is None else batch, hv, pv, mv))
 
     def _train(self, epoch: int, batch: int) -> Optional[float]:
         """One step on ``batch``: the stage's compute, the policy's sync, the optimizer; the last stage's loss."""
@@ -528,23 +621,31 @@ class Training:
         w.sink.add(events.epoch(w.pipeline, w.stage, self.step, time.time() - w.t0, rec))
 
 
-def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, resume=None) -> dict:
+def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, resume=None, join=None) -> dict:
     """Entry point of a worker task; returns its final stage weights.
 
-    ``resume``: this rank's state from a checkpoint (weights, optimizer, random states).
+    ``resume``: this rank's state from a checkpoint (weights, optimizer, random states).  ``join``: the rank's
+    pipeline joins the running run (see :class:`Worker`); it returns ``{"joined": False}`` when the driver gave
+    the join up before a replica gave it its state.
     """
     torch.set_num_threads(1)
     torch.manual_seed(spec.config["seed"] + 1 + rank)
     sink = EventSink(spec.topic, rank)
     worker = result = None
     try:
-        worker = Worker(spec, rank, sink)
-        step = 0
+        worker = Worker(spec, rank, sink, join)
+        step, start_epoch = 0, None
         if resume is not None:
             worker.restore(resume)
             step = spec.start_steps[str(worker.pipeline)]
+        if join is not None:
+            state = worker.await_state()
+            if state is None:
+                result = {"rank": rank, "joined": False, "generation": worker.generation}
+                return result
+            step, start_epoch = state["step"], state["epoch"]
         worker.describe()
-        result = Training(worker, X, Y, EX, EY, step).run()
+        result = Training(worker, X, Y, EX, EY, step, start_epoch).run()
         return result
     except BaseException as e:
         result = None

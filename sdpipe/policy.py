@@ -362,7 +362,7 @@ class _GroupPolicy(SyncPolicy):
     def _global_sync(self, worker, step: int, answer: dict) -> None:
         """Average with a global sync's answer; when a member's pipeline was lost before the group formed
         (every member then skips it: one verdict), the survivors ask for a global sync among themselves again."""
-        for _ in range(worker.pipelines):
+        for _ in range(4 * worker.pipelines + 8):  # each retry follows a loss (rejoined pipelines can be lost again)
             if self._average(worker, answer, step):
                 return
             answer = self._ask(worker, step, True)

@@ -3,8 +3,8 @@
 A run's processes talk over three channels::
 
     driver ──(Dask task args)──────────────► worker      WorkerSpec: everything a worker needs to start
-    driver ──(rendezvous store: "ctl")─────► stage 0     Command: stop, pause, heterogeneity and policy versions
-    stage 0 ──(pipeline link, 6 x int64)───► stage 1..   ControlMessage: run this batch, end the epoch, hold, stop
+    driver ──(rendezvous store: "ctl")─────► stage 0     Command: stop, pause; heterogeneity, policy, members
+    stage 0 ──(pipeline link, 7 x int64)───► stage 1..   ControlMessage: run a batch, end the epoch, hold, stop, leave
     driver, workers ──(Dask scheduler)─────► service     GroupService routes, through GroupServiceClient
 
 The store is the driver's ``TCPStore`` under the run's prefix (:func:`run_prefix`); every key a run uses is
@@ -115,8 +115,9 @@ class Command:
     """What the driver asks of the run, under the store key :attr:`Keys.CTL`, read by every pipeline's stage 0.
 
     ``seq`` numbers the driver's writes: a reader holding readings from two connections keeps the newest.
-    ``hetero`` and ``policy`` are versions whose content is stored under :meth:`Keys.hetero` and
-    :meth:`Keys.policy`.  Encoded as ``"seq,stop,hetero,policy,pause"``.
+    ``hetero``, ``policy`` and ``members`` are versions whose content is stored under :meth:`Keys.hetero`,
+    :meth:`Keys.policy` and :meth:`Keys.members` (one change of the pipelines present per version: a join or
+    a leave).  Encoded as ``"seq,stop,hetero,policy,pause,members"``.
     """
 
     seq: int = 0
@@ -124,15 +125,16 @@ class Command:
     hetero: int = 0
     policy: int = 0
     pause: bool = False
+    members: int = 0
 
     def encode(self) -> str:
-        return f"{self.seq},{int(self.stop)},{self.hetero},{self.policy},{int(self.pause)}"
+        return f"{self.seq},{int(self.stop)},{self.hetero},{self.policy},{int(self.pause)},{self.members}"
 
     @classmethod
     def decode(cls, raw) -> "Command":
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
-        seq, stop, hetero, policy, pause = text.split(",")
-        return cls(int(seq), stop == "1", int(hetero), int(policy), pause == "1")
+        seq, stop, hetero, policy, pause, members = text.split(",")
+        return cls(int(seq), stop == "1", int(hetero), int(policy), pause == "1", int(members))
 
     def next(self, **changes) -> "Command":
         """The next write: ``changes`` applied and the sequence number advanced."""
@@ -147,13 +149,14 @@ class Op(enum.IntEnum):
     RUN = 1
     EPOCH_END = 2
     PAUSE = 3  # stage 0 holds the pipeline; sent a few times a second as a heartbeat
+    LEAVE = 4  # this pipeline leaves the run (run.remove_pipeline); the others go on
 
 
 @dataclass(frozen=True)
 class ControlMessage:
-    """The step's control message, sent by stage 0 down its pipeline as six int64 values.
+    """The step's control message, sent by stage 0 down its pipeline as seven int64 values.
 
-    ``[op, epoch, step, batch (-1: none), heterogeneity version, policy version]``
+    ``[op, epoch, step, batch (-1: none), heterogeneity version, policy version, membership version]``
     """
 
     op: Op
@@ -162,16 +165,17 @@ class ControlMessage:
     batch: int = -1
     hetero: int = 0
     policy: int = 0
+    members: int = 0
 
-    SIZE = 6
+    SIZE = 7
 
     def encode(self) -> list:
-        return [int(self.op), self.epoch, self.step, self.batch, self.hetero, self.policy]
+        return [int(self.op), self.epoch, self.step, self.batch, self.hetero, self.policy, self.members]
 
     @classmethod
     def decode(cls, values) -> "ControlMessage":
-        op, epoch, step, batch, hetero, policy = (int(v) for v in values)
-        return cls(Op(op), epoch, step, batch, hetero, policy)
+        op, epoch, step, batch, hetero, policy, members = (int(v) for v in values)
+        return cls(Op(op), epoch, step, batch, hetero, policy, members)
 
 
 # ------------------------------------------------------------------ store keys
@@ -195,6 +199,22 @@ class Keys:
     def policy(version: int) -> str:
         """The driver: ``{"mode", "name"}`` as JSON, for :attr:`Command.policy`."""
         return f"policy/{version}"
+
+    #: how many pipeline ids the run has handed out (the first ``pipelines``, then one per added pipeline)
+    PIPELINE_IDS = "pipelines/ids"
+
+    @staticmethod
+    def members(version: int) -> str:
+        """The driver: one change of the pipelines present as JSON, for :attr:`Command.members`:
+        ``{"kind": "join", "pipeline", "generation"}`` or ``{"kind": "leave", "pipeline"}``."""
+        return f"members/{version}"
+
+    @staticmethod
+    def join(pipeline: int, generation: int, what: str) -> str:
+        """A joining pipeline's keys: ``ready`` (its workers that connected, a counter), ``donor`` (the pipeline
+        that gives it its state, set once by compare-and-set), ``state/<stage>`` (that stage's state, set by the
+        donor), ``loaded`` (its workers that took their state, a counter), ``cancel`` (the driver: give up)."""
+        return f"join/{pipeline}/g{generation}/{what}"
 
     @staticmethod
     def lost(pipeline: int) -> str:
@@ -358,3 +378,8 @@ class GroupServiceClient:
 
     def leave(self, *, stage: int, pipeline: int) -> dict:
         return self._call("sdpipe_leave", within=10, stage=stage, pipeline=pipeline)
+
+    def join(self, *, stage: int, pipeline: int, donor: int) -> dict:
+        """(The donor's worker of ``stage``) ``pipeline`` takes part in ``stage`` from now on, holding a copy of
+        ``donor``'s state: it is in no group before its first ready signal."""
+        return self._call("sdpipe_join", within=10, stage=stage, pipeline=pipeline, donor=donor)

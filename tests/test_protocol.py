@@ -8,9 +8,16 @@ from sdpipe import events
 from sdpipe.protocol import Command, ControlMessage, GroupServiceClient, GroupServiceError, Keys, Op, run_prefix
 
 
-@given(st.integers(0, 10**9), st.booleans(), st.integers(0, 10**6), st.integers(0, 10**6), st.booleans())
-def test_command_round_trips_through_its_encoding(seq, stop, hetero, policy, pause):
-    cmd = Command(seq, stop, hetero, policy, pause)
+@given(
+    st.integers(0, 10**9),
+    st.booleans(),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.booleans(),
+    st.integers(0, 99),
+)
+def test_command_round_trips_through_its_encoding(seq, stop, hetero, policy, pause, members):
+    cmd = Command(seq, stop, hetero, policy, pause, members)
     assert Command.decode(cmd.encode()) == cmd
     assert Command.decode(cmd.encode().encode()) == cmd  # as the store hands it back (bytes)
 
@@ -19,12 +26,12 @@ def test_command_next_advances_the_sequence_and_keeps_the_rest():
     c = Command().next(hetero=3)
     assert c == Command(1, False, 3, 0, False)
     assert c.next(stop=True) == Command(2, True, 3, 0, False)
-    assert Command(7, True, 2, 1, False).encode() == "7,1,2,1,0"  # the layout stage 0 reads
+    assert Command(7, True, 2, 1, False, 4).encode() == "7,1,2,1,0,4"  # the layout stage 0 reads
 
 
-@given(st.sampled_from(list(Op)), *[st.integers(-1, 2**40) for _ in range(5)])
-def test_control_message_round_trips_as_six_integers(op, epoch, step, batch, hetero, policy):
-    msg = ControlMessage(op, epoch, step, batch, hetero, policy)
+@given(st.sampled_from(list(Op)), *[st.integers(-1, 2**40) for _ in range(6)])
+def test_control_message_round_trips_as_seven_integers(op, epoch, step, batch, hetero, policy, members):
+    msg = ControlMessage(op, epoch, step, batch, hetero, policy, members)
     values = msg.encode()
     assert len(values) == ControlMessage.SIZE and all(isinstance(v, int) for v in values)
     assert ControlMessage.decode(values) == msg

@@ -95,7 +95,8 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
             continue
         if kind == "join":
             p, donor = args
-            live = sched.stages[0].live
+            # a donor gives every stage's state: it is live in every stage (not one that left a stage already)
+            live = set.intersection(*(sched.stages[s].live for s in range(stages)))
             if p not in lost or not live:  # still there, or nobody left to take a state from
                 continue
             donor = min(live) if donor == "any" else donor
