@@ -125,7 +125,7 @@ class Launcher:
         run, cfg = self.run, self.run.config
         ensure_service(run._client)
         service = GroupServiceClient(run.run_id, client=run._client, token=uuid.uuid4().hex)
-        state = self._resume.scheduler if self._resume is not None else None
+        state = self._resume.scheduler_for(cfg.pipelines) if self._resume is not None else None
         try:
             service.open(
                 stages=cfg.stages,

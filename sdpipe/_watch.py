@@ -284,6 +284,10 @@ class RunWatcher:
             return LostWorker(f"{what} was lost ({why}); policy {run.policy!r} cannot go on without it")
         run._lost[p] = f"{what} was lost ({why})"
         run._leaving.discard(p)
+        if run._futures[rank].status == "pending":
+            # its worker is gone: without this, a cluster that allows failures would run the rank again on
+            # another worker, where it could only wait for a pipeline that is no more
+            run._futures[rank].cancel()
         run._inbox.add(events.worker_lost(p, s, time.time() - run.t0, run._workers[rank], why))
         rejoin = cfg.rejoin and not run._stop_requested
         log.warning(

@@ -3,7 +3,7 @@
 A run with ``checkpoint_every=N`` (epochs) writes, after every N-th epoch's
 global sync, a folder ``<checkpoint_dir>/epoch-NNNN``::
 
-    manifest.json      epoch reached, steps per pipeline, configuration, scheduler state
+    manifest.json      epoch reached, the pipelines present and their steps, configuration, scheduler state
     rank<r>.pt         one per worker: stage weights, optimizer state, random states
 
 Every file is written under a temporary name and renamed; the folder itself
@@ -15,7 +15,10 @@ or none.  ``latest`` (also replaced atomically) names the newest one.
 starts a run at the checkpoint's epoch with its weights, optimizer states,
 random states and step counts (the data order of an epoch depends only on
 the seed and the epoch, so an ``allreduce`` run resumed this way retraces the
-uninterrupted one).
+uninterrupted one).  A run may resume with another number of pipelines than the checkpoint's (pipelines
+joined or left since, or a different ``pipelines=``): each of its pipelines starts from a pipeline the
+checkpoint holds (its own where present; they are identical after the global sync that precedes every
+checkpoint), and its group scheduler starts afresh.
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ class Checkpoint:
     lost: dict
     """Pipelines lost before the checkpoint (their workers wrote nothing)."""
     states: dict
+    pipelines: list = None
+    """The pipelines present at the checkpoint (the ids of those that wrote it)."""
+
+    def scheduler_for(self, pipelines: int) -> Optional[dict]:
+        """The scheduler's state for a run of ``pipelines`` pipelines resuming here: the checkpoint's when the
+        run's pipelines are those present at the checkpoint, else None (it starts afresh)."""
+        return self.scheduler if sorted(self.steps) == list(range(pipelines)) else None
 
     def stage_state(self, pipeline: int, stage: int) -> dict:
         """The state of (pipeline, stage), or of the first pipeline that has one (a pipeline lost before the
@@ -101,6 +111,7 @@ def load_checkpoint(path, *, states: bool = True) -> Checkpoint:
         scheduler=manifest.get("scheduler"),
         lost={int(k): v for k, v in manifest.get("lost", {}).items()},
         states=loaded,
+        pipelines=manifest.get("pipelines", sorted(int(k) for k in manifest["steps"])),
     )
 
 

@@ -67,6 +67,10 @@ SCHEMA: dict = {
     "stage": (("weight_bytes", "activation_bytes"), ("address",)),  # a worker describes its stage once
     "epoch": (("metrics",), ()),  # metrics: epoch, pipeline, loss, samples, share, samples_per_s, steps, complete, ...
     "group": (("round", "group", "reason", "wait", "connected", "policy"), ()),  # a decision of the group scheduler
+    # what: pause, resume, stop, heterogeneity, policy, shaped; and the pipelines present: "add" (the driver was
+    # asked for more), "donated" (a worker gave its stage's state to joiner "to"), "joined" (every stage of the
+    # joiner took it: its "donor", "generation", whether a lost pipeline came back, "seconds" from its launch),
+    # "join-failed", "leave" (asked), "left" (the pipeline's worker took it at a step boundary)
     "control": (
         ("what",),
         (
@@ -80,6 +84,14 @@ SCHEMA: dict = {
             "pipelines",
             "bandwidth",
             "cpu",
+            "donor",
+            "generation",
+            "rejoin",
+            "seconds",
+            "workers",
+            "to",
+            "bytes",
+            "reason",
         ),
     ),
     "checkpoint": (("epoch", "path"), ()),

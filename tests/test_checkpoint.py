@@ -108,7 +108,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused(data, shared_cluster, tmp_pat
         cluster=shared_cluster,
     ).result(timeout=300)
     cases = [
-        (dict(pipelines=1), "pipelines: the checkpoint at"),
+        (dict(stages=1), "stages: the checkpoint at"),
         (dict(epochs=1), "epochs: the checkpoint at"),
         (dict(model=digits_mlp(hidden=64)), "model: stage 0 parameter"),
         (dict(optimizer="sgd"), "optimizer: the checkpoint at"),

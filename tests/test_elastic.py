@@ -1,0 +1,209 @@
+"""Pipelines joining and leaving a running run, on real Dask clusters: added, removed, and lost ones coming back."""
+
+import json
+import os
+import signal
+import statistics
+import time
+
+import pytest
+from distributed import Client, LocalCluster
+
+import sdpipe
+from sdpipe.data import digits, digits_mlp
+
+from helpers import assert_records_valid, live_process_groups, port_closed, wait_for_epoch
+
+pytestmark = pytest.mark.cluster
+
+#: every worker sleeps this long per step: a pipeline is bound by it, not by the two cores (as on a machine
+#: with a core per worker), so more pipelines can raise the run's samples/s
+STEP_SLEEP = 0.08
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits()
+
+
+def controls(events, what):
+    return [e for e in events if e["kind"] == "control" and e.get("what") == what]
+
+
+def wait_until(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.1)
+
+
+def epoch_throughput(history, epoch) -> float:
+    """The run's samples/s in ``epoch``: the pipelines' own, added."""
+    return sum(h["samples_per_s"] for h in history if h["epoch"] == epoch)
+
+
+def test_growing_from_2_to_4_pipelines_on_workers_the_user_adds(data, no_leaks):
+    """add_pipelines(2) waits for free workers; the user scales the cluster; both join, each from a live
+    replica; the run's samples/s rises; after the stop's global sync every replica is identical."""
+    train_data, eval_data = data
+    lc = LocalCluster(n_workers=4, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
+    client = Client(lc, set_as_default=False)
+    try:
+        run = sdpipe.train(
+            digits_mlp(),
+            train_data,
+            eval_data=eval_data,
+            stages=2,
+            pipelines=2,
+            policy="sdpipe",
+            epochs=200,
+            batch_size=32,
+            lr=0.01,
+            heterogeneity=sdpipe.Heterogeneity(straggle_prob=1.0, straggle_delay=STEP_SLEEP),
+            cluster=client,
+        )
+        wait_for_epoch(run, 2)
+        assert run.add_pipelines(2) == [2, 3]
+        assert run.pipelines == [0, 1]  # they take part once joined
+        time.sleep(1.0)
+        assert not controls(run.events, "joined")  # no free worker yet: waiting for the user's
+        lc.scale(8)
+        wait_until(lambda: run.pipelines == [0, 1, 2, 3], 120, "join of pipelines 2 and 3")
+        joined_in = max(h["epoch"] for h in run.history())
+        wait_for_epoch(run, joined_in + 5)
+        run.stop()
+        result = run.result(timeout=300)
+    finally:
+        client.close()
+        lc.close()
+    assert_records_valid(result.events)
+    joined = controls(result.events, "joined")
+    assert sorted(e["pipeline"] for e in joined) == [2, 3]
+    assert all(e["donor"] in (0, 1, 2) and e["donor"] != e["pipeline"] for e in joined)
+    donated = controls(result.events, "donated")
+    assert len(donated) == 4 and {e["to"] for e in donated} == {2, 3}  # every stage of each joiner
+    assert result.finished_pipelines == [0, 1, 2, 3] and result.pipelines == 4
+    assert result.max_param_diff() == 0.0
+    # a joiner is in no group before its state arrived, and in groups after
+    for e in joined:
+        p = e["pipeline"]
+        groups = [g for g in result.events if g["kind"] == "group" and p in g["group"]]
+        assert groups and min(g["start"] for g in groups) >= min(d["start"] for d in donated if d["to"] == p)
+    # samples/s recorded in the epochs before the joins and in those that started with all four pipelines
+    # (epoch joined_in + 1 was under way as they joined; the last one is the stop's); on two cores the eight
+    # workers' compute and the joiners' start-up still share them, so less than twice
+    last = max(h["epoch"] for h in result.history)
+    before = [epoch_throughput(result.history, e) for e in range(1, 3)]
+    after = [epoch_throughput(result.history, e) for e in range(joined_in + 2, last)]
+    assert all(len([h for h in result.history if h["epoch"] == e]) == 4 for e in range(joined_in + 2, last))
+    assert len(after) >= 2 and statistics.median(after) > 1.4 * statistics.median(before), (before, after)
+    assert [h["accuracy"] for h in result.history if "accuracy" in h][-1] > 0.9  # the stop's epoch: no evaluation
+
+
+def test_a_killed_worker_rejoins_once_its_nanny_restarted_it(data, no_leaks):
+    """rejoin=True on the embedded cluster: the killed worker's pipeline is lost, its nanny restarts the
+    process, and the pipeline comes back, takes a live replica's state and trains every later epoch."""
+    train_data, eval_data = data
+    run = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        eval_data=eval_data,
+        stages=2,
+        pipelines=3,
+        policy="sdpipe",
+        epochs=40,
+        batch_size=32,
+        lr=0.01,
+        rejoin=True,
+    )
+    wait_for_epoch(run, 1)
+    addr = run.workers[3]  # pipeline 1, stage 1
+    os.kill(run._client.run(os.getpid, workers=[addr])[addr], signal.SIGKILL)
+    wait_until(lambda: controls(run.events, "joined"), 180, "rejoin")
+    store_port = run.store_port
+    result = run.result(timeout=600)
+    assert_records_valid(result.events)
+    lost = [e for e in result.events if e["kind"] == "worker-lost"]
+    assert [(e["pipeline"], e["stage"]) for e in lost] == [(1, 1)]
+    (joined,) = controls(result.events, "joined")
+    assert joined["pipeline"] == 1 and joined["rejoin"] and joined["generation"] == 1
+    assert joined["start"] > lost[0]["start"]
+    # it ends with all its pipelines, identical after the last global sync, and pipeline 1 trained again
+    assert result.lost == {} and result.finished_pipelines == [0, 1, 2]
+    assert result.max_param_diff() == 0.0
+    back = [h for h in result.history if h["pipeline"] == 1 and h["epoch"] >= 1]
+    assert back and back[-1]["epoch"] == 39 and back[-1]["accuracy"] > 0.9
+    # its old groups were not reused: no group with pipeline 1 failed after it came back
+    failed = [e for e in result.events if e["kind"] == "sync" and e.get("failed") and e["start"] > joined["start"]]
+    assert not failed, failed[:2]
+    assert port_closed(store_port)
+
+
+@pytest.mark.parametrize("policy", ["sdpipe", "none"])
+def test_removing_a_pipeline_hands_its_batches_to_the_others(data, policy, tmp_path, no_leaks):
+    """... and its checkpoints record the two pipelines present; a run resumes from them with three."""
+    train_data, eval_data = data
+    lc = LocalCluster(n_workers=6, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
+    client = Client(lc, set_as_default=False)
+    common = dict(stages=2, policy=policy, batch_size=32, lr=0.01, cluster=client, checkpoint_dir=tmp_path)
+    try:
+        run = sdpipe.train(
+            digits_mlp(), train_data, eval_data=eval_data, pipelines=3, epochs=5, checkpoint_every=1, **common
+        )
+        wait_for_epoch(run, 0)
+        run.remove_pipeline(1)
+        assert run.pipelines == [0, 2]
+        with pytest.raises(ValueError, match=r"^pipeline: 1 is not taking part in the run; it has \[0, 2\]$"):
+            run.remove_pipeline(1)
+        result = run.result(timeout=300)
+        assert live_process_groups(client) == 0
+        manifest = json.loads((tmp_path / "epoch-0005" / "manifest.json").read_text())
+        assert manifest["pipelines"] == [0, 2] and sorted(manifest["steps"]) == ["0", "2"]
+        resumed = sdpipe.train(
+            digits_mlp(), train_data, eval_data=eval_data, pipelines=3, epochs=6, resume_from=tmp_path, **common
+        ).result(timeout=300)
+    finally:
+        client.close()
+        lc.close()
+    # every pipeline of the resumed run starts from the checkpoint's weights: as good as the run it resumes
+    assert resumed.finished_pipelines == [0, 1, 2] and {h["epoch"] for h in resumed.history} == {5}
+    assert min(h["accuracy"] for h in resumed.history) >= result.history[-1]["accuracy"] - 0.05
+    assert_records_valid(result.events)
+    assert list(result.left) == [1] and result.models[1] is None and result.lost == {}
+    assert result.finished_pipelines == [0, 2] and not result.stopped
+    left = controls(result.events, "left")  # each of its stages took it at the same step boundary
+    assert {(e["pipeline"], e["stage"], e["applied_by"]) for e in left} == {(1, 0, "worker"), (1, 1, "worker")}
+    assert len({e["step"] for e in left}) == 1
+    # every later epoch: the two pipelines trained all of its batches between them
+    per_epoch = 1437 // 32 * 32
+    for epoch in range(2, 5):
+        rows = [h for h in result.history if h["epoch"] == epoch]
+        assert sorted(h["pipeline"] for h in rows) == [0, 2]
+        assert sum(h["samples"] for h in rows) == per_epoch
+    if policy == "sdpipe":  # no round waited for it once it left; the global syncs were the two's
+        groups = [g for g in result.events if g["kind"] == "group" and g["start"] > max(e["end"] for e in left)]
+        assert groups and all(1 not in g["group"] for g in groups)
+        assert result.max_param_diff() == 0.0
+
+
+def test_policies_with_fixed_groups_refuse_in_one_line(data, no_leaks):
+    train_data, _ = data
+    with pytest.raises(ValueError, match=r"^rejoin: policy 'allreduce' cannot take a pipeline back"):
+        sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="allreduce", rejoin=True)
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="allreduce", epochs=30)
+    try:
+        wait_for_epoch(run, 0)
+        for call in (lambda: run.add_pipelines(1), lambda: run.remove_pipeline(0), lambda: run.scale(3)):
+            with pytest.raises(ValueError) as info:
+                call()
+            msg = str(info.value)
+            assert "\n" not in msg and "policy 'allreduce' keeps a group of the pipelines fixed" in msg
+        # once switched to sdpipe, the same run takes them
+        run.set_policy("sdpipe")
+        with pytest.raises(ValueError, match=r"^n: must be a positive int, got 0$"):
+            run.add_pipelines(0)
+        with pytest.raises(ValueError, match=r"^pipeline: 5 is not taking part"):
+            run.remove_pipeline(5)
+    finally:
+        run.stop()
+    run.result(timeout=300)
