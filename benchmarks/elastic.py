@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import local_cluster, meta_lines, run_meta
+from _common import local_cluster, results_head, run_meta
 
 WORKERS = 6
 
@@ -127,12 +127,11 @@ def main(argv=None) -> int:
         f"digits MLP, 3 pipelines x 2 stages, sdpipe, rejoin=True, batch 32, {args.epochs} epochs, timeout 60 s; "
         f"{WORKERS} worker processes; a random worker killed with SIGKILL at a random moment",
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out, lines = results_head(args.out, "Random kills with rejoin", meta)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     done = [r for r in rows if r["outcome"] == "completed"]
-    lines = ["# Random kills with rejoin", "", *meta_lines(meta), ""]
     lines += [
+        "",
         "| run | killed | after (s) | ended with all pipelines | worker back after kill (s) | joined after "
         "worker back (s) | accuracy | reference | replicas identical |",
         "|---|---|---|---|---|---|---|---|---|",
