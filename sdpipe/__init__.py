@@ -9,11 +9,12 @@ from ._train import train
 from .checkpoint import Checkpoint, load_checkpoint
 from .config import Heterogeneity, TrainConfig
 from .partition import partition
-from .simulation import Costs, Network, calibrate, simulate
+from .simulation import Costs, Network, calibrate, simulate, spot_trace
 
 __all__ = [
     "train",
     "simulate",
+    "spot_trace",
     "Run",
     "RunResult",
     "RunError",

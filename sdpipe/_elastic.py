@@ -89,6 +89,11 @@ class Elastic:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n: must be a positive int, got {n!r}")
         self._check_elastic("add_pipelines")
+        if self._spec is not None and self._spec.streamed:
+            raise ValueError(
+                "add_pipelines: the run reads an IterableDataset, sharded over the pipelines it started with; "
+                "a new pipeline would have no shard of its own (a lost one can come back: rejoin=True)"
+            )
         new = list(range(self._ids, self._ids + n))
         self._ids += n
         self._control.set_pipeline_ids(self._ids)

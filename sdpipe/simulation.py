@@ -19,6 +19,8 @@ own method of ``_Simulation``; the scheduler core's deadlines come in between th
     ready   (p, s, step)   _on_ready   worker (p, s) stepped its optimizer; the core hears ``Ready``
     synced  (p, s, step)   _on_synced  (p, s)'s group is done; once all of p's are, p's next ``start``
     (tick)  deadline       _on_tick    the core's deadline came first: windows that ran out close
+    member  (what, p)      _on_member  the trace: pipeline p "leave"s (lost to the core, its events dropped)
+                                       or "join"s (a live replica's state, then its next ``start``)
 
 A group the core decides ends at ``closed + round trip + slowest link delay + ring
 all-reduce`` and averages its members' proxies (weighted by progress under
@@ -31,7 +33,11 @@ history fields as a real run (times are simulated seconds; every record is
 made by :mod:`sdpipe.events`), so ``Dashboard(result)`` replays a simulated run.
 
 Policies ``sdpipe``, ``allreduce`` and ``none``; one epoch ending with a
-global sync.  :func:`calibrate` measures the costs in a real run's events;
+global sync.  ``trace=`` makes pipelines leave and come back at given times (under ``sdpipe`` and ``none``):
+a leaving pipeline is lost to the core (``Lost``) and its work in flight is dropped; a returning one takes a
+live replica's state (the proxy's point, after the time its weights take over the network) and the core hears
+``Join`` with that donor; :func:`spot_trace` draws such a trace from preemption and return rates, as spot
+instances behave.  :func:`calibrate` measures the costs in a real run's events;
 ``docs/simulator.md`` has the model and its agreement with real runs.
 """
 
@@ -52,7 +58,16 @@ from .data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
 from .schedule import ASYNC_SCHEDULES, build_plan, dry_run
 from .scheduler import GroupScheduler, Ready
 
-__all__ = ["Calibration", "Costs", "Network", "calibrate", "simulate", "ring_allreduce_seconds", "SIM_POLICIES"]
+__all__ = [
+    "Calibration",
+    "Costs",
+    "Network",
+    "calibrate",
+    "simulate",
+    "spot_trace",
+    "ring_allreduce_seconds",
+    "SIM_POLICIES",
+]
 
 SIM_POLICIES = ("sdpipe", "allreduce", "none")
 
@@ -417,6 +432,14 @@ class _Pipe:
     done: bool = False
 
 
+def _concerns(entry: tuple, p: int) -> bool:
+    """Whether a heap entry is pipeline p's work (its start, a worker's ready, ask or synced, its global sync)."""
+    kind, data = entry[2], entry[3]
+    if kind == "member":
+        return False
+    return data == p if kind in ("start", "global") else data[0] == p
+
+
 class _Proxy:
     """The convergence proxy: each worker (p, s) holds a point x (4 numbers) of the bowl ``mean(x ** 2)`` and
     steps ``x -= lr * (x + noise * N(0, 1))`` per step; groups average their members' points.
@@ -454,6 +477,12 @@ class _Proxy:
         if restart:
             for m in members:
                 mass[(m, stage)] = 1.0
+
+    def copy(self, donor: int, p: int) -> None:
+        """Pipeline p takes the donor's points and progress (a joiner's state)."""
+        for s in range(self.stages):
+            self.x[(p, s)] = list(self.x[(donor, s)])
+            self.mass[(p, s)] = self.mass[(donor, s)]
 
     def loss(self, p: int) -> float:
         x = self.x
@@ -507,21 +536,27 @@ class _Simulation:
         self.averaging: dict = {}  # (p, s) -> when its overlapped averaging ends (None: its group is undecided)
         self.held: dict = {}  # (p, s) -> (time, data) of a ready that waits for that averaging
         self.held_global: dict = {}  # p -> when it ran out of batches: its global sync waits for those averagings
+        self.present = set(range(D))  # pipelines taking part (the trace takes some out and back)
+        self.changes: list = []  # (time, what, pipeline, donor) of the trace's changes, as applied
+        self.end = 0.0  # the last event's time, the trace's own aside
 
     def _push(self, t: float, kind: str, data) -> None:
         heapq.heappush(self.heap, (t, next(self._seq), kind, data))
 
-    def run(self) -> "_Simulation":
+    def run(self, trace=()) -> "_Simulation":
         """Every pipeline starts at 0; events in time order (ties in the order pushed), a tick first when the
-        core's deadline comes no later than the next event."""
+        core's deadline comes no later than the next event.  ``trace``: ``(time, "leave" | "join", pipeline)``."""
         for p in range(self.D):
             self._push(0.0, "start", p)
+        for t, what, p in trace:
+            self._push(float(t), "member", (what, p))
         handlers = {
             "start": self._on_start,
             "ready": self._on_ready,
             "ask": self._on_ask,
             "global": self._on_global,
             "synced": self._on_synced,
+            "member": self._on_member,
         }
         heap, pop = self.heap, heapq.heappop
         # a pending deadline is ticked also when nothing else is left: workers of different stages can all be
@@ -535,6 +570,8 @@ class _Simulation:
                 continue
             self.now, _, kind, data = pop(heap)
             handlers[kind](self.now, data)
+            if kind != "member" and (kind != "start" or not self.pipes[data].done):
+                self.end = self.now  # the trace (and its joiners finding no batch) may go on after the work
         return self
 
     def _on_start(self, t: float, p: int) -> None:
@@ -686,6 +723,44 @@ class _Simulation:
                 elif g.reason != "global":
                     self._push(end, "synced", (m, stage, step))
 
+    def _on_member(self, t: float, data: tuple) -> None:
+        """The trace: pipeline p leaves (lost: the core takes it out of every stage, its work in flight is dropped)
+        or joins (it takes the proxy state of the lowest live pipeline, the donor, once the stages' weights crossed
+        the network; the core hears ``Join`` with that donor; then its next step).  A change that does not apply
+        (leaving when gone, joining when there or once every batch is taken) is skipped."""
+        what, p = data
+        if (what == "leave") != (p in self.present) or (what == "join" and self.taken >= self.total):
+            return  # nothing to change; or no batch left for a joiner (the epoch ends with its global sync)
+        if what == "leave":
+            self.present.discard(p)
+            self.heap[:] = [e for e in self.heap if not _concerns(e, p)]  # in place: run() holds the list
+            heapq.heapify(self.heap)
+            for s in range(self.S):
+                self.averaging.pop((p, s), None)
+                self.held.pop((p, s), None)
+            self.held_global.pop(p, None)
+            self.pipes[p].done = True
+            if self.core is not None:
+                self._apply(self.core.lost(p, t))
+            donor = None
+        else:
+            donor = min(self.present) if self.present else None
+            self.present.add(p)
+            pipe = self.pipes[p]
+            pipe.done, pipe.synced, pipe.last_start = False, {}, None
+            if donor is not None:
+                self.proxy.copy(donor, p)
+            if self.core is not None:
+                self._apply(self.core.join(p, t, donor))
+            net = self.net
+            transfer = max(net.latency + b / net.bandwidth for b in self.costs.weight_bytes) if donor is not None else 0
+            self._push(t + transfer, "start", p)
+        self.changes.append((t, what, p, donor))
+        if self.record:
+            self.records.append(
+                events.control("joined" if what == "join" else "left", t, applied_by="driver", pipeline=p, donor=donor)
+            )
+
     def _on_synced(self, t: float, data: tuple) -> None:
         """Worker (p, s)'s sync ended; once every stage of p's did, p starts its next step."""
         p, s, _ = data
@@ -695,9 +770,17 @@ class _Simulation:
             pipe.step += 1
             self._push(max(pipe.synced.values()), "start", p)
 
+    def _absent_at(self, t: float) -> set:
+        """The pipelines the trace had taken out at time ``t`` (and not yet back)."""
+        absent: set = set()
+        for when, what, p, _ in self.changes:
+            if when <= t:
+                (absent.add if what == "leave" else absent.discard)(p)
+        return absent
+
     def result(self) -> RunResult:
         """The run's history (one row per pipeline, with an ``epoch`` record each) at the last event's time."""
-        end, share_of = self.now, self.total * self.config.batch_size
+        end, share_of = self.end, self.total * self.config.batch_size
         history = []
         for p, pipe in enumerate(self.pipes):
             samples = pipe.step * self.config.batch_size
@@ -722,6 +805,8 @@ class _Simulation:
             wall_time=end,
             stopped=False,
             steps={p: pipe.step for p, pipe in enumerate(self.pipes)},
+            lost={p: "left in the trace" for p in sorted(self._absent_at(end))},
+            pipelines=self.D,
         )
 
 
@@ -742,13 +827,16 @@ def simulate(
     record: bool = True,
     lr: float = 0.1,
     noise: float = 1.0,
+    trace=None,
 ):
     """Simulate ``steps`` steps' worth of batches per pipeline; returns a :class:`sdpipe.RunResult`.
 
     Under ``allreduce`` every pipeline takes ``steps`` steps; under ``sdpipe``
     and ``none`` the ``steps x pipelines`` batches go to whichever pipeline
     asks next (work follows speed).  ``record=False`` keeps only the history
-    (for very large simulations).
+    (for very large simulations).  ``trace``: ``(seconds, "leave" | "join", pipeline)`` changes of the pipelines
+    present (see :func:`spot_trace`); pipelines absent at the end are in ``result.lost``, and ``control``
+    records ``left`` / ``joined`` mark the changes.
     """
     if policy not in SIM_POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(SIM_POLICIES)} (the simulator's policies)")
@@ -778,5 +866,43 @@ def simulate(
         scheduler=scheduler,
         seed=seed,
     )
+    changes = _check_trace(trace, pipelines, policy)
     sim = _Simulation(config, costs=costs, network=network, steps=steps, record=record, lr=lr, noise=noise)
-    return sim.run().result()
+    return sim.run(changes).result()
+
+
+def _check_trace(trace, pipelines: int, policy: str) -> list:
+    if trace is None:
+        return []
+    if policy not in ("sdpipe", "none"):
+        raise ValueError(f"trace: pipelines join and leave under 'sdpipe' and 'none', not {policy!r}")
+    out = []
+    try:
+        for t, what, p in trace:
+            ok = what in ("leave", "join") and isinstance(p, int) and 0 <= p < pipelines and 0 <= float(t) < math.inf
+            if not ok:
+                raise ValueError
+            out.append((float(t), what, p))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"trace: needs (seconds >= 0, 'leave' or 'join', pipeline 0..{pipelines - 1}) entries, got {trace!r}"[:300]
+        ) from None
+    return sorted(out, key=lambda c: c[0])
+
+
+def spot_trace(pipelines: int, *, preemptions_per_min: float, mean_down: float, duration: float, seed: int = 0):
+    """A trace for :func:`simulate`: each pipeline is preempted at ``preemptions_per_min`` (a Poisson process
+    while it is up) and comes back after an exponential time of mean ``mean_down`` seconds, over ``duration``
+    seconds; pipeline 0 is never preempted (somebody holds the state to give)."""
+    for name, v in (("preemptions_per_min", preemptions_per_min), ("mean_down", mean_down), ("duration", duration)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+            raise ValueError(f"{name}: must be a finite number > 0, got {v!r}")
+    rng = random.Random(seed)
+    trace = []
+    for p in range(1, pipelines):
+        t = rng.expovariate(preemptions_per_min / 60.0)
+        while t < duration:
+            back = t + rng.expovariate(1.0 / mean_down)
+            trace += [(t, "leave", p), (back, "join", p)]
+            t = back + rng.expovariate(preemptions_per_min / 60.0)
+    return sorted(trace)

@@ -222,3 +222,63 @@ def test_an_asynchronous_schedule_steps_at_its_steady_state_without_flush(schedu
     assert steady.wall_time == pytest.approx(40 * (4 * (0.003 + 0.006) + updates * 1e-3), rel=1e-6)
     flushed = dry_run(build_plan("1f1b", 2, 4), {"F": 0.0025, "B": 0.005}).makespan  # at least this much
     assert flush.wall_time > 40 * flushed > steady.wall_time - 40 * updates * 1e-3
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_trace_of_preemptions_and_returns_follows_the_scheduler_core(overlap):
+    """Pipelines leave and come back (spot instances): an absent pipeline is in no group, a returning one takes
+    a live replica's state first, the epoch's global group holds exactly the pipelines present, and only the
+    batches in flight at a preemption go untrained."""
+    trace = sdpipe.spot_trace(8, preemptions_per_min=20, mean_down=1.0, duration=30, seed=3)
+    assert {p for _, _, p in trace} <= set(range(1, 8)) and trace == sorted(trace)
+    for p in range(1, 8):  # each pipeline alternates: leave, join, leave, ...
+        whats = [w for _, w, q in trace if q == p]
+        assert whats == ["leave", "join"] * (len(whats) // 2)
+    result = simulate(
+        2, 8, costs=COSTS, policy="sdpipe", steps=150, trace=trace, scheduler={"overlap": overlap}, noise=0.5
+    )
+    assert not [e for e in result.events if events.problems(e)]
+    changes = sorted(
+        (e["start"], e["what"], e["pipeline"], e["donor"]) for e in result.events if e["kind"] == "control"
+    )
+    assert len(changes) >= 4 and {w for _, w, _, _ in changes} == {"left", "joined"}
+    absent, present_at = set(), []
+    for t, what, p, donor in changes:
+        if what == "left":
+            absent.add(p)
+        else:
+            assert donor not in absent and donor != p  # a live replica gives the state
+            absent.discard(p)
+        present_at.append((t, set(range(8)) - absent))
+
+    def present(t):
+        now = set(range(8))
+        for when, members in present_at:
+            if when <= t:
+                now = members
+        return now
+
+    groups = [e for e in result.events if e["kind"] == "group"]
+    for g in groups:
+        assert set(g["group"]) <= present(g["end"]), (g, present(g["end"]))
+    final = [g for g in groups if g["reason"] == "global"]
+    assert final and all(set(g["group"]) == present(g["end"]) for g in final)
+    # a returned pipeline trained again; the batches lost are at most one per preemption
+    lefts = sum(1 for c in changes if c[1] == "left" and c[0] < result.wall_time)
+    samples = sum(h["samples"] for h in result.history)
+    assert 150 * 8 * 32 - lefts * 32 <= samples < 150 * 8 * 32
+    assert sorted(result.lost) == sorted(set(range(8)) - present(result.wall_time))
+
+
+def test_bad_traces_are_named_in_one_line():
+    for kwargs, message in [
+        (dict(policy="allreduce", trace=[(1.0, "leave", 1)]), "trace: pipelines join and leave under 'sdpipe'"),
+        (dict(trace=[(1.0, "go", 1)]), "trace: needs (seconds >= 0, 'leave' or 'join', pipeline 0..3)"),
+        (dict(trace=[(1.0, "leave", 4)]), "trace: needs (seconds >= 0"),
+        (dict(trace=[(-1, "leave", 1)]), "trace: needs (seconds >= 0"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            simulate(2, 4, costs=COSTS, steps=10, **kwargs)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^mean_down: must be a finite number > 0, got 0$"):
+        sdpipe.spot_trace(4, preemptions_per_min=1, mean_down=0, duration=10)
