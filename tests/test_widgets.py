@@ -52,6 +52,32 @@ def test_view_keeps_recent_spans_and_totals_of_all():
     assert v.shares()["compute"] == pytest.approx([2.0, 2.0])  # every span counts in the totals
 
 
+def test_view_rows_follow_pipelines_that_join_leave_and_are_lost():
+    from sdpipe.widgets import RunView
+
+    v = RunView(2, 2, 32, window=10.0)
+
+    def spans(p, t):
+        return [{"kind": "forward", "pipeline": p, "stage": s, "step": 0, "start": t, "end": t + 0.1} for s in (0, 1)]
+
+    def control(what, p, t, by="driver"):
+        return {"kind": "control", "what": what, "pipeline": p, "applied_by": by, "start": t, "end": t}
+
+    v.add(spans(0, 0.0) + spans(1, 0.0) + spans(2, 0.5))  # a pipeline the view does not know yet: no row
+    assert v.workers == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    v.add([control("joined", 2, 1.0)] + spans(2, 1.2))
+    assert v.workers == [(p, s) for p in range(3) for s in range(2)] and v.pipelines == 3
+    assert "pipeline 2 stage 1" in v.timeline()["compute"]["y"]
+    v.add([control("left", 0, 2.0, by="worker")])  # its worker took the leave: its rows go
+    lost = {"kind": "worker-lost", "pipeline": 1, "stage": 0, "worker": "w", "reason": "died", "start": 3.0, "end": 3.0}
+    v.add([lost])
+    assert v.workers == [(2, 0), (2, 1)]
+    assert set(v.timeline()["compute"]["y"]) == {"pipeline 2 stage 0", "pipeline 2 stage 1"}
+    v.add([control("joined", 1, 4.0)])  # it came back
+    assert v.workers == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [label for _, label in v.controls] == ["joined: pipeline 2", "lost: pipeline 1", "joined: pipeline 1"]
+
+
 def test_overlapped_averaging_has_its_own_lane_and_the_histogram_counts_ordinary_groups():
     from sdpipe.widgets import RunView
 
@@ -163,8 +189,12 @@ def test_control_panel_applies_the_values_sent_with_a_press_and_refuses_bad_ones
     assert panel.slowdown == [1.0, 2.5] and panel.staleness == 8  # nothing of a refused press was taken
     panel._on_message(panel, {"action": "reboot"}, [])  # not a button of the panel
     assert len(pressed) == 1
-    with pytest.raises(ValueError, match="action: must be one of policy, slowdowns, pause, resume, stop"):
+    with pytest.raises(ValueError, match="action: must be one of policy, slowdowns, pause, resume, stop, add"):
         panel.press("reboot")
+    pressed.clear()
+    panel._on_message(panel, {"action": "remove pipeline", "values": {"remove": 1.5}}, [])
+    [(action, error)] = pressed
+    assert action == "remove pipeline" and "pipeline: must be a whole number" in str(error)
 
 
 @pytest.mark.cluster
@@ -251,3 +281,45 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
     assert "stopped" in dash.header.value
     dash.panel.press("stop")  # a finished run answers like the other controls
     assert "stop not applied" in dash.message.value and "had already ended (stopped)" in dash.message.value
+
+
+@pytest.mark.cluster
+def test_live_dashboard_adds_and_removes_pipelines_and_its_rows_follow(data, shared_cluster):
+    from sdpipe.widgets import Dashboard
+
+    train_data, _ = data
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=200, cluster=shared_cluster
+    )
+    dash = Dashboard(run, interval=0.25)
+    try:
+        deadline = time.monotonic() + 60
+        while dash.view.count < 100:
+            assert time.monotonic() < deadline and not run.done(), run.status
+            time.sleep(0.1)
+        assert dash.panel.elastic
+        dash.panel.press("add pipeline")
+        assert "add pipeline applied at t = " in dash.message.value and "pipeline 2 joins" in dash.message.value
+        while run.pipelines != [0, 1, 2]:
+            assert time.monotonic() < deadline + 120 and not run.done(), run.status
+            time.sleep(0.2)
+        time.sleep(1.5)  # a few redraws
+        ticks = lambda: dash.figure.layout[dash._axes["timeline"][1]].ticktext  # noqa: E731
+        assert ticks() == ("pipeline 0 stage 0", "pipeline 1 stage 0", "pipeline 2 stage 0")
+        assert "1 stages x 3 pipelines" in dash.header.value
+        dash.panel.press("remove pipeline", remove=0)
+        assert "pipeline 0 leaves at its next step boundary" in dash.message.value
+        while ticks() != ("pipeline 1 stage 0", "pipeline 2 stage 0"):
+            assert time.monotonic() < deadline + 180 and not run.done(), run.status
+            time.sleep(0.2)
+        dash.panel.press("remove pipeline", remove=0)  # not there any more: said in the message line
+        assert "remove pipeline not applied" in dash.message.value and "is not taking part" in dash.message.value
+        labels = [label for _, label in dash.view.controls]
+        assert "add: pipeline 2" in labels and "joined: pipeline 2" in labels and "leave: pipeline 0" in labels
+        assert dash.trace("loss/2").x  # the joined pipeline's own loss curve
+        run.stop()
+        result = run.result(timeout=120)
+    finally:
+        run.stop()
+        dash.stop()
+    assert result.finished_pipelines == [1, 2] and list(result.left) == [0]

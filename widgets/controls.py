@@ -22,7 +22,7 @@ from sdpipe.config import _number
 __all__ = ["ControlPanel", "ACTIONS"]
 
 #: what the buttons do, in the order they are shown
-ACTIONS = ("policy", "slowdowns", "pause", "resume", "stop")
+ACTIONS = ("policy", "slowdowns", "pause", "resume", "stop", "add pipeline", "remove pipeline")
 #: (lowest, highest, step) of each slider
 SLOWDOWN = (1.0, 8.0, 0.5)
 STRAGGLE_PROB = (0.0, 0.5, 0.05)
@@ -82,7 +82,16 @@ class ControlPanel(anywidget.AnyWidget):
 
         const runBox = el_("div", { className: "sdpipe-col sdpipe-run" }, el_("b", { textContent: "run" }),
           button("pause"), button("resume"), button("stop", "sdpipe-danger"));
-        el.append(el_("div", { className: "sdpipe-panel" }, policyBox, hetBox, runBox));
+
+        // pipelines joining and leaving
+        const removeInput = el_("input", { type: "number", min: 0, step: 1, title: "the pipeline to remove" });
+        const addButton = button("add pipeline");
+        const removeButton = button("remove pipeline");
+        const memberBox = el_("div", { className: "sdpipe-col sdpipe-members" }, el_("b", { textContent: "pipelines" }),
+          addButton,
+          el_("label", { className: "sdpipe-row" }, el_("span", { textContent: "pipeline" }), removeInput),
+          removeButton);
+        el.append(el_("div", { className: "sdpipe-panel" }, policyBox, hetBox, runBox, memberBox));
 
         const values = () => ({
           policy: select.value,
@@ -91,6 +100,7 @@ class ControlPanel(anywidget.AnyWidget):
           slowdown: Array.from({ length: n }, (_, p) => Number(inputs[`slowdown/${p}`].input.value)),
           straggle_prob: Number(inputs.straggle_prob.input.value),
           straggle_delay: Number(inputs.straggle_delay.input.value),
+          remove: Number(removeInput.value),
         });
         // one custom message with every value: state updates would wait in the page while a cell awaits
         const press = (action) => model.send({ action, values: values() });
@@ -104,6 +114,8 @@ class ControlPanel(anywidget.AnyWidget):
           model.get("slowdown").forEach((v, p) => inputs[`slowdown/${p}`] && inputs[`slowdown/${p}`].set(v));
           inputs.straggle_prob.set(model.get("straggle_prob"));
           inputs.straggle_delay.set(model.get("straggle_delay"));
+          removeInput.value = model.get("remove");
+          for (const e of [addButton, removeButton, removeInput]) e.disabled = !model.get("elastic");
         };
         show();
         model.on("change", show);
@@ -118,6 +130,7 @@ class ControlPanel(anywidget.AnyWidget):
     .sdpipe-controls .sdpipe-policy { width: 300px; }
     .sdpipe-controls .sdpipe-het { width: 340px; }
     .sdpipe-controls .sdpipe-run { width: 150px; }
+    .sdpipe-controls .sdpipe-members { width: 260px; }
     .sdpipe-controls .sdpipe-row { display: flex; align-items: center; gap: 8px; }
     .sdpipe-controls .sdpipe-row > span { width: 80px; flex: none; text-align: right; }
     .sdpipe-controls .sdpipe-row > select, .sdpipe-controls .sdpipe-row > input[type=number] { width: 150px; }
@@ -141,6 +154,10 @@ class ControlPanel(anywidget.AnyWidget):
     slowdown = traitlets.List(traitlets.Float()).tag(sync=True)
     straggle_prob = traitlets.Float(0.0).tag(sync=True)
     straggle_delay = traitlets.Float(0.0).tag(sync=True)
+    #: the pipeline "remove pipeline" takes out
+    remove = traitlets.Int(0).tag(sync=True)
+    #: whether pipelines can be added and removed (the run's policy lets them)
+    elastic = traitlets.Bool(False).tag(sync=True)
 
     def __init__(self, on_press, **kwargs):
         super().__init__(**kwargs)
@@ -166,7 +183,8 @@ class ControlPanel(anywidget.AnyWidget):
 
     def _take(self, values: dict) -> None:
         """Check ``values`` (as sent by a page or given to :meth:`press`) and take them."""
-        unknown = set(values) - {"policy", "staleness", "max_group", "slowdown", "straggle_prob", "straggle_delay"}
+        known = {"policy", "staleness", "max_group", "slowdown", "straggle_prob", "straggle_delay", "remove"}
+        unknown = set(values) - known
         if unknown:
             raise ValueError(f"values: unknown {', '.join(sorted(unknown))}")
         checked = {}
@@ -187,6 +205,8 @@ class ControlPanel(anywidget.AnyWidget):
             checked["straggle_prob"] = _number("straggle p", values["straggle_prob"], *STRAGGLE_PROB[:2])
         if "straggle_delay" in values:
             checked["straggle_delay"] = _number("delay", values["straggle_delay"], *STRAGGLE_DELAY[:2])
+        if "remove" in values:
+            checked["remove"] = _number("pipeline", values["remove"], 0, 10**6, whole=True)
         with self.hold_sync():
             for k, v in checked.items():
                 setattr(self, k, v)

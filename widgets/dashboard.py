@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 import traitlets
 from plotly.subplots import make_subplots
 
-from sdpipe.config import LIVE_POLICIES
+from sdpipe.config import ELASTIC_POLICIES, LIVE_POLICIES
 
 from .controls import MAX_STALENESS, ControlPanel
 from .view import CATEGORIES, RunView
@@ -36,6 +36,8 @@ __all__ = ["Dashboard"]
 
 #: below this output width (pixels) the panels stack in one column
 NARROW = 900
+#: pipelines that can join a run beyond its first ones and still get their own loss and metric curves
+SPARE_PIPELINES = 8
 #: seconds a redraw waits at most for a browser to have drawn the previous one
 BEHIND = 20.0
 #: a browser that answered within this many seconds counts as attached (redraws wait for it)
@@ -269,6 +271,9 @@ class Dashboard:
         self.metric = source.metric or "eval_loss"
         self.interval = interval
         self.view = RunView(cfg.stages, cfg.pipelines, cfg.batch_size, window=window)
+        #: pipelines with their own loss and metric curves: the run's and up to SPARE_PIPELINES that join it
+        self._slots = cfg.pipelines + SPARE_PIPELINES
+        self._rows = None  # the timeline's rows as last drawn (they change as pipelines join and leave)
         self._cursor = 0
         self._lock = threading.RLock()  # the figure's edits (this thread, the follow thread, width changes)
         self._thread = None
@@ -457,7 +462,7 @@ class Dashboard:
             "stragglers",
         )
         axes("stragglers", y_title_text="seconds", x_tickangle=0, x_automargin=True)
-        for p in range(cfg.pipelines):
+        for p in range(self._slots):  # the run's pipelines, and room for pipelines that join it
             color = PIPELINE_COLORS[p % len(PIPELINE_COLORS)]
             add(
                 f"loss/{p}",
@@ -584,6 +589,7 @@ class Dashboard:
             slowdown=[h.slowdown_of(p, 0) for p in range(cfg.pipelines)],
             straggle_prob=h.straggle_prob,
             straggle_delay=h.straggle_delay,
+            elastic=run.policy in ELASTIC_POLICIES or switchable,
         )
 
     def _press(self, action: str, error: Exception = None) -> None:
@@ -611,6 +617,10 @@ class Dashboard:
                     link_delay=dict(run.heterogeneity.link_delay),
                 ),
             )
+        elif action == "add pipeline":
+            self._act(action, lambda: run.add_pipelines(1))
+        elif action == "remove pipeline":
+            self._act(action, lambda: run.remove_pipeline(panel.remove))
         else:
             self._act(action, {"pause": run.pause, "resume": run.resume, "stop": run.stop}[action])
 
@@ -632,6 +642,10 @@ class Dashboard:
                 if what == "pause"
                 else "the workers go on from where they held"
                 if what == "resume"
+                else f"pipeline {answer[0]} joins once its workers started (a live replica gives it its state)"
+                if what == "add pipeline"
+                else f"pipeline {self.panel.remove} leaves at its next step boundary"
+                if what == "remove pipeline"
                 else f"{self._applied(what)}; every worker takes it at its next step boundary"
             )
             self.message.value = f"<span style='color:#1a7f37'>{html.escape(text)}</span>"
@@ -676,6 +690,8 @@ class Dashboard:
         v, T = self.view, self.trace
         tl = v.timeline(bins=120)
         row = {v.label(w): i for i, w in enumerate(v.workers)}
+        if self._rows != list(v.workers):  # pipelines joined or left: the rows follow
+            self._draw_rows()
         r4 = lambda xs: [round(x, 4) for x in xs]
         lo = v.now - v.window
         with self.figure.batch_update():  # bars: x, y, base
@@ -696,6 +712,23 @@ class Dashboard:
         if full:
             self._draw_numbers(steps)
 
+    def _draw_rows(self) -> None:
+        """The timeline's and the whole-run panel's rows, and the group strips' pipelines, as they are now."""
+        v = self.view
+        self._rows = list(v.workers)
+        n = len(v.workers)
+        ticks = dict(tickvals=list(range(n)), ticktext=[v.label(w) for w in v.workers], range=[n - 0.5, -0.5])
+        # one batch per property set (see _draw)
+        with self.figure.batch_update():
+            for key in ("timeline", "shares"):
+                self.figure.layout[self._axes[key][1]].update(**ticks)
+        with self.figure.batch_update():
+            for s in range(v.stages):
+                self.trace(f"groups/{s}").update(y=list(range(v.pipelines)))
+        with self.figure.batch_update():
+            for s in range(v.stages):
+                self.trace(f"sizes/{s}").update(marker_color=["#D8D8D8"] + ["#4C78A8"] * max(v.pipelines - 1, 0))
+
     def _draw_views(self) -> dict:
         v, T = self.view, self.trace
         with self.figure.batch_update():  # heatmaps: z, x
@@ -713,7 +746,7 @@ class Dashboard:
                     y=[sizes.get(k, 0) for k in range(1, v.pipelines + 1)],
                 )
             T("stragglers/median").update(x=short, y=[round(st["median_compute"] or 0, 5)] * len(v.workers))
-            for p in range(v.pipelines):
+            for p in range(min(v.pipelines, self._slots)):
                 losses = v.losses.get(p, [])
                 T(f"loss/{p}").update(x=[s for s, _ in losses], y=r_list([x for _, x in losses]))
                 ep = [m for m in v.epochs.get(p, []) if self.metric in m]
@@ -757,7 +790,7 @@ class Dashboard:
         if startup:
             status = f"{status}</b>: {html.escape(startup)}<b>"
         text = (
-            f"<b>sdpipe</b> {cfg.stages} stages x {cfg.pipelines} pipelines, policy <b>{policy}</b>, "
+            f"<b>sdpipe</b> {cfg.stages} stages x {len(v.active)} pipelines, policy <b>{policy}</b>, "
             f"status <b>{status}</b> ({source}, {v.count} events, t = {v.now:.1f} s)"
         )
         self.header.value = f"<div style='white-space:nowrap; overflow:hidden; text-overflow:ellipsis'>{text}</div>"

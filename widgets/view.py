@@ -88,6 +88,8 @@ class RunView:
     ):
         self.stages, self.pipelines, self.batch_size = stages, pipelines, batch_size
         self.window, self.rounds, self.steps, self.flag_factor = window, rounds, steps, flag_factor
+        #: the pipelines taking part now: a pipeline that joins adds its rows, one that leaves or is lost drops them
+        self.active = set(range(pipelines))
         self.workers = [(p, s) for p in range(pipelines) for s in range(stages)]
         self.now = 0.0
         self.count = 0
@@ -145,9 +147,20 @@ class RunView:
         if kind == "group":
             self._formation(e["stage"], ("round", e["round"]), e["group"], e["reason"], end)
             return
+        if kind == "worker-lost":
+            self._member(e["pipeline"], False)
+            self.controls.append((e["start"], f"lost: pipeline {e['pipeline']}"))
+            return
         if kind == "control":
+            what = e["what"]
+            if what in ("joined", "left") and e.get("pipeline") is not None:
+                self._member(e["pipeline"], what == "joined")
             if e.get("applied_by") == "driver":
-                label = e["what"] + (f": {e['policy']}" if e.get("policy") else "")
+                label = what + (f": {e['policy']}" if e.get("policy") else "")
+                if what in ("joined", "leave", "join-failed") and e.get("pipeline") is not None:
+                    label = f"{what}: pipeline {e['pipeline']}"
+                elif what == "add":
+                    label = f"add: pipeline {', '.join(map(str, e.get('pipelines') or []))}"
                 if e["what"] == "heterogeneity":
                     self.emulated = e.get("heterogeneity")
                 elif e["what"] == "shaped":
@@ -184,6 +197,24 @@ class RunView:
             self._formation(s, ("step", step, tuple(e["group"])), e["group"], e.get("reason") or "step", end)
         elif kind == "optimizer":
             self._step_done(w, step, end, e.get("loss"))
+
+    def _member(self, pipeline: int, present: bool) -> None:
+        """A pipeline joined (its rows appear; a new id gets its own) or left the run (its rows go)."""
+        if present:
+            for p in range(self.pipelines, pipeline + 1):
+                for s in range(self.stages):
+                    w = (p, s)
+                    self._recent[w], self._background[w], self.totals[w] = deque(), deque(), Counter()
+                    self._opt_end[w] = deque(maxlen=self.steps + 1)
+                    self._compute[w], self._own[w] = deque(maxlen=self.steps), deque(maxlen=self.steps)
+                    self._steps[w] = {}
+                self.losses.setdefault(p, [])
+                self.epochs.setdefault(p, [])
+            self.pipelines = max(self.pipelines, pipeline + 1)
+            self.active.add(pipeline)
+        else:
+            self.active.discard(pipeline)
+        self.workers = [(p, s) for p in sorted(self.active) for s in range(self.stages)]
 
     def _formation(self, stage: int, key, members, reason: str, end: float) -> None:
         rounds = self._rounds.setdefault(stage, {})
@@ -239,7 +270,8 @@ class RunView:
         lo = self.now - self.window
         width = self.window / bins
         out = {c: {"y": [], "base": [], "x": []} for c in CATEGORIES}
-        for w, q in self._recent.items():
+        for w in self.workers:  # the rows of the pipelines taking part
+            q = self._recent[w]
             while q and q[0][2] < lo:
                 q.popleft()
             slots = [None] * bins
@@ -267,7 +299,8 @@ class RunView:
                     d["x"].append((run[2] - run[1] + 1) * width)
                 run = (cat, i, i) if cat is not None else None
         out["background"] = bg = {"y": [], "base": [], "x": []}
-        for w, q in self._background.items():
+        for w in self.workers:
+            q = self._background[w]
             while q and q[0][1] < lo:
                 q.popleft()
             label = self.label(w)
@@ -334,7 +367,7 @@ class RunView:
         span = min(self.window, self.now) or None
         window_rate = len(q) * self.batch_size / span if span else None
         per = []  # per pipeline: list of (duration, held) over its recent common steps
-        for p in range(self.pipelines):
+        for p in sorted(self.active):
             recents = [self._steps[(p, s)] for s in range(self.stages)]
             common = sorted(set(recents[0]).intersection(*recents[1:]))[-self.steps :]
             per.append([(recents[0][k][0], min(recents[0][k][0], max(r[k][1] for r in recents))) for k in common])
