@@ -242,6 +242,18 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     assert dash.figure._drawn.is_set()
 
 
+def await_events(dash, count: int, timeout: float = 60) -> float:
+    """Wait until the live dashboard took in ``count`` events; returns the wait's deadline (monotonic)."""
+    run = dash.run
+    deadline = time.monotonic() + timeout
+    while dash.view.count < count:
+        if run.done():
+            run.result(timeout=10)  # a run that ended in an error raises it here, with its message
+        assert time.monotonic() < deadline and not run.done(), run.status
+        time.sleep(0.1)
+    return deadline
+
+
 @pytest.mark.cluster
 def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared_cluster):
     from sdpipe.widgets import Dashboard
@@ -252,12 +264,7 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
     )
     dash = Dashboard(run, interval=0.25)
     try:
-        deadline = time.monotonic() + 60
-        while dash.view.count < 200:
-            if run.done():
-                run.result(timeout=10)  # a run that ended in an error raises it here, with its message
-            assert time.monotonic() < deadline and not run.done(), run.status
-            time.sleep(0.1)
+        await_events(dash, 200)
         t = time.monotonic()
         sum(range(1000))  # the caller's thread is free while the dashboard redraws
         assert time.monotonic() - t < 1.0
@@ -293,10 +300,7 @@ def test_live_dashboard_adds_and_removes_pipelines_and_its_rows_follow(data, sha
     )
     dash = Dashboard(run, interval=0.25)
     try:
-        deadline = time.monotonic() + 60
-        while dash.view.count < 100:
-            assert time.monotonic() < deadline and not run.done(), run.status
-            time.sleep(0.1)
+        deadline = await_events(dash, 100)
         assert dash.panel.elastic
         dash.panel.press("add pipeline")
         assert "add pipeline applied at t = " in dash.message.value and "pipeline 2 joins" in dash.message.value
