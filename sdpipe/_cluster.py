@@ -207,12 +207,13 @@ def pick_workers(client, config: TrainConfig) -> list:
         time.sleep(0.5)
 
 
-def free_workers(client, n: int, config: TrainConfig, embedded=None, more: int = 0) -> list:
+def free_workers(client, n: int, config: TrainConfig, embedded=None, more: int = 0, give_up=None) -> list:
     """``n`` workers with a free thread for a pipeline joining a running run.
 
     Waits (at most the run's ``timeout``) for workers to free up or to be added (``cluster.scale``); an
     embedded cluster (``embedded``, the run's own ``LocalCluster``) starts the missing worker processes itself,
-    and ``more`` besides (the pipelines queued to join next start at the same time).
+    and ``more`` besides (the pipelines queued to join next start at the same time).  ``give_up()``: checked
+    while waiting; when true, the wait ends with ``InterruptedError`` (the run ended meanwhile).
     """
     deadline = time.monotonic() + config.timeout
     scaled = False
@@ -228,6 +229,8 @@ def free_workers(client, n: int, config: TrainConfig, embedded=None, more: int =
         if embedded is not None and not scaled:
             embedded.scale(len(addrs) + n + more - len(idle))
             scaled = True
+        if give_up is not None and give_up():
+            raise InterruptedError("the run ended while waiting for free workers")
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"cluster: {len(idle)} free worker(s) after {config.timeout:.0f}s, a pipeline needs {n} "

@@ -130,7 +130,7 @@ class Steering:
             heterogeneity = Heterogeneity(**fields)
         if not isinstance(heterogeneity, Heterogeneity):
             raise ValueError(f"heterogeneity: must be a sdpipe.Heterogeneity, got {type(heterogeneity).__name__}")
-        heterogeneity.check_workers(self.config.pipelines, self.config.stages)
+        heterogeneity.check_workers(self._ids, self.config.stages)  # pipelines added while running included
         self._require_running("set_heterogeneity")
         version = self._control.set_heterogeneity(heterogeneity)
         self.heterogeneity = heterogeneity
@@ -202,7 +202,7 @@ class Steering:
             )
         base = self.scheduler_policy if policy is None or policy == self.policy else POLICY_PRESETS[name]
         new = base.updated(**params)
-        D = self.config.pipelines
+        D = self._ids  # the pipeline ids handed out, added ones included
         if new.max_group is not None and new.max_group > D:
             raise ValueError(f"policy.max_group: {new.max_group} exceeds the {D} pipelines; allowed 1..{D} or None")
         self._require_running("set_policy")

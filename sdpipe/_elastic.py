@@ -111,9 +111,9 @@ class Elastic:
         if isinstance(pipelines, bool) or not isinstance(pipelines, int) or pipelines < 1:
             raise ValueError(f"pipelines: must be a positive int, got {pipelines!r}")
         self._check_elastic("scale")
-        now = self.pipelines + sorted(self._joining)
-        if pipelines > len(now):
-            return self.add_pipelines(pipelines - len(now))
+        now = len(self.pipelines) + len(self._joining) + len(self._queued)
+        if pipelines > now:
+            return self.add_pipelines(pipelines - now)
         gone = sorted(self.pipelines)[pipelines:][::-1]
         for p in gone:
             self.remove_pipeline(p)
@@ -164,9 +164,18 @@ class Elastic:
             except Exception:
                 pass
 
+    def _give_up_join(self, pipeline: int) -> None:
+        """Its workers (if launched) stop waiting for a state and end."""
+        g = self._joining.pop(pipeline, None)
+        if g is not None:
+            try:
+                self._run_store.set(Keys.join(pipeline, g, "cancel"), "1")
+            except Exception:  # the store is gone: the run ended, its tasks fail at their next store call
+                pass
+
     def _join_failed(self, pipeline: int, why: str) -> None:
         """A joining pipeline's task failed, or no replica gave it its state: it does not take part."""
-        self._joining.pop(pipeline, None)
+        self._give_up_join(pipeline)
         self._lost[pipeline] = f"pipeline {pipeline} could not join: {why}"
         at = time.time() - self.t0
         self._inbox.add(events.control("join-failed", at, applied_by="driver", pipeline=pipeline, reason=why))
@@ -201,7 +210,7 @@ class Elastic:
                 finally:
                     self._queued.discard(pipeline)
             except _RunEnded:
-                self._joining.pop(pipeline, None)
+                self._give_up_join(pipeline)
                 self._left.setdefault(pipeline, "the run ended before it joined")
             except Exception as e:  # the run goes on without it
                 if not self._done.is_set():
@@ -214,8 +223,12 @@ class Elastic:
             self._await_old_tasks(ranks)
             self._generation[p] += 1
         g = self._generation[p]
-        workers = free_workers(self._client, S, cfg, self._cluster, more=S * len(self._queued - {p}))
-        if self._ending or self._stop_requested:
+        ended = lambda: self._ending or self._stop_requested or self._done.is_set()  # noqa: E731
+        try:
+            workers = free_workers(self._client, S, cfg, self._cluster, S * len(self._queued - {p}), give_up=ended)
+        except InterruptedError:
+            raise _RunEnded() from None
+        if ended():
             raise _RunEnded()
         if why == "rejoin":
             self._run_store.delete_key(Keys.lost(p))  # its new workers pair again
@@ -226,9 +239,9 @@ class Elastic:
             self._lost.pop(p, None)
             self._rejoined.append((p, g))
         start = time.monotonic()
-        self._await_count(Keys.join(p, g, "ready"), S, ranks, "connect")
+        self._await_count(p, Keys.join(p, g, "ready"), S, ranks, "connect")
         version = self._control.change_members({"kind": "join", "pipeline": p, "generation": g})
-        self._await_count(Keys.join(p, g, "loaded"), S, ranks, "take a replica's state")
+        self._await_count(p, Keys.join(p, g, "loaded"), S, ranks, "take a replica's state")
         donor = int(self._run_store.get(Keys.join(p, g, "donor")))
         self._joining.pop(p, None)
         self._record(
@@ -265,13 +278,15 @@ class Elastic:
             addresses[rank] = addr
         self._workers, self._futures = addresses, futures  # the monitor reads them: whole lists at once
 
-    def _await_count(self, key: str, n: int, ranks: list, what: str) -> None:
-        """Wait until ``n`` of the joiner's workers added to ``key`` (bounded by the run's timeout, a pause
-        not counted); a failed task of the joiner ends the wait (the monitor reports it)."""
+    def _await_count(self, p: int, key: str, n: int, ranks: list, what: str) -> None:
+        """Wait until ``n`` of joiner ``p``'s workers added to ``key`` (bounded by the run's timeout, a pause
+        not counted); a failed task of the joiner, or its loss, ends the wait (the monitor reports it)."""
         waited, last = 0.0, time.monotonic()
         while self._run_store.add(key, 0) < n:
             if self._done.is_set() or self._stop_requested or self._ending:
                 raise _RunEnded()
+            if p in self._lost:
+                raise RuntimeError(f"it was lost: {self._lost[p]}")
             if any(self._futures[r].status != "pending" for r in ranks):
                 raise RuntimeError(f"a worker of the pipeline ended before it could {what}")
             time.sleep(0.05)

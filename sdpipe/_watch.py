@@ -284,6 +284,7 @@ class RunWatcher:
             return LostWorker(f"{what} was lost ({why}); policy {run.policy!r} cannot go on without it")
         run._lost[p] = f"{what} was lost ({why})"
         run._leaving.discard(p)
+        run._give_up_join(p)  # lost while joining: its other workers stop waiting for a state
         if run._futures[rank].status == "pending":
             # its worker is gone: without this, a cluster that allows failures would run the rank again on
             # another worker, where it could only wait for a pipeline that is no more

@@ -31,7 +31,7 @@ from lab_browser import (  # noqa: E402 -- importable only once tools/ is on sys
     wait_js,
 )  # noqa: E402
 
-from sdpipe.widgets.dashboard import COLORS  # noqa: E402
+from sdpipe.widgets.dashboard import COLORS, SPARE_PIPELINES  # noqa: E402
 
 pytestmark = [
     pytest.mark.browser,
@@ -42,8 +42,8 @@ pytestmark = [
 
 ARTIFACTS = Path(os.environ.get("SDPIPE_ARTIFACTS", ROOT / "artifacts")) / "browser"
 NOTEBOOK = "01_quickstart.ipynb"
-#: notebook 01: 2 stages x 4 pipelines
-TRACES = len(COLORS) + 1 + 1 + 2 * 2 + 2 + 2 * 4 + len(COLORS)  # the timeline's kinds, background lane, control
+#: notebook 01: 2 stages x 4 pipelines (loss and metric curves for them and for pipelines that may join)
+TRACES = len(COLORS) + 1 + 1 + 2 * 2 + 2 + 2 * (4 + SPARE_PIPELINES) + len(COLORS)  # timeline kinds, lane, control
 
 # The live dashboard (the output with a "pause" button and a plot), as the page has it: the figure's traces,
 # the timeline's drawn bars with their fill colours by trace name, sizes, and the dashboard's text.
@@ -70,6 +70,7 @@ LIVE_JS = """() => {
         svg_width: Math.max(...Array.from(gd.querySelectorAll('svg.main-svg'))
             .map(s => s.getBoundingClientRect().width)),
         area_width: out.getBoundingClientRect().width,
+        rows: Array.from((gd.layout.yaxis && gd.layout.yaxis.ticktext) || []),
         text: Array.from(out.querySelectorAll('.widget-html')).map(e => e.textContent).join(' | '),
     };
 }"""
@@ -201,11 +202,11 @@ def finish(page, timeout: float = 600) -> None:
 def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_path, no_leaks):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     copy_notebooks(ROOT / "notebooks", tmp_path, [NOTEBOOK])
-    # twice the epochs: on two cores the run's 8 workers leave the page little time, and the test must
-    # press pause while the run still trains
+    # three times the epochs: on two cores the run's 8 workers leave the page little time, and the test must
+    # press pause, and remove a pipeline, while the run still trains
     nb = tmp_path / NOTEBOOK
     assert "epochs=20," in nb.read_text()
-    nb.write_text(nb.read_text().replace("epochs=20,", "epochs=40,"))
+    nb.write_text(nb.read_text().replace("epochs=20,", "epochs=60,"))
     # a viewport of a screen's height while the run trains (a taller one makes the browser draw more each
     # redraw), a tall one for the screenshots (a dashboard taller than the viewport photographs cut off)
     with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
@@ -267,6 +268,26 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
             "/status running/.test(s.text) && s.markers.includes('resume')",
             "the run resumed from the page, with its control event in the timeline",
         )
+        # the straggler removed from the page: it leaves at its next step boundary and its rows go
+        page.evaluate("""() => {
+            const input = document.querySelector('.sdpipe-controls input[title="the pipeline to remove"]');
+            input.value = '3';
+            input.dispatchEvent(new Event('input', {bubbles: true}));
+        }""")
+        press(
+            page,
+            "remove pipeline",
+            "/remove pipeline applied at t = [0-9.]+ s: pipeline 3 leaves/.test(s.text)",
+            "the removal acknowledged",
+        )
+        state = wait_live(
+            page,
+            "s.rows.length == 6 && !s.rows.includes('pipeline 3 stage 0') && / x 3 pipelines/.test(s.text)",
+            60,
+            "the removed pipeline's rows gone from the timeline",
+        )
+        assert state["rows"] == [f"pipeline {p} stage {s}" for p in range(3) for s in range(2)], state["rows"]
+        shots.append(screenshot(page, "live-removed.png"))
         finish(page)
         (ARTIFACTS / "live.json").write_text(
             json.dumps({**{k: v for k, v in state.items() if k != "bars"}, "shown_after_s": SHOWN_AFTER}, indent=1)

@@ -207,3 +207,26 @@ def test_policies_with_fixed_groups_refuse_in_one_line(data, no_leaks):
     finally:
         run.stop()
     run.result(timeout=300)
+
+
+def test_a_join_still_waiting_for_workers_ends_with_the_run(data, no_leaks):
+    """No free worker comes: a stop ends the run at once, and the pipeline that never joined is said to have left."""
+    train_data, _ = data
+    lc = LocalCluster(n_workers=4, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
+    client = Client(lc, set_as_default=False)
+    try:
+        run = sdpipe.train(
+            digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=100, timeout=60, cluster=client
+        )
+        wait_for_epoch(run, 0)
+        assert run.add_pipelines(1) == [2] and run.scale(3) == []  # already asked for
+        time.sleep(2.0)
+        t = time.monotonic()
+        run.stop()
+        result = run.result(timeout=120)
+        assert time.monotonic() - t < 30  # not the join's wait for workers (the run's timeout, 60 s)
+    finally:
+        client.close()
+        lc.close()
+    assert result.left == {2: "the run ended before it joined"} and result.finished_pipelines == [0, 1]
+    assert result.max_param_diff() == 0.0 and result.pipelines == 3
