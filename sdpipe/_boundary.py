@@ -155,17 +155,32 @@ class PipelineControl:
         self.seen = max(self.seen, version)
         return leave, claims
 
-    def apply(self, step: int, hv: int, pv: int, epoch: int, j, members: int = 0) -> None:
-        """Take up new heterogeneity, a new policy or a change of the pipelines present at this step boundary
-        (same step on every stage)."""
+    def take_members(self, step: int, epoch: int, j, members: int) -> None:
+        """Take up the membership changes up to ``members``: give this stage's state to a joiner this pipeline
+        claimed; a coupled policy changes its members at this step (``j``: the step of the epoch about to run,
+        None at the epoch's end) and forms its group anew once the state is given (the joiner forms it too)."""
         w = self.worker
+        if members <= w.members_version:
+            return
+        coupled = w.policy.coupled
         for v in range(w.members_version + 1, members + 1):
             rec = membership(w.store, v)
             if rec["kind"] == "join":
                 key = Keys.join(rec["pipeline"], rec["generation"], "donor")
                 if w.store.check([key]) and w.store.get(key).decode() == str(w.pipeline):
-                    w.donate(rec["pipeline"], rec["generation"], v, epoch, step)
-        w.members_version = max(w.members_version, members)
+                    after = w.policy.changed(w, rec, epoch, j) if coupled else None
+                    w.donate(rec["pipeline"], rec["generation"], v, epoch, step, after)
+            if coupled:
+                w.policy.change(w, rec, epoch, j)
+        w.members_version = members
+        if coupled:
+            w.policy.connect(w, members)
+
+    def apply(self, step: int, hv: int, pv: int, epoch: int, j, members: int = 0) -> None:
+        """Take up new heterogeneity, a new policy or a change of the pipelines present at this step boundary
+        (same step on every stage)."""
+        w = self.worker
+        self.take_members(step, epoch, j, members)
         if hv != w.hetero_version:
             w.hetero = Heterogeneity.from_dict(json.loads(w.store.get(Keys.hetero(hv)).decode()))
             w.hetero_version = hv
@@ -179,7 +194,7 @@ class PipelineControl:
                 if w.policy.coupled and j is not None:
                     # leaving the lock-step shards mid-epoch: the shared counter continues after the
                     # batches every pipeline has taken (this step's included)
-                    w.dispenser.base[epoch] = (j + 1) * w.pipelines
+                    w.dispenser.base[epoch] = w.policy.taken(w, epoch, j)
                 w.switch_policy(spec["mode"])
             now = time.time()
             w.span("control", step, None, now, now, what="policy", policy=spec["name"], version=pv, applied_by="worker")

@@ -15,8 +15,9 @@ A **leave** (``Run.remove_pipeline``): publish it; the pipeline's stage 0 reads 
 and each of its stages finishes the step, lands an averaging in flight and leaves the group service (so no
 round waits for it); the shared batch counter hands its batches to the others.
 
-Both need a policy whose replicas never form a group fixed at the start (:data:`ELASTIC_MODES`): ``sdpipe``
-(and ``allreduce`` or ``none`` switched to it live) and ``none``.
+Both work under ``sdpipe``, ``none`` and ``allreduce`` (:data:`ELASTIC_MODES`); under ``allreduce`` the
+replicas agree on the step of the change in their gradient collective and form their group anew there
+(:class:`~sdpipe.policy.AllReduce`).  ``ps`` and ``adpsgd`` keep groups fixed at the start.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = ["Elastic", "ELASTIC_MODES"]
 log = logging.getLogger("sdpipe")
 
 #: Workers' policy modes whose pipelines can join and leave a running run.
-ELASTIC_MODES = ("scheduled", "none")
+ELASTIC_MODES = ("scheduled", "none", "allreduce")
 
 
 class _RunEnded(Exception):
@@ -68,6 +69,7 @@ class Elastic:
         self._rejoined: list = []  # (pipeline, generation) of every rejoin
         self._joins: queue.Queue = queue.Queue()
         self._member_thread: Optional[threading.Thread] = None
+        self._member_lock = threading.Lock()
         self._spec = self._placed = None  # set by the launcher
         self._ending = False  # the monitor saw every other pipeline finish: no more joins
 
@@ -142,7 +144,12 @@ class Elastic:
         if self._control.mode not in ELASTIC_MODES:
             raise ValueError(
                 f"{what}: policy {self.policy!r} keeps a group of the pipelines fixed at the start; pipelines "
-                f"join and leave a running run under 'sdpipe' and 'none' (switch live with run.set_policy('sdpipe'))"
+                f"join and leave a running run under 'sdpipe', 'allreduce' and 'none'"
+            )
+        if self._control.mode == "allreduce" and self._spec is not None and self._spec.streamed:
+            raise ValueError(
+                f"{what}: under 'allreduce' the pipelines read fixed shards of the IterableDataset in lock step; "
+                f"its pipelines cannot change (under 'sdpipe' and 'none' they can leave)"
             )
 
     # ------------------------------------------------------------ the watcher's calls
@@ -157,12 +164,8 @@ class Elastic:
 
     def _cancel_joins(self) -> None:
         """(Monitor thread) the others finished: pipelines still waiting for their state give up."""
-        store = self._run_store
-        for p, g in list(self._joining.items()):
-            try:
-                store.set(Keys.join(p, g, "cancel"), "1")
-            except Exception:
-                pass
+        for p in list(self._joining):
+            self._give_up_join(p)
 
     def _give_up_join(self, pipeline: int) -> None:
         """Its workers (if launched) stop waiting for a state and end."""
@@ -190,19 +193,22 @@ class Elastic:
 
     # ------------------------------------------------------------ the membership thread
     def _start_member_thread(self) -> None:
-        if self._member_thread is None or not self._member_thread.is_alive():
-            self._member_thread = threading.Thread(
-                target=self._member_loop, name=f"sdpipe-members-{self.run_id}", daemon=True
-            )
-            self._member_thread.start()
+        with self._member_lock:  # one thread; it ends only with nothing queued (decided under this lock)
+            if self._member_thread is None:
+                self._member_thread = threading.Thread(
+                    target=self._member_loop, name=f"sdpipe-members-{self.run_id}", daemon=True
+                )
+                self._member_thread.start()
 
     def _member_loop(self) -> None:
         while not self._done.is_set() and not self._stop_requested:
             try:
                 pipeline, why = self._joins.get(timeout=0.2)
             except queue.Empty:
-                if self._joins.empty():
-                    return
+                with self._member_lock:
+                    if self._joins.empty():
+                        self._member_thread = None
+                        return
                 continue
             try:
                 try:

@@ -210,7 +210,8 @@ class Worker:
         self.policy = make_policy(join["mode"] if join else cfg["policy"])
         if join:
             self.policy_version = join["policy"]
-        self.policy.setup(self)
+        if not (join and self.policy.coupled):  # a coupled joiner forms its group once it holds its state
+            self.policy.setup(self)
         self.store.add(Keys.join(self.pipeline, self.generation, "ready") if join else Keys.RANKS_READY, 1)
 
     # ----------------------------------------------------------- set-up
@@ -325,10 +326,11 @@ class Worker:
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
 
-    def donate(self, joiner: int, generation: int, version: int, epoch: int, step: int) -> None:
+    def donate(self, joiner: int, generation: int, version: int, epoch: int, step: int, after=None) -> None:
         """Give this stage's state to pipeline ``joiner`` (it joins the run): weights, optimizer state, where the
         run is (epoch, step), the policy's mass.  At a step boundary; the group service counts the joiner from
-        now on, unioned with this replica (its model is this one's)."""
+        now on, unioned with this replica (its model is this one's).  ``after``: a coupled policy's members and
+        shards with the joiner (:meth:`AllReduce.changed`)."""
         import io
 
         t = time.time()
@@ -342,6 +344,7 @@ class Worker:
             "base": self.dispenser.base.get(epoch, 0),
             "donor": self.pipeline,
             "members": version,  # the joiner has taken up the membership changes up to its own join
+            "policy": after,
         }
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -380,6 +383,9 @@ class Worker:
         if state["base"]:
             self.dispenser.base[state["epoch"]] = state["base"]
         self.members_version = self.ctl.seen = state["members"]
+        if self.policy.coupled:  # the members form their new group at this step: so does the joiner
+            after = state["policy"]
+            self.policy.setup(self, members=after["members"], version=state["members"], shard=after["shard"])
         self.store.add(Keys.join(self.pipeline, self.generation, "loaded"), 1)
         return state
 
@@ -434,15 +440,16 @@ class Training:
     failure raises out of it (``worker_main`` cleans up).
     """
 
-    def __init__(self, worker: Worker, X, Y, EX, EY, step: int, start_epoch: Optional[int] = None):
+    def __init__(self, worker: Worker, X, Y, EX, EY, step: int, start_epoch: Optional[int] = None, first_j: int = 0):
         self.w, self.step = worker, step
         self.start_epoch = worker.spec.start_epoch if start_epoch is None else start_epoch
+        self.first_j = first_j  # steps of the first epoch already taken (a joiner of a coupled policy)
         self.left = False  # the driver asked this pipeline to leave the run (Op.LEAVE)
         self.X, self.Y, self.EX, self.EY = X, Y, EX, EY
         if worker.spec.streamed and worker.first:
             worker.reader = ShardReader(X, worker.pipeline, worker.pipelines, worker.cfg)
         # what coupled replicas agreed in their last collective: stop, policy version, pause
-        self.agreed = (False, 0, False)
+        self.agreed = (False, 0, False, 0)
         self.stopped = False
         self.batch_rows = 0  # samples of the last batch trained
 
@@ -466,7 +473,8 @@ class Training:
     def _epoch(self, epoch: int) -> None:
         w, cfg = self.w, self.w.cfg
         started = time.time()
-        losses, samples, j = [], 0, 0
+        losses, samples, j = [], 0, self.first_j
+        self.first_j = 0
         while True:
             msg = self._boundary(epoch, j)
             if msg.op is Op.PAUSE:  # stage 0 holds the pipeline; this is its heartbeat
@@ -514,19 +522,23 @@ class Training:
         cmd = w.read_ctl(CTL_MAX_AGE)
         stop, hv, pv, pause = cmd.stop, cmd.hetero, cmd.policy, cmd.pause
         coupled = w.policy.coupled
-        agreed_stop, agreed_version, agreed_pause = self.agreed
+        mv = cmd.members
+        agreed_stop, agreed_version, agreed_pause, agreed_members = self.agreed
         if coupled:  # coupled replicas act on what they agreed in the last collective
             stop, pv, pause = agreed_stop, agreed_version or w.policy_version, agreed_pause
+            mv = max(agreed_members, w.ctl.seen)
         else:  # a group policy takes the stop from its groups' answers (same round, same word)
             stop = w.policy.decide_stop(stop)
         if pause and not stop:
             stop, hv, pv = w.ctl.hold(self.step, hv, pv)
-            self.agreed = (agreed_stop, agreed_version, False)
+            self.agreed = (agreed_stop, agreed_version, False, agreed_members)
             if coupled:
                 stop, pv = stop or agreed_stop, agreed_version or w.policy_version
         leave = False
-        if not stop and cmd.members > w.ctl.seen:
-            leave, _ = w.ctl.changes(cmd.members)
+        if not stop and mv > w.ctl.seen:
+            leave, _ = w.ctl.changes(mv)
+        if coupled and not stop and not leave:  # the new members deal this step's batches already
+            w.ctl.take_members(self.step, epoch, j, w.ctl.seen)
         batch = None if stop or leave else w.policy.next_batch(w, epoch, j)
         op = Op.STOP if stop else Op.LEAVE if leave else (Op.EPOCH_END if batch is None else Op.RUN)
         mv = w.ctl.seen
@@ -584,10 +596,10 @@ class Training:
         and pause), the optimizer, the policy's sync of the weights.  ``loss``: the last stage's, since the
         last update."""
         w, step = self.w, self.step
-        proposal = (False, 0, False)
+        proposal = (False, 0, False, 0)
         if w.first and w.policy.coupled:
             cmd = w.read_ctl(CTL_MAX_AGE)
-            proposal = (cmd.stop, cmd.policy, cmd.pause)
+            proposal = (cmd.stop, cmd.policy, cmd.pause, cmd.members)
         self.agreed = w.policy.after_backward(w, step, *proposal)
         t = time.time()
         if w.optimizer is not None:
@@ -644,8 +656,9 @@ def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, r
                 result = {"rank": rank, "joined": False, "generation": worker.generation}
                 return result
             step, start_epoch = state["step"], state["epoch"]
+        first_j = state["policy"]["j"] if join is not None and state.get("policy") else 0
         worker.describe()
-        result = Training(worker, X, Y, EX, EY, step, start_epoch).run()
+        result = Training(worker, X, Y, EX, EY, step, start_epoch, first_j).run()
         return result
     except BaseException as e:
         result = None

@@ -32,7 +32,7 @@ from .schedule import ASYNC_SCHEDULES, default_update_every
 from .scheduler import POLICY_PRESETS, SchedulerPolicy
 
 __all__ = [
-    "ELASTIC_POLICIES",
+    "REJOIN_POLICIES",
     "Heterogeneity",
     "TrainConfig",
     "POLICIES",
@@ -46,8 +46,8 @@ __all__ = [
 POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 #: policies a running run can switch between with Run.set_policy
 LIVE_POLICIES = ("sdpipe", "allreduce", "none")
-#: Policies whose pipelines can join and leave a running run: their replicas never form a group fixed at the start.
-ELASTIC_POLICIES = ("sdpipe", "none")
+#: Policies under which a lost pipeline can come back (rejoin=True): they go on without it meanwhile.
+REJOIN_POLICIES = ("sdpipe", "none")
 SCHEDULE_NAMES = ("1f1b", "gpipe", "async-1f1b", "async-2bw")
 #: schedules that never flush between steps
 ASYNC_SCHEDULE_NAMES = ASYNC_SCHEDULES
@@ -234,7 +234,7 @@ class TrainConfig:
     rejoin: bool = False
     """A pipeline lost during the run (a worker process died, its Dask worker left) comes back once the cluster
     has free workers again (a nanny restarts a dead worker process): its stages take a live replica's state
-    and train on.  Under the policies whose pipelines can join a running run, ELASTIC_POLICIES."""
+    and train on.  Under the policies that go on without a lost pipeline meanwhile, REJOIN_POLICIES."""
     checkpoint_every: int = 0
     """Epochs between checkpoints (0: none); a multiple of sync_every, so every checkpoint follows a global sync."""
     checkpoint_dir: Optional[str] = None
@@ -254,10 +254,10 @@ class TrainConfig:
             raise ValueError(f"drop_last: must be True or False, got {self.drop_last!r}")
         if not isinstance(self.rejoin, bool):
             raise ValueError(f"rejoin: must be True or False, got {self.rejoin!r}")
-        if self.rejoin and self.policy not in ELASTIC_POLICIES:
+        if self.rejoin and self.policy not in REJOIN_POLICIES:
             raise ValueError(
-                f"rejoin: policy {self.policy!r} cannot take a pipeline back while it runs; allowed under "
-                f"{', '.join(map(repr, ELASTIC_POLICIES))}"
+                f"rejoin: policy {self.policy!r} stops the run when a pipeline is lost, so none can come back; "
+                f"allowed under {', '.join(map(repr, REJOIN_POLICIES))}"
             )
         if self.batch_size % self.microbatches:
             raise ValueError(

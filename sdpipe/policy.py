@@ -137,13 +137,16 @@ class SyncPolicy(abc.ABC):
         """Stage 0: the batch id of the ``j``-th step of ``epoch`` for this pipeline, or None at the epoch's end."""
         return worker.dispense(epoch)
 
-    def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
-        """After the backward of all micro-batches; returns the agreed ``(stop, policy version, pause)``.
+    def after_backward(
+        self, worker, step: int, stop: bool, version: int, pause: bool = False, members: int = 0
+    ) -> tuple:
+        """After the backward of all micro-batches; returns the agreed ``(stop, policy version, pause, membership
+        version)``.
 
         Stage 0 of a :attr:`coupled` policy passes its own reading of the driver's command (the others
-        ``False, 0, False``) and acts at the next step boundary on what comes back.
+        ``False, 0, False, 0``) and acts at the next step boundary on what comes back.
         """
-        return stop, version, pause
+        return stop, version, pause, members
 
     @abc.abstractmethod
     def after_step(self, worker, step: int) -> None:
@@ -186,23 +189,70 @@ class AllReduce(SyncPolicy):
     gradient, so they stay identical (the synchronous baseline of PipeDream
     and DAPPLE style data parallelism).  Pipeline ``p`` reads batches
     ``p, p + D, ...`` of each epoch, so all pipelines take the same steps.
+
+    Pipelines that join or leave (``Run.add_pipelines``, ``Run.remove_pipeline``): the membership version is
+    agreed in the step's collective like the policy version, so every replica changes its members at the same
+    step boundary; the group is formed anew over the new members (the joiner forms it once it holds a replica's
+    state) and the rest of the epoch's batches are dealt out in lock step among them (:attr:`shard`).
     """
 
     name = "allreduce"
     coupled = True
 
-    def setup(self, worker) -> None:
+    def setup(self, worker, members=None, version: int = 0, shard=None) -> None:
+        #: the pipelines averaging together, in rank order
+        self.members = list(range(worker.pipelines)) if members is None else sorted(members)
+        #: epoch -> (batches dealt before, the step from which the current members deal the rest)
+        self.shard: dict = dict(shard or {})
         self.group = None
-        if worker.pipelines > 1:
-            self.group = worker.group(f"stage{worker.stage}", worker.pipeline, worker.pipelines)
-        self.members = list(range(worker.pipelines))
+        self.connect(worker, version)
+
+    def connect(self, worker, version: int) -> None:
+        """Form the group of the current members (named after the membership version that made them)."""
+        self.group = None
+        if len(self.members) > 1 and worker.pipeline in self.members:
+            name = f"stage{worker.stage}" + (f".m{version}" if version else "")
+            rank, size = self.members.index(worker.pipeline), len(self.members)
+            self.group = worker.group(name, rank, size, pipelines=self.members)
+
+    def taken(self, worker, epoch: int, j: int) -> int:
+        """Batches of ``epoch`` dealt out up to and with step ``j``."""
+        base, j0 = self.shard.get(epoch, (0, 0))
+        return base + (j - j0 + 1) * len(self.members)
 
     def next_batch(self, worker, epoch: int, j: int):
-        return j * worker.pipelines + worker.pipeline if j < worker.steps_per_epoch else None
+        if epoch not in self.shard and len(self.members) == worker.pipelines:  # the members the run started with
+            return j * worker.pipelines + worker.pipeline if j < worker.steps_per_epoch else None
+        base, j0 = self.shard.get(epoch, (0, 0))
+        D = len(self.members)
+        first = base + (j - j0) * D
+        if first + D > worker.spec.batches_per_epoch:
+            return None
+        return first + self.members.index(worker.pipeline)
 
-    def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
+    def changed(self, worker, change: dict, epoch: int, j) -> dict:
+        """The members and shards after ``change`` (a join or a leave) taken at the boundary of step ``j`` of
+        ``epoch`` (None: at the epoch's end, so from the next epoch on).  Returns them as a joiner needs them."""
+        shard = dict(self.shard)
+        if j is not None:
+            shard[epoch] = (self.taken(worker, epoch, j - 1), j)
+        p = change["pipeline"]
+        members = sorted(set(self.members) | {p}) if change["kind"] == "join" else [m for m in self.members if m != p]
+        return {"members": members, "shard": shard, "j": j or 0}
+
+    def change(self, worker, change: dict, epoch: int, j) -> None:
+        """Take ``change`` (see :meth:`changed`); the group is formed again by :meth:`connect`."""
+        after = self.changed(worker, change, epoch, j)
+        self.members, self.shard = after["members"], after["shard"]
+        old, self.group = self.group, None
+        if old is not None:
+            worker.drop_group(old)
+
+    def after_backward(
+        self, worker, step: int, stop: bool, version: int, pause: bool = False, members: int = 0
+    ) -> tuple:
         if self.group is None:
-            return stop, version, pause
+            return stop, version, pause, members
         grads = []
         for p in worker.module.parameters():
             if p.grad is None:
@@ -210,11 +260,13 @@ class AllReduce(SyncPolicy):
             grads.append(p.grad)
         start = time.time()
         worker.delay_link()
-        # Only pipeline 0 proposes a policy version, so the sum is that version exactly.
-        extras = [float(stop), float(version if worker.pipeline == 0 else 0), float(pause)]
-        votes = allreduce_mean_(grads, self.group, worker.pipelines, extras=extras, comm_device=worker.link_device)
+        # Only the first member proposes a policy and a membership version, so the sums are those versions.
+        first = worker.pipeline == self.members[0]
+        extras = [float(stop), float(version if first else 0), float(pause), float(members if first else 0)]
+        size = len(self.members)
+        votes = allreduce_mean_(grads, self.group, size, extras=extras, comm_device=worker.link_device)
         worker.span("sync", step, None, start, time.time(), group=self.members)
-        return votes[0] > 0.5, int(round(votes[1])), votes[2] > 0.5
+        return votes[0] > 0.5, int(round(votes[1])), votes[2] > 0.5, int(round(votes[3]))
 
     def after_step(self, worker, step: int) -> None:
         """Nothing: the averaged gradients kept the replicas identical."""
@@ -716,11 +768,13 @@ class GossipPairs(_GroupPolicy):
                 flat = flatten(self.tensors, self.device).add_(pending)
                 unflatten_(self.tensors, flat.to(self.tensors[0].device))
 
-    def after_backward(self, worker, step: int, stop: bool, version: int, pause: bool = False) -> tuple:
+    def after_backward(
+        self, worker, step: int, stop: bool, version: int, pause: bool = False, members: int = 0
+    ) -> tuple:
         if self.server is not None:
             self.lock.acquire()  # the optimizer step must not interleave with a snapshot being served
             self.held = True
-        return stop, version, pause
+        return stop, version, pause, members
 
     def after_step(self, worker, step: int) -> None:
         if self.server is not None:

@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 import traitlets
 from plotly.subplots import make_subplots
 
-from sdpipe.config import ELASTIC_POLICIES, LIVE_POLICIES
+from sdpipe.config import LIVE_POLICIES
 
 from .controls import MAX_STALENESS, ControlPanel
 from .view import CATEGORIES, RunView
@@ -589,7 +589,7 @@ class Dashboard:
             slowdown=[h.slowdown_of(p, 0) for p in range(cfg.pipelines)],
             straggle_prob=h.straggle_prob,
             straggle_delay=h.straggle_delay,
-            elastic=run.policy in ELASTIC_POLICIES or switchable,
+            elastic=run.policy in ("sdpipe", "allreduce", "none"),  # pipelines can join and leave
         )
 
     def _press(self, action: str, error: Exception = None) -> None:
