@@ -26,6 +26,35 @@ def data():
     return digits()
 
 
+def user_cluster(n: int):
+    """(cluster, client): a LocalCluster of ``n`` single-threaded workers on loopback, the user's own."""
+    lc = LocalCluster(n_workers=n, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
+    return lc, Client(lc, set_as_default=False)
+
+
+def long_run(data, client, policy: str, **options):
+    """A 2 x 2 run of the digits MLP on ``client``'s cluster, long enough to change its pipelines (then stopped)."""
+    train_data, eval_data = data
+    return sdpipe.train(
+        digits_mlp(),
+        train_data,
+        eval_data=eval_data,
+        stages=2,
+        pipelines=2,
+        policy=policy,
+        epochs=200,
+        batch_size=32,
+        lr=0.01,
+        cluster=client,
+        **options,
+    )
+
+
+def close(lc, client) -> None:
+    client.close()
+    lc.close()
+
+
 def controls(events, what):
     return [e for e in events if e["kind"] == "control" and e.get("what") == what]
 
@@ -45,22 +74,10 @@ def epoch_throughput(history, epoch) -> float:
 def test_growing_from_2_to_4_pipelines_on_workers_the_user_adds(data, no_leaks):
     """add_pipelines(2) waits for free workers; the user scales the cluster; both join, each from a live
     replica; the run's samples/s rises; after the stop's global sync every replica is identical."""
-    train_data, eval_data = data
-    lc = LocalCluster(n_workers=4, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
-    client = Client(lc, set_as_default=False)
+    lc, client = user_cluster(4)
     try:
-        run = sdpipe.train(
-            digits_mlp(),
-            train_data,
-            eval_data=eval_data,
-            stages=2,
-            pipelines=2,
-            policy="sdpipe",
-            epochs=200,
-            batch_size=32,
-            lr=0.01,
-            heterogeneity=sdpipe.Heterogeneity(straggle_prob=1.0, straggle_delay=STEP_SLEEP),
-            cluster=client,
+        run = long_run(
+            data, client, "sdpipe", heterogeneity=sdpipe.Heterogeneity(straggle_prob=1.0, straggle_delay=STEP_SLEEP)
         )
         wait_for_epoch(run, 2)
         assert run.add_pipelines(2) == [2, 3]
@@ -74,8 +91,7 @@ def test_growing_from_2_to_4_pipelines_on_workers_the_user_adds(data, no_leaks):
         run.stop()
         result = run.result(timeout=300)
     finally:
-        client.close()
-        lc.close()
+        close(lc, client)
     assert_records_valid(result.events)
     joined = controls(result.events, "joined")
     assert sorted(e["pipeline"] for e in joined) == [2, 3]
@@ -144,8 +160,7 @@ def test_a_killed_worker_rejoins_once_its_nanny_restarted_it(data, no_leaks):
 def test_removing_a_pipeline_hands_its_batches_to_the_others(data, policy, tmp_path, no_leaks):
     """... and its checkpoints record the two pipelines present; a run resumes from them with three."""
     train_data, eval_data = data
-    lc = LocalCluster(n_workers=6, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
-    client = Client(lc, set_as_default=False)
+    lc, client = user_cluster(6)
     common = dict(stages=2, policy=policy, batch_size=32, lr=0.01, cluster=client, checkpoint_dir=tmp_path)
     try:
         run = sdpipe.train(
@@ -164,8 +179,7 @@ def test_removing_a_pipeline_hands_its_batches_to_the_others(data, policy, tmp_p
             digits_mlp(), train_data, eval_data=eval_data, pipelines=3, epochs=6, resume_from=tmp_path, **common
         ).result(timeout=300)
     finally:
-        client.close()
-        lc.close()
+        close(lc, client)
     # every pipeline of the resumed run starts from the checkpoint's weights: as good as the run it resumes
     assert resumed.finished_pipelines == [0, 1, 2] and {h["epoch"] for h in resumed.history} == {5}
     assert min(h["accuracy"] for h in resumed.history) >= result.history[-1]["accuracy"] - 0.05
@@ -209,8 +223,7 @@ def test_policies_with_fixed_groups_refuse_in_one_line(data, no_leaks):
 def test_a_join_still_waiting_for_workers_ends_with_the_run(data, no_leaks):
     """No free worker comes: a stop ends the run at once, and the pipeline that never joined is said to have left."""
     train_data, _ = data
-    lc = LocalCluster(n_workers=4, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
-    client = Client(lc, set_as_default=False)
+    lc, client = user_cluster(4)
     try:
         run = sdpipe.train(
             digits_mlp(), train_data, stages=2, pipelines=2, policy="sdpipe", epochs=100, timeout=60, cluster=client
@@ -223,8 +236,7 @@ def test_a_join_still_waiting_for_workers_ends_with_the_run(data, no_leaks):
         result = run.result(timeout=120)
         assert time.monotonic() - t < 30  # not the join's wait for workers (the run's timeout, 60 s)
     finally:
-        client.close()
-        lc.close()
+        close(lc, client)
     assert result.left == {2: "the run ended before it joined"} and result.finished_pipelines == [0, 1]
     assert result.max_param_diff() == 0.0 and result.pipelines == 3
 
@@ -232,22 +244,9 @@ def test_a_join_still_waiting_for_workers_ends_with_the_run(data, no_leaks):
 def test_allreduce_replicas_agree_on_the_step_a_pipeline_joins_and_leaves(data, no_leaks):
     """Under allreduce the change is agreed in the gradient collective: every replica averages with the new
     members from the same step, the joiner included, and the replicas stay identical throughout."""
-    train_data, eval_data = data
-    lc = LocalCluster(n_workers=4, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
-    client = Client(lc, set_as_default=False)
+    lc, client = user_cluster(4)
     try:
-        run = sdpipe.train(
-            digits_mlp(),
-            train_data,
-            eval_data=eval_data,
-            stages=2,
-            pipelines=2,
-            policy="allreduce",
-            epochs=200,
-            batch_size=32,
-            lr=0.01,
-            cluster=client,
-        )
+        run = long_run(data, client, "allreduce")
         wait_for_epoch(run, 1)
         with pytest.raises(ValueError, match=r"^pipeline: 5 is not taking part in the run; it has \[0, 1\]$"):
             run.remove_pipeline(5)
@@ -263,8 +262,7 @@ def test_allreduce_replicas_agree_on_the_step_a_pipeline_joins_and_leaves(data, 
         result = run.result(timeout=300)
         assert live_process_groups(client) == 0
     finally:
-        client.close()
-        lc.close()
+        close(lc, client)
     assert_records_valid(result.events)
     assert result.finished_pipelines == [1, 2] and list(result.left) == [0]
     assert result.max_param_diff() == 0.0 and result.steps[1] == result.steps[2]
