@@ -30,6 +30,7 @@ from typing import Optional
 
 from . import events
 from ._cluster import free_workers, quiet_run_failures
+from .config import ASYNC_SCHEDULE_NAMES
 from .protocol import Keys
 
 __all__ = ["Elastic", "ELASTIC_MODES"]
@@ -145,6 +146,11 @@ class Elastic:
             raise ValueError(
                 f"{what}: policy {self.policy!r} keeps a group of the pipelines fixed at the start; pipelines "
                 f"join and leave a running run under 'sdpipe', 'allreduce' and 'none'"
+            )
+        if self._control.mode == "allreduce" and self.config.schedule in ASYNC_SCHEDULE_NAMES:
+            raise ValueError(
+                f"{what}: under 'allreduce' with the asynchronous schedule {self.config.schedule!r} micro-batches "
+                f"cross the step where the members would change; use '1f1b' or 'gpipe', or 'sdpipe'"
             )
         if self._control.mode == "allreduce" and self._spec is not None and self._spec.streamed:
             raise ValueError(

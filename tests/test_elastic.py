@@ -225,6 +225,17 @@ def test_policies_with_fixed_groups_refuse_in_one_line(data, no_leaks):
     finally:
         run.stop()
     run.result(timeout=300)
+    # allreduce under an asynchronous schedule: micro-batches cross the step where the members would change
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, policy="allreduce", schedule="async-1f1b", epochs=30
+    )
+    try:
+        wait_for_epoch(run, 0)
+        with pytest.raises(ValueError, match=r"^remove_pipeline: under 'allreduce' with the asynchronous schedule"):
+            run.remove_pipeline(1)
+    finally:
+        run.stop()
+    run.result(timeout=300)
 
 
 def test_a_join_still_waiting_for_workers_ends_with_the_run(data, no_leaks):
