@@ -67,6 +67,7 @@ class Elastic:
         self._joining: dict = {}  # pipeline -> generation, from its launch until it took its state
         self._leaving: set = set()  # asked to leave, tasks not yet ended
         self._left: dict = {}  # pipeline -> why it left
+        self._joined_in: dict = {}  # pipeline -> the epoch it (last) joined in
         self._rejoined: list = []  # (pipeline, generation) of every rejoin
         self._joins: queue.Queue = queue.Queue()
         self._member_thread: Optional[threading.Thread] = None
@@ -255,6 +256,7 @@ class Elastic:
         version = self._control.change_members({"kind": "join", "pipeline": p, "generation": g})
         self._await_count(p, Keys.join(p, g, "loaded"), S, ranks, "take a replica's state")
         donor = int(self._run_store.get(Keys.join(p, g, "donor")))
+        self._joined_in[p] = int(self._run_store.get(Keys.join(p, g, "epoch")))
         self._joining.pop(p, None)
         self._record(
             "joined",

@@ -242,7 +242,9 @@ class RunWatcher:
     def _poll_checkpoint(self) -> Optional[BaseException]:
         """Once every live worker wrote its part of the next checkpoint: the manifest, then the folder into place."""
         run, cfg, epoch = self.run, self.config, self.ckpt_next
-        present = run.pipelines
+        # the checkpoint after `epoch` epochs is written at the end of epoch `epoch - 1`: by the pipelines
+        # there then, not by one that joined later (it would never write this one)
+        present = [p for p in run.pipelines if run._joined_in.get(p, -1) < epoch]
         ranks = [p * cfg.stages + s for p in present for s in range(cfg.stages)]
         try:
             if run._run_store.add(Keys.checkpoint_count(epoch), 0) < len(ranks):

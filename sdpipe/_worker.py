@@ -386,6 +386,7 @@ class Worker:
         if self.policy.coupled:  # the members form their new group at this step: so does the joiner
             after = state["policy"]
             self.policy.setup(self, members=after["members"], version=state["members"], shard=after["shard"])
+        self.store.set(Keys.join(self.pipeline, self.generation, "epoch"), str(state["epoch"]))
         self.store.add(Keys.join(self.pipeline, self.generation, "loaded"), 1)
         return state
 

@@ -213,7 +213,8 @@ class Keys:
     def join(pipeline: int, generation: int, what: str) -> str:
         """A joining pipeline's keys: ``ready`` (its workers that connected, a counter), ``donor`` (the pipeline
         that gives it its state, set once by compare-and-set), ``state/<stage>`` (that stage's state, set by the
-        donor), ``loaded`` (its workers that took their state, a counter), ``cancel`` (the driver: give up)."""
+        donor), ``epoch`` (the epoch it joined in), ``loaded`` (its workers that took their state, a counter),
+        ``cancel`` (the driver: give up)."""
         return f"join/{pipeline}/g{generation}/{what}"
 
     @staticmethod
