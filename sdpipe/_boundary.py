@@ -134,26 +134,22 @@ class PipelineControl:
                 self.worker.span("pause", step, None, start, time.time())
                 return cmd.stop, cmd.hetero, cmd.policy
 
-    def changes(self, version: int) -> tuple:
+    def changes(self, version: int) -> bool:
         """Stage 0 at a step boundary: look at the membership changes up to ``version`` not seen yet.
 
-        Returns ``(leave, claims)``: whether the driver asked this pipeline to leave, and whether it claimed to
-        donate its state to a joining pipeline (the first pipeline to claim a join, by compare-and-set, donates;
-        one leaving does not claim).  The claim is acted on by :meth:`apply`, on every stage of the pipeline.
+        Returns whether the driver asked this pipeline to leave.  Unless it leaves, it claims each join it sees
+        (compare-and-set: the first pipeline to claim a join donates); the claim is acted on by
+        :meth:`take_members`, on every stage of the pipeline.
         """
         w = self.worker
-        leave = claims = False
-        for v in range(self.seen + 1, version + 1):
-            rec = membership(w.store, v)
-            if rec["kind"] == "leave" and rec["pipeline"] == w.pipeline:
-                leave = True
-        for v in range(self.seen + 1, version + 1):
-            rec = membership(w.store, v)
-            if rec["kind"] == "join" and not leave:
-                key = Keys.join(rec["pipeline"], rec["generation"], "donor")
-                claims = w.store.compare_set(key, "", str(w.pipeline)).decode() == str(w.pipeline) or claims
+        records = [membership(w.store, v) for v in range(self.seen + 1, version + 1)]
+        leave = any(r["kind"] == "leave" and r["pipeline"] == w.pipeline for r in records)
+        if not leave:
+            for r in records:
+                if r["kind"] == "join":
+                    w.store.compare_set(Keys.join(r["pipeline"], r["generation"], "donor"), "", str(w.pipeline))
         self.seen = max(self.seen, version)
-        return leave, claims
+        return leave
 
     def take_members(self, step: int, epoch: int, j, members: int) -> None:
         """Take up the membership changes up to ``members``: give this stage's state to a joiner this pipeline

@@ -68,7 +68,6 @@ class Elastic:
         self._leaving: set = set()  # asked to leave, tasks not yet ended
         self._left: dict = {}  # pipeline -> why it left
         self._joined_in: dict = {}  # pipeline -> the epoch it (last) joined in
-        self._rejoined: list = []  # (pipeline, generation) of every rejoin
         self._joins: queue.Queue = queue.Queue()
         self._member_thread: Optional[threading.Thread] = None
         self._member_lock = threading.Lock()
@@ -250,7 +249,6 @@ class Elastic:
         self._run_stage_tasks(p, g, ranks, workers)
         if why == "rejoin":
             self._lost.pop(p, None)
-            self._rejoined.append((p, g))
         start = time.monotonic()
         self._await_count(p, Keys.join(p, g, "ready"), S, ranks, "connect")
         version = self._control.change_members({"kind": "join", "pipeline": p, "generation": g})

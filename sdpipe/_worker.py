@@ -167,7 +167,6 @@ class Worker:
         self.rng = random.Random(cfg["seed"] * 100003 + rank)
         self._groups: list = []
 
-        self.join = join
         self.generation = join["generation"] if join else 0
         #: the last change of the pipelines present this worker took up (a joiner: its own join's, with its state)
         self.members_version = 0
@@ -537,7 +536,7 @@ class Training:
                 stop, pv = stop or agreed_stop, agreed_version or w.policy_version
         leave = False
         if not stop and mv > w.ctl.seen:
-            leave, _ = w.ctl.changes(mv)
+            leave = w.ctl.changes(mv)
         if coupled and not stop and not leave:  # the new members deal this step's batches already
             w.ctl.take_members(self.step, epoch, j, w.ctl.seen)
         batch = None if stop or leave else w.policy.next_batch(w, epoch, j)
