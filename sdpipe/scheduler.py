@@ -342,6 +342,9 @@ class _Round:
     deadline: float
     graph: bool = False
     expected: Optional[frozenset] = None  # rule "arrival": the workers this round waits for
+    missing: set = field(default_factory=set)  # of those, the live ones not in it and not waiting for the global group
+    trial: Optional["DisjointSet"] = None  # a graph-sync round: the union with its members so far (built lazily)
+    trial_members: int = 0  # how many of ``members`` ``trial`` holds
 
 
 def _median(xs) -> float:
@@ -518,6 +521,9 @@ class StageScheduler:
             trial.union(extra)
         elif self._surely_split(self.dsu.count):
             return False
+        if len(self.dsu.parent) == self._available_count():
+            # every item of the union is available (live workers are always items), and extra ones are too
+            return trial.count <= 1
         return trial.connects(self._available() | set(extra))
 
     def needs_graph_sync(self) -> bool:
@@ -546,9 +552,12 @@ class StageScheduler:
         typical = self.arrivals.typical() if self.policy.window == "arrival" else None
         if typical is None:  # rule "prototype", or no interval seen yet: the opener's adaptive window
             r.expected, r.deadline = None, now + self.windows[opener]
+            r.missing = set()
             return
-        candidates = (w for w in self.live if w not in self.waiting and w not in self.global_waiting)
+        waiting, global_waiting = self.waiting, self.global_waiting
+        candidates = (w for w in self.live if w not in waiting and w not in global_waiting)
         r.expected, r.deadline = self.arrivals.plan(now, candidates, self.policy.horizon_fraction * typical)
+        r.missing = set(r.expected)  # candidates are neither in the round nor waiting for the global group
 
     # -------------------------------------------------------------- events
     def handle(self, event: Event) -> list:
@@ -574,31 +583,40 @@ class StageScheduler:
         self.dsu.find(w)  # a component of its own, or (with a donor) the donor's: its model is the donor's
         if donor is not None:
             self.dsu.union([donor, w])
+        r = self.open
+        if r is not None:
+            r.trial = None  # the union changed under a graph-sync round's trial
+            if r.expected is not None and w in r.expected and w not in r.members:
+                r.missing.add(w)  # expected before it was lost: waited for again
         return self._try_close(ev.time)
 
     def _ready(self, ev: Ready) -> list:
-        w = ev.worker
+        return self.ready(ev.worker, ev.time, ev.global_sync)
+
+    def ready(self, w: int, now: float, global_sync: bool = False) -> list:
+        """``handle(Ready(w, step, now, global_sync))`` without building the event (the simulator's hot path)."""
         if w not in self.live:
             raise ValueError(f"worker: {w} is not a live worker of stage {self.stage} (live: {sorted(self.live)})")
-        if w in self.waiting or w in self.global_waiting:
+        waiting = self.waiting
+        if w in waiting or w in self.global_waiting:
             raise ValueError(f"worker: {w} of stage {self.stage} is already waiting for a group")
-        self.arrivals.ready(w, ev.time)
-        decisions = []
-        if ev.global_sync:
+        self.arrivals.ready(w, now)
+        if global_sync:
             self.global_waiting.add(w)
-            if self.open is not None:
-                decisions += self._close(ev.time, "preempted")
-            return decisions + self._try_global(ev.time)
-        self.waiting.add(w)
-        if self.open is None:
+            decisions = self._close(now, "preempted") if self.open is not None else []
+            return decisions + self._try_global(now)
+        waiting.add(w)
+        r = self.open
+        if r is None:
             # a graph-sync round needs the token; without it the stage forms an ordinary round meanwhile
             graph = self.may_graph_sync and self.needs_graph_sync()
-            self.open = _Round([w], ev.time, ev.time, graph=graph)
+            r = self.open = _Round([w], now, now, graph=graph)
             if not graph:
-                self._plan(self.open, w, ev.time)
+                self._plan(r, w, now)
         else:
-            self.open.members.append(w)
-        return self._try_close(ev.time)
+            r.members.append(w)
+            r.missing.discard(w)
+        return self._try_close(now)
 
     def _lost(self, ev: Lost) -> list:
         w = ev.worker
@@ -610,10 +628,14 @@ class StageScheduler:
         self.windows.pop(w, None)
         self.arrivals.forget(w)
         decisions = []
-        if self.open is not None and w in self.open.members:
-            self.open.members.remove(w)
-            if not self.open.members:
-                self.open = None
+        r = self.open
+        if r is not None:
+            r.missing.discard(w)
+            if w in r.members:
+                r.members.remove(w)
+                r.trial = None  # the trial union held it
+                if not r.members:
+                    self.open = None
         decisions += self._try_global(ev.time)
         decisions += self._try_close(ev.time)
         return decisions
@@ -637,28 +659,41 @@ class StageScheduler:
         if r is None:
             return []
         if r.graph:
-            if self._connected(r.members):
+            if self._graph_connected(r):
                 return self._close(now, "graph")
             return []
         if len(r.members) >= self._max_group():
             return self._close(now, "full")
-        if r.expected is not None and len(r.members) > 1 and self._all_arrived(r):
+        if r.expected is not None and len(r.members) > 1 and not r.missing:
             return self._close(now, "arrived")
         if now >= r.deadline:
             return self._close(now, "window")
         return []
 
-    def _all_arrived(self, r: _Round) -> bool:
-        """Rule "arrival": every worker the round waits for is in it (or gone, or waiting for the global group)."""
-        members = set(r.members)
-        return all(w in members or w not in self.live or w in self.global_waiting for w in r.expected)
+    def _graph_connected(self, r: _Round) -> bool:
+        """``_connected(r.members)`` for an open graph-sync round, from a union built once and extended by each
+        member that came since (the round's members only grow until it closes, unless one is lost or joins)."""
+        trial = r.trial
+        if trial is None:
+            trial = r.trial = self.dsu.copy()
+            r.trial_members = 0
+        members = r.members
+        for m in members[r.trial_members :]:
+            trial.union((members[0], m))
+        r.trial_members = len(members)
+        unavailable = len(self.dsu.parent) - self._available_count()
+        if trial.count - unavailable > 1:  # _surely_split
+            return False
+        if unavailable == 0:  # the union's items are exactly the available workers
+            return trial.count <= 1
+        return trial.connects(self._available() | set(members))
 
     def _close(self, now: float, reason: str) -> list:
         r, self.open = self.open, None
         members = sorted(r.members)
         self.waiting.difference_update(members)
         self.arrivals.release(members, now)
-        if reason != "graph" and len(self._available()) > self.policy.pair_threshold and len(members) > 3:
+        if reason != "graph" and self._available_count() > self.policy.pair_threshold and len(members) > 3:
             groups = [members[i : i + 2] for i in range(0, len(members) - 1, 2)]
             if len(members) % 2:
                 groups[-1].append(members[-1])
@@ -755,6 +790,7 @@ class GroupScheduler:
         g.stages = [StageScheduler.restore(st) for st in snap["stages"]]
         g.policy = SchedulerPolicy(**snap["policy"])
         g.graph_holder = snap["graph_holder"]
+        g._flags()
         return g
 
     def _flags(self) -> None:
@@ -770,6 +806,13 @@ class GroupScheduler:
         """Apply ``event`` to ``stage``; returns every decided group (any stage)."""
         now = getattr(event, "time")
         return self._apply(now, lambda: self.stages[stage].handle(event))
+
+    def ready(self, stage: int, worker: int, now: float, global_sync: bool = False) -> list:
+        """``handle(stage, Ready(worker, step, now, global_sync))`` without building the event (the simulator's
+        hot path; the step is not part of any decision)."""
+        out = self.stages[stage].ready(worker, now, global_sync)
+        self._settle(now)
+        return out
 
     def tick(self, now: float) -> list:
         return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Tick(now))])
@@ -791,17 +834,20 @@ class GroupScheduler:
         return self._apply(now, lambda: [g for st in self.stages for g in st.set_policy(policy, now)])
 
     def _settle(self, now: float) -> list:
-        """Track which stage holds the graph-sync token."""
-        if self.graph_holder is not None:
-            st = self.stages[self.graph_holder]
-            if st.open is None or not st.open.graph:
-                self.graph_holder = None
-        if self.graph_holder is None:
+        """Track which stage holds the graph-sync token (the stages' flags follow it)."""
+        holder = self.graph_holder
+        if holder is not None:
+            r = self.stages[holder].open
+            if r is None or not r.graph:
+                holder = None
+        if holder is None:
             for st in self.stages:
                 if st.open is not None and st.open.graph:
-                    self.graph_holder = st.stage
+                    holder = st.stage
                     break
-        self._flags()
+        if holder != self.graph_holder:
+            self.graph_holder = holder
+            self._flags()
         return []
 
     def next_deadline(self) -> Optional[float]:

@@ -48,15 +48,18 @@ import heapq
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
+
+import numpy as np
 
 from . import events
 from ._result import RunResult
 from .config import Heterogeneity, TrainConfig
 from .data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
 from .schedule import ASYNC_SCHEDULES, build_plan, dry_run
-from .scheduler import GroupScheduler, Ready
+from .scheduler import GroupScheduler
+from .sync_rules import GLOBAL, STEP, gossip_roles
 
 __all__ = [
     "Calibration",
@@ -69,7 +72,7 @@ __all__ = [
     "SIM_POLICIES",
 ]
 
-SIM_POLICIES = ("sdpipe", "allreduce", "none")
+SIM_POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 
 
 def _seconds(name: str, values, n: int, per: str = "one per stage") -> tuple:
@@ -425,11 +428,22 @@ def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches
 class _Pipe:
     """One pipeline's progress in the simulation."""
 
-    step: int = 0
-    synced: dict = field(default_factory=dict)  # stage -> time its sync of this step ended
+    step: int = 0  # steps taken in the run (all epochs)
+    epoch: int = 0
+    epoch_steps: int = 0  # steps taken in the current epoch
+    epoch_start: float = 0.0
+    synced: int = 0  # stages whose sync of the current step ended ...
+    synced_at: float = 0.0  # ... the latest at
     last_start: Optional[float] = None
     step_time: Optional[float] = None  # recent seconds per step, as the runtime's dispenser keeps it
-    done: bool = False
+    done: bool = False  # no batch of its epoch is left for it (or it left in the trace)
+    finished: bool = False  # every epoch done
+    global_done: int = 0  # stages whose global sync of this epoch ended ...
+    global_end: float = 0.0  # ... the latest at
+
+
+#: heap entries of pipeline p whose data is p itself (the others' data start with p)
+_WHOLE_PIPELINE = ("start", "global", "epoch")
 
 
 def _concerns(entry: tuple, p: int) -> bool:
@@ -437,7 +451,7 @@ def _concerns(entry: tuple, p: int) -> bool:
     kind, data = entry[2], entry[3]
     if kind == "member":
         return False
-    return data == p if kind in ("start", "global") else data[0] == p
+    return data == p if kind in _WHOLE_PIPELINE else data[0] == p
 
 
 class _Proxy:
@@ -445,52 +459,164 @@ class _Proxy:
     steps ``x -= lr * (x + noise * N(0, 1))`` per step; groups average their members' points.
 
     ``mass`` is a worker's progress (1 + steps since the last global sync), the weight of ``weighting="progress"``.
-    Replicas of a stage start equal.  A pipeline's loss is the mean of its stages' quadratics.
+    Replicas of a stage start equal.  A pipeline's loss is the mean of its stages' quadratics.  Workers are
+    numbered ``p * stages + s``; the noise has its own random stream (drawn in blocks), apart from the timing's.
     """
 
-    __slots__ = ("stages", "lr", "noise", "rng", "x", "mass")
+    __slots__ = ("stages", "a", "b", "x", "mass", "gen", "buf", "i", "pending")
 
-    def __init__(self, stages: int, pipelines: int, rng: random.Random, lr: float, noise: float):
-        self.stages, self.lr, self.noise, self.rng = stages, lr, noise, rng
-        init = {s: [rng.gauss(0, 3) for _ in range(4)] for s in range(stages)}
-        self.x = {(p, s): list(init[s]) for p in range(pipelines) for s in range(stages)}
-        self.mass = {(p, s): 1.0 for p in range(pipelines) for s in range(stages)}
+    def __init__(self, stages: int, pipelines: int, seed: int, lr: float, noise: float):
+        self.stages, self.a, self.b = stages, 1.0 - lr, lr * noise
+        self.gen = np.random.default_rng([seed, 1])
+        init = self.gen.normal(0.0, 3.0, size=(stages, 4)).tolist()
+        self.x = [list(init[w % stages]) for w in range(pipelines * stages)]
+        self.mass = [1.0] * (pipelines * stages)
+        self.buf, self.i = [], 0
+        self.pending: dict = {}  # worker -> correction served to it (adpsgd's passive side) not yet applied
 
-    def learn(self, p: int, s: int) -> None:
-        v = self.x[(p, s)]
-        self.mass[(p, s)] += 1.0
-        lr, noise, gauss = self.lr, self.noise, self.rng.gauss
-        for i in range(len(v)):
-            v[i] -= lr * (v[i] + noise * gauss(0, 1))
+    def learn(self, w: int) -> None:
+        i, buf = self.i, self.buf
+        if i + 4 > len(buf):
+            buf = self.buf = self.gen.standard_normal(1 << 16).tolist()
+            i = 0
+        self.i = i + 4
+        v, a, b = self.x[w], self.a, self.b
+        v[0] = a * v[0] - b * buf[i]
+        v[1] = a * v[1] - b * buf[i + 1]
+        v[2] = a * v[2] - b * buf[i + 2]
+        v[3] = a * v[3] - b * buf[i + 3]
+        self.mass[w] += 1.0
 
-    def mix(self, stage: int, members: list, by_progress: bool, restart: bool) -> None:
-        """``members`` of ``stage`` average (by progress or uniformly); a global sync (``restart``) resets progress."""
+    def mix(self, workers: list, by_progress: bool, restart: bool) -> None:
+        """``workers`` (of one stage) average (by progress or uniformly); a global sync (``restart``) resets
+        their progress."""
         x, mass = self.x, self.mass
-        if len(members) > 1:
-            w = {m: mass[(m, stage)] if by_progress else 1.0 for m in members}
-            total = sum(w.values())
-            mean = [sum(w[m] * x[(m, stage)][i] for m in members) / total for i in range(len(x[(members[0], stage)]))]
-            shared = sum(mass[(m, stage)] for m in members) / len(members)
-            for m in members:
-                x[(m, stage)] = list(mean)
-                mass[(m, stage)] = shared
+        n = len(workers)
+        if n == 2:
+            u, v = workers
+            wu, wv = (mass[u], mass[v]) if by_progress else (1.0, 1.0)
+            xu, xv, tot = x[u], x[v], wu + wv
+            mean = [(wu * xu[k] + wv * xv[k]) / tot for k in range(4)]
+            x[u], x[v] = mean, list(mean)
+            mass[u] = mass[v] = (mass[u] + mass[v]) / 2
+        elif n > 2:
+            w = [mass[m] for m in workers] if by_progress else [1.0] * n
+            total = sum(w)
+            points = [x[m] for m in workers]
+            mean = [sum(wi * pt[k] for wi, pt in zip(w, points)) / total for k in range(4)]
+            shared = sum(mass[m] for m in workers) / n
+            for m in workers:
+                x[m] = list(mean)
+                mass[m] = shared
         if restart:
-            for m in members:
-                mass[(m, stage)] = 1.0
+            for m in workers:
+                mass[m] = 1.0
+
+    def pair(self, active: int, passive: int) -> None:
+        """adpsgd: the active worker takes the pair's mean; the passive one is owed ``(x_a - x_p) / 2`` (folded in
+        at its next step boundary, :meth:`fold`), so the sum over the replicas is conserved."""
+        xa, xp = self.x[active], self.x[passive]
+        half = [(xa[k] - xp[k]) / 2 for k in range(4)]
+        self.x[active] = [xa[k] - half[k] for k in range(4)]
+        owed = self.pending.get(passive)
+        self.pending[passive] = half if owed is None else [owed[k] + half[k] for k in range(4)]
+
+    def fold(self, w: int) -> None:
+        owed = self.pending.pop(w, None)
+        if owed is not None:
+            v = self.x[w]
+            self.x[w] = [v[k] + owed[k] for k in range(4)]
 
     def copy(self, donor: int, p: int) -> None:
         """Pipeline p takes the donor's points and progress (a joiner's state)."""
-        for s in range(self.stages):
-            self.x[(p, s)] = list(self.x[(donor, s)])
-            self.mass[(p, s)] = self.mass[(donor, s)]
+        S = self.stages
+        for s in range(S):
+            self.x[p * S + s] = list(self.x[donor * S + s])
+            self.mass[p * S + s] = self.mass[donor * S + s]
 
     def loss(self, p: int) -> float:
-        x = self.x
-        return sum(sum(v * v for v in x[(p, s)]) / len(x[(p, s)]) for s in range(self.stages)) / self.stages
+        S, x = self.stages, self.x
+        total = 0.0
+        for w in range(p * S, p * S + S):
+            v = x[w]
+            total += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]
+        return total / (4 * S)
+
+
+class _Ssp:
+    """A stage's parameter server's stale synchronous parallel bookkeeping, kept incrementally: the decisions of
+    :func:`sdpipe.sync_rules.ps_release` (which the runtime's server calls after every request) in O(1) per
+    request where that function looks at every client (``tests/test_simulate.py`` holds the two to the same
+    answers)."""
+
+    __slots__ = ("staleness", "clock", "live", "at_global", "count", "slowest", "held", "seq")
+
+    def __init__(self, clients, staleness: int):
+        self.staleness = staleness
+        self.live = set(clients)
+        self.clock = {c: 0 for c in self.live}
+        self.at_global: set = set()
+        self.count = {0: len(self.live)}  # clock -> running clients (live, not at the global sync) at it
+        self.slowest = 0  # the slowest running client's clock
+        self.held: dict = {}  # clock -> [(arrival, client)] of the step-pulls held by the bound
+        self.seq = 0
+
+    def _advance(self) -> None:
+        count, top = self.count, max(self.count, default=0)
+        while self.slowest < top and not count.get(self.slowest):
+            self.slowest += 1
+
+    def push(self, client: int, kind: str) -> tuple:
+        """Client ``client`` pushed (``kind`` "step" or "global") and waits for its pull: ``(the clients answered
+        now in order, whether the global sync completed)``."""
+        self.seq += 1
+        k = self.clock[client]
+        self.count[k] -= 1
+        if kind == GLOBAL:
+            self.at_global.add(client)
+            if self.at_global >= self.live:
+                replies = tuple(sorted(self.at_global))
+                self.clock = dict.fromkeys(self.clock, 0)
+                self.count, self.slowest, self.at_global, self.held = {0: len(self.live)}, 0, set(), {}
+                return replies, True
+            self._advance()
+            return self._release(()), False
+        self.clock[client] = k + 1
+        self.count[k + 1] = self.count.get(k + 1, 0) + 1
+        self._advance()
+        return self._release(((self.seq, client),)), False
+
+    def _release(self, new: tuple) -> tuple:
+        """The held step-pulls within the bound now (in arrival order), then the new one if it is; the rest held."""
+        bound, held = self.slowest + self.staleness, self.held
+        out = []
+        for k in [k for k in held if k <= bound]:
+            out += held.pop(k)
+        for arrival, c in new:
+            k = self.clock[c]
+            if k <= bound:
+                out.append((arrival, c))
+            else:
+                held.setdefault(k, []).append((arrival, c))
+        out.sort()
+        return tuple(c for _, c in out)
+
+
+class _Server:
+    """A parameter server of one stage: its weights (the proxy's point), its link's two directions (each one
+    transfer at a time), its clients' last pull and the time each is waiting since."""
+
+    __slots__ = ("w", "in_free", "out_free", "ssp", "asked")
+
+    def __init__(self, point: list, clients, staleness: int):
+        self.w = list(point)
+        self.in_free = self.out_free = 0.0
+        self.ssp = _Ssp(clients, staleness)
+        self.asked: dict = {}  # client -> (ready time, step, kind) of its pending pull
 
 
 class _Simulation:
-    """One simulated epoch: a heap of ``(time, seq, kind, data)`` events, one handler per kind, and the
+    """One simulated run: a heap of ``(time, seq, kind, data)`` events, one handler per kind, and the
     scheduler core's deadlines as ticks in between (see the module's docstring)."""
 
     def __init__(
@@ -499,21 +625,29 @@ class _Simulation:
         S, D, M = config.stages, config.pipelines, config.microbatches
         self.config, self.costs, self.net = config, costs, network
         self.S, self.D, self.steps, self.record, self.policy = S, D, steps, record, config.policy
+        self.epochs, self.sync_every = config.epochs, config.sync_every
         self.hetero = hetero = config.heterogeneity or Heterogeneity()
-        self.rng = random.Random(config.seed)
-        self.core = GroupScheduler(S, D, config.scheduler_policy()) if config.policy != "none" else None
-        self.total = steps * D  # batches in the epoch
-        self.taken = 0
+        policy = config.policy
+        # the group service's core: every round under sdpipe and allreduce, the global syncs under adpsgd
+        self.core = GroupScheduler(S, D, config.scheduler_policy()) if policy not in ("none", "ps") else None
+        self.total = steps * D  # batches in an epoch
+        self.taken: dict = {}  # epoch -> batches handed out
         self.pipes = [_Pipe() for _ in range(D)]
         self.heap: list = []
         self._seq = itertools.count()
         self.records: list = []
+        self.history: list = []
         self.now = 0.0
         # the core's next deadline (None: nothing to time), a function of its state: asked again after each of
         # its events (see _apply), not at every one of ours
         self.deadline: Optional[float] = self.core.next_deadline() if self.core is not None else None
-        self.proxy = _Proxy(S, D, self.rng, lr, noise)
-        self.jitter_sigma = [math.sqrt(math.log1p(j**2)) for j in costs.jitter]  # log-normal, mean 1
+        self.proxy = _Proxy(S, D, config.seed, lr, noise)
+        self.rng = random.Random(config.seed)  # adpsgd's peers
+        self._timing = np.random.default_rng([config.seed, 2])  # jitter and straggles, drawn in blocks
+        self._draws: list = []
+        self._jitter_sigma = np.array([math.sqrt(math.log1p(j**2)) for j in costs.jitter])
+        self._straggles = hetero.straggle_prob > 0
+        self._no_jitter = [1.0] * S
         # heterogeneity holds still in a simulation: each pipeline's step costs and each worker's link delay, once
         if config.schedule in ASYNC_SCHEDULES:  # a step's span in the steady state, from 8 and 9 steps
             every = config.resolved_update_every
@@ -526,19 +660,32 @@ class _Simulation:
         for p in range(D):
             k = tuple(hetero.slowdown_of(p, s) for s in range(S))
             if k not in finish:
-                finish[k] = _step_finish(plan, costs, network, k, M)
-            ends, busy = finish[k]
-            self.step_costs.append((ends, busy, [M * costs.forward[s] * k[s] for s in range(S)]))
+                ends, busy = _step_finish(plan, costs, network, k, M)
+                finish[k] = (ends, busy, [M * costs.forward[s] * k[s] for s in range(S)])
+            self.step_costs.append(finish[k])
         self.link_delay = [[hetero.link_delay_of(p, s) for s in range(S)] for p in range(D)]
         # averaging overlapped with compute (SchedulerPolicy.overlap): a worker goes on at its ready signal; its
         # group's averaging runs meanwhile and must have ended before the worker's next ready signal
-        self.overlap = self.core is not None and config.policy != "allreduce" and self.core.policy.overlap
+        self.overlap = policy == "sdpipe" and self.core.policy.overlap
+        self.mode = "overlap" if self.overlap else policy
         self.averaging: dict = {}  # (p, s) -> when its overlapped averaging ends (None: its group is undecided)
         self.held: dict = {}  # (p, s) -> (time, data) of a ready that waits for that averaging
         self.held_global: dict = {}  # p -> when it ran out of batches: its global sync waits for those averagings
         self.present = set(range(D))  # pipelines taking part (the trace takes some out and back)
         self.changes: list = []  # (time, what, pipeline, donor) of the trace's changes, as applied
         self.end = 0.0  # the last event's time, the trace's own aside
+        # the epoch-tail rule: step times of the pipelines still in their epoch (0: not counted), their epochs,
+        # and per epoch the sum of their rates (a quick bound before the exact sum)
+        self.tail_t = np.zeros(D)
+        self.tail_epoch = np.zeros(D, dtype=np.int64)
+        self.tail_rate: dict = {}
+        if policy == "ps":  # a server per stage, hosted by pipeline 0's worker (its own push and pull stay local)
+            staleness = config.scheduler_policy().staleness
+            self.servers = [_Server(self.proxy.x[s], range(D), staleness) for s in range(S)]
+            self.pulled = [list(v) for v in self.proxy.x]
+        if policy == "adpsgd":  # even pipelines start exchanges with odd ones, who serve them one at a time
+            self.actives, self.passives = gossip_roles(D)
+            self.serve_free = [0.0] * (D * S)
 
     def _push(self, t: float, kind: str, data) -> None:
         heapq.heappush(self.heap, (t, next(self._seq), kind, data))
@@ -557,8 +704,11 @@ class _Simulation:
             "global": self._on_global,
             "synced": self._on_synced,
             "member": self._on_member,
+            "epoch": self._on_epoch,
+            "pushed": self._on_pushed,
+            "paired": self._on_paired,
         }
-        heap, pop = self.heap, heapq.heappop
+        heap, pop, pipes = self.heap, heapq.heappop, self.pipes
         # a pending deadline is ticked also when nothing else is left: workers of different stages can all be
         # waiting in open rounds at once (each pipeline's step needs every stage's group)
         while heap or self.deadline is not None:
@@ -568,35 +718,42 @@ class _Simulation:
                 if not heap and self.deadline == deadline:
                     raise RuntimeError(f"simulation: the scheduler's deadline {deadline} did not pass when ticked")
                 continue
-            self.now, _, kind, data = pop(heap)
-            handlers[kind](self.now, data)
-            if kind != "member" and (kind != "start" or not self.pipes[data].done):
-                self.end = self.now  # the trace (and its joiners finding no batch) may go on after the work
+            now, _, kind, data = pop(heap)
+            self.now = now
+            handlers[kind](now, data)
+            if kind != "member" and (kind != "start" or not pipes[data].done):
+                self.end = now  # the trace (and its joiners finding no batch) may go on after the work
         return self
+
+    def _draw(self) -> tuple:
+        """One step's draws: (each stage's jitter factor, whether a transient straggle hits)."""
+        if not self._draws:
+            n, S, gen = 4096, self.S, self._timing
+            sigma = self._jitter_sigma
+            scale = np.exp(gen.standard_normal((n, S)) * sigma - sigma**2 / 2).tolist()  # log-normal, mean 1
+            p = self.hetero.straggle_prob
+            hits = (gen.random((n, S)) < p).any(axis=1).tolist() if p > 0 else [False] * n  # S draws, as the runtime
+            self._draws = list(zip(scale, hits))
+            self._draws.reverse()
+        return self._draws.pop()
 
     def _on_start(self, t: float, p: int) -> None:
         """Pipeline p asks for a batch: with one, its step's spans and each stage's ``ready`` at the step's end;
-        without, its workers join the epoch's global sync."""
+        without, its epoch ends (see :meth:`_epoch_done`)."""
         pipe = self.pipes[p]
         if not self._next_batch(p, t):
-            if self.core is not None:  # the epoch ends with a global sync, once overlapped averagings ended
-                self.held_global[p] = t
-                self._global_when_settled(p)
+            self._epoch_done(p, t)
             return
-        pipe.synced = {}
+        pipe.synced, pipe.synced_at = 0, t
         ends, busy, forward = self.step_costs[p]
-        rng, hetero, step = self.rng, self.hetero, pipe.step
-        scale = [rng.lognormvariate(-(sg**2) / 2, sg) if sg > 0 else 1.0 for sg in self.jitter_sigma]
-        extra = self.costs.step_overhead
-        if hetero.straggle_prob > 0:
-            hits = [rng.random() < hetero.straggle_prob for _ in range(self.S)]  # all S draws, as the runtime's
-            extra += hetero.straggle_delay if any(hits) else 0.0
-        begin, push = t + extra, self._push
-        for s in range(self.S):
+        scale, hit = self._draw()
+        begin = t + self.costs.step_overhead + (self.hetero.straggle_delay if hit else 0.0)
+        push, step, S = self._push, pipe.step, self.S
+        for s in range(S):
             push(begin + ends[s] + busy[s] * (scale[s] - 1.0), "ready", (p, s, step))
         if self.record:
             keep, span = self.records.append, events.span
-            for s in range(self.S):
+            for s in range(S):
                 f = begin + forward[s] * scale[s]
                 keep(span("forward", p, s, step, None, begin, f))
                 keep(span("backward", p, s, step, None, f, begin + busy[s] * scale[s]))
@@ -606,41 +763,129 @@ class _Simulation:
         leaves the tail to faster pipelines.  Also keeps p's recent step time."""
         pipe = self.pipes[p]
         if pipe.last_start is not None:
-            pipe.step_time = smoothed_step_time(pipe.step_time, t - pipe.last_start)
+            old = pipe.step_time
+            new = pipe.step_time = smoothed_step_time(old, t - pipe.last_start)
+            if new > 0 and not pipe.done:
+                e = pipe.epoch
+                self.tail_rate[e] = self.tail_rate.get(e, 0.0) + 1.0 / new - (1.0 / old if old else 0.0)
+                self.tail_t[p] = new
         pipe.last_start = t
         if self.policy == "allreduce":
-            return pipe.step < self.steps
-        remaining = self.total - self.taken
-        if remaining > 0 and not (remaining <= TAIL_BATCHES_PER_PIPELINE * self.D and self._leaves_tail(p)):
-            self.taken += 1
+            return pipe.epoch_steps < self.steps
+        e = pipe.epoch
+        taken = self.taken.get(e, 0)
+        remaining = self.total - taken
+        if remaining > 0 and not (remaining <= TAIL_BATCHES_PER_PIPELINE * self.D and self._leaves_tail(p, remaining)):
+            self.taken[e] = taken + 1
             return True
-        pipe.done = True
         return False
 
-    def _leaves_tail(self, p: int) -> bool:
-        """The runtime's epoch-tail rule, on the simulated pipelines still in the epoch."""
-        others = [q.step_time for i, q in enumerate(self.pipes) if i != p and not q.done and q.step_time is not None]
-        return leaves_tail(self.pipes[p].step_time, others, self.total - self.taken)
+    def _leaves_tail(self, p: int, remaining: int) -> bool:
+        """The runtime's epoch-tail rule (:func:`sdpipe.data.leaves_tail`) on the simulated pipelines still in
+        p's epoch; their summed rates bound the faster ones' first, so most steps skip the exact sum."""
+        mine = self.pipes[p].step_time
+        if mine is None:
+            return False
+        e = self.pipes[p].epoch
+        bound = self.tail_rate.get(e, 0.0) - (1.0 / mine if mine > 0 else 0.0)  # every other pipeline's rate
+        if remaining >= mine * bound * (1 + 1e-9):
+            return False
+        t = self.tail_t
+        faster = t[(self.tail_epoch == e) & (t > 0) & (t < mine)]
+        return leaves_tail(mine, faster.tolist(), remaining)
+
+    def _untail(self, p: int) -> None:
+        """p no longer counts in its epoch's tail rule."""
+        pipe = self.pipes[p]
+        if self.tail_t[p] > 0:
+            self.tail_rate[pipe.epoch] -= 1.0 / self.tail_t[p]
+            self.tail_t[p] = 0.0
+
+    def _epoch_done(self, p: int, t: float) -> None:
+        """No batch of its epoch is left for pipeline p: at an epoch that ends with a global sync (every
+        ``sync_every`` epochs and the last) its workers join it (once overlapped averagings ended; at the server
+        under ps; none under ``none``), else p goes on with its next epoch at once."""
+        pipe = self.pipes[p]
+        pipe.done = True
+        self._untail(p)
+        e = pipe.epoch
+        if self.policy == "none" or not ((e + 1) % self.sync_every == 0 or e == self.epochs - 1):
+            self._next_epoch(t, p)
+        elif self.policy == "ps":
+            for s in range(self.S):
+                self._ps_push(t, p, s, pipe.step, GLOBAL)
+        else:
+            self.held_global[p] = t
+            self._global_when_settled(p)
+
+    def _on_epoch(self, t: float, p: int) -> None:
+        """Every stage of p ended the epoch's global sync."""
+        self._next_epoch(t, p)
+
+    def _next_epoch(self, t: float, p: int) -> None:
+        """p's epoch is complete (its history row); it starts the next one, if any."""
+        pipe = self.pipes[p]
+        self._epoch_row(p, t, True)
+        if pipe.epoch + 1 >= self.epochs:
+            pipe.finished = True
+            return
+        pipe.epoch += 1
+        pipe.done, pipe.last_start, pipe.epoch_start, pipe.global_done = False, None, t, 0
+        self.tail_epoch[p] = pipe.epoch
+        if pipe.step_time:
+            self.tail_t[p] = pipe.step_time
+            self.tail_rate[pipe.epoch] = self.tail_rate.get(pipe.epoch, 0.0) + 1.0 / pipe.step_time
+        self._push(t, "start", p)
+
+    def _epoch_row(self, p: int, t: float, complete: bool) -> None:
+        """Pipeline p's row of the history for its current epoch (and its ``epoch`` record), at time ``t``."""
+        pipe, bs = self.pipes[p], self.config.batch_size
+        samples = pipe.epoch_steps * bs
+        took = t - pipe.epoch_start
+        metrics = {
+            "epoch": pipe.epoch,
+            "pipeline": p,
+            "loss": self.proxy.loss(p),
+            "samples": samples,
+            "share": samples / (self.total * bs),
+            "samples_per_s": samples / took if took > 0 else 0.0,
+            "steps": pipe.epoch_steps,
+            "complete": complete,
+        }
+        self.history.append(metrics)
+        pipe.epoch_steps = 0
+        if self.record:
+            self.records.append(events.epoch(p, self.S - 1, pipe.step, t, metrics))
 
     def _on_ready(self, t: float, data: tuple) -> None:
-        """Worker (p, s) stepped its optimizer (the proxy learns) and is ready for its group (none: synced)."""
+        """Worker (p, s) stepped its optimizer (the proxy learns) and syncs as the policy says."""
         p, s, step = data
-        self.proxy.learn(p, s)
+        w = p * self.S + s
+        self.proxy.learn(w)
         if self.record:
             loss = {"loss": self.proxy.loss(p)} if s == self.S - 1 else {}
-            self.records.append(events.span("optimizer", p, s, step, None, t, t, epoch=0, **loss))
-        if self.core is None:
+            self.records.append(events.span("optimizer", p, s, step, None, t, t, epoch=self.pipes[p].epoch, **loss))
+        mode = self.mode
+        if mode == "overlap":
+            if (p, s) not in self.averaging:
+                self._on_ask(t, data)
+            else:  # its last averaging is still undecided or running: the ready signal waits for it
+                end = self.averaging[(p, s)]
+                if end is None:
+                    self.held[(p, s)] = (t, data)
+                else:
+                    self._hold(t, end, data)
+        elif mode == "sdpipe" or mode == "allreduce":
+            self._apply(self.core.ready(s, p, t))
+        elif mode == "none":
             self._on_synced(t, data)
-        elif not self.overlap:
-            self._apply(self.core.handle(s, Ready(p, step, t, False)))
-        elif (p, s) not in self.averaging:
-            self._on_ask(t, data)
-        else:  # its last averaging is still undecided or running: the ready signal waits for it
-            end = self.averaging[(p, s)]
-            if end is None:
-                self.held[(p, s)] = (t, data)
-            else:
-                self._hold(t, end, data)
+        elif mode == "ps":
+            self._ps_push(t, p, s, step, STEP)
+        elif p % 2 == 0 and self.passives:  # adpsgd's active side
+            self._gossip(t, p, s, step)
+        else:  # adpsgd's passive side folds in what it served, and goes on
+            self.proxy.fold(w)
+            self._on_synced(t, data)
 
     def _hold(self, t: float, end: float, data: tuple) -> None:
         """An overlapped worker's ready waits until ``end``, when its last group's averaging ended."""
@@ -651,20 +896,22 @@ class _Simulation:
 
     def _on_ask(self, t: float, data: tuple) -> None:
         """Overlap: (p, s) tells the core it is ready and goes on with its next step at once."""
-        p, s, step = data
+        p, s, _ = data
         self.averaging[(p, s)] = None
-        self._apply(self.core.handle(s, Ready(p, step, t, False)))
+        self._apply(self.core.ready(s, p, t))
         self._on_synced(t, data)
 
     def _global_when_settled(self, p: int) -> None:
         """Pipeline p's global sync, once every overlapped averaging of its workers is decided (and then ended)."""
+        if p not in self.held_global:
+            return
         ends = [self.averaging.get((p, s), 0.0) for s in range(self.S)]
-        if p in self.held_global and None not in ends:
+        if None not in ends:
             self._push(max([self.held_global.pop(p)] + ends), "global", p)
 
     def _on_global(self, t: float, p: int) -> None:
         for s in range(self.S):
-            self._apply(self.core.handle(s, Ready(p, self.pipes[p].step, t, True)))
+            self._apply(self.core.ready(s, p, t, True))
 
     def _on_tick(self, now: float) -> None:
         """The core's deadline: the rounds whose window ran out close."""
@@ -679,28 +926,38 @@ class _Simulation:
 
     def _groups(self, decisions) -> None:
         """Each group costs the round trip (none under allreduce: it needs no scheduler), the slowest member's link
-        delay and a ring all-reduce; the proxy averages the members; each member's ``synced`` comes at the end."""
+        delay and a ring all-reduce; the proxy averages the members; each member's ``synced`` comes at the end
+        (its pipeline's ``epoch`` once every stage's global sync ended)."""
         costs, net, pipes, record, keep = self.costs, self.net, self.pipes, self.record, self.records.append
+        S, proxy, link_delay, push = self.S, self.proxy, self.link_delay, self._push
         rtt = 0.0 if self.policy == "allreduce" else net.scheduler_rtt
         by_progress = self.core.policy.weighting == "progress"
+        span = events.span
         for g in decisions:
-            members, stage = list(g.members), g.stage
-            delay = max(self.link_delay[m][stage] for m in members)
-            end = g.closed + rtt + delay + ring_allreduce_seconds(costs.weight_bytes[stage], len(members), net)
-            self.proxy.mix(stage, members, by_progress, g.reason == "global")
+            members, stage, reason = g.members, g.stage, g.reason
+            final = reason == "global"
+            n = len(members)
+            delay = max([link_delay[m][stage] for m in members])
+            if n > 1:
+                delay += 2 * (n - 1) / n * costs.weight_bytes[stage] / net.bandwidth + 2 * (n - 1) * net.latency
+            end = g.closed + rtt + delay
+            workers = [m * S + stage for m in members]
+            if final and self.policy == "adpsgd":  # the passive side folds in what it served first
+                for w in workers:
+                    proxy.fold(w)
+            proxy.mix(workers, by_progress, final)
             if record:
+                members = list(members)
                 keep(
-                    events.group(
-                        stage, g.round, members, g.reason, g.opened, g.closed, g.wait, g.connected, self.policy
-                    )
+                    events.group(stage, g.round, members, reason, g.opened, g.closed, g.wait, g.connected, self.policy)
                 )
-            background = self.overlap and g.reason != "global"
+            background = self.overlap and not final
             lane = {"lane": "background"} if background else {}
             for m in members:
                 step = pipes[m].step
                 if record:
                     keep(
-                        events.span(
+                        span(
                             "sync",
                             m,
                             stage,
@@ -710,7 +967,7 @@ class _Simulation:
                             end,
                             group=members,
                             round=g.round,
-                            reason=g.reason,
+                            reason=reason,
                             **lane,
                         )
                     )
@@ -720,17 +977,101 @@ class _Simulation:
                     if held is not None:
                         self._hold(held[0], end, held[1])
                     self._global_when_settled(m)
-                elif g.reason != "global":
-                    self._push(end, "synced", (m, stage, step))
+                elif final:
+                    self._global_done(m, end)
+                else:
+                    push(end, "synced", (m, stage, step))
 
+    def _global_done(self, p: int, end: float) -> None:
+        """One of p's stages ends the epoch's global sync at ``end``; after the last, p's ``epoch``."""
+        pipe = self.pipes[p]
+        pipe.global_done += 1
+        pipe.global_end = max(pipe.global_end, end)
+        if pipe.global_done == self.S:
+            pipe.global_done = 0
+            self._push(pipe.global_end, "epoch", p)
+
+    # ------------------------------------------------------------------ ps
+    def _ps_push(self, t: float, p: int, s: int, step: int, kind: str) -> None:
+        """Worker (p, s) sends its update (its point minus the one it last pulled) over its stage's server link
+        (one transfer at a time, in the order sent) and waits for its pull; the host's own stays in memory."""
+        srv, w = self.servers[s], p * self.S + s
+        delta = [a - b for a, b in zip(self.proxy.x[w], self.pulled[w])]
+        srv.asked[p] = (t, step, kind)
+        if p == 0:
+            arrive = t
+        else:
+            start = max(t + self.link_delay[p][s], srv.in_free)
+            srv.in_free = start + self.costs.weight_bytes[s] / self.net.bandwidth
+            arrive = srv.in_free + self.net.latency
+        self._push(arrive, "pushed", (p, s, delta, kind))
+
+    def _on_pushed(self, t: float, data: tuple) -> None:
+        """A push reached stage s's server: it adds the update and answers the pulls the staleness bound lets go
+        (all of them, once every pipeline is at the global sync)."""
+        p, s, delta, kind = data
+        srv = self.servers[s]
+        v = srv.w
+        for k in range(4):
+            v[k] += delta[k]
+        replies, final = srv.ssp.push(p, kind)
+        for c in replies:
+            self._ps_reply(t, c, s, final)
+
+    def _ps_reply(self, t: float, c: int, s: int, final: bool) -> None:
+        """The server sends its weights to client c (over its link's other direction; in memory to the host)."""
+        srv, w = self.servers[s], c * self.S + s
+        self.proxy.x[w] = list(srv.w)
+        self.pulled[w] = list(srv.w)
+        asked, step, _ = srv.asked.pop(c)
+        if c == 0:
+            end = t
+        else:
+            start = max(t, srv.out_free)
+            srv.out_free = start + self.costs.weight_bytes[s] / self.net.bandwidth
+            end = srv.out_free + self.net.latency
+        if self.record:
+            group = list(range(self.D)) if final else [c]
+            reason = "global" if final else "ps"
+            self.records.append(events.span("sync", c, s, step, None, asked, end, group=group, reason=reason, server=0))
+        if final:
+            self.proxy.mass[w] = 1.0
+            self._global_done(c, end)
+        else:
+            self._push(end, "synced", (c, s, step))
+
+    # ------------------------------------------------------------------ adpsgd
+    def _gossip(self, t: float, p: int, s: int, step: int) -> None:
+        """Active worker (p, s) picks a passive peer at random; the peer's server thread serves one exchange at a
+        time (both directions at once); p waits for its exchange."""
+        q = self.rng.choice(self.passives)
+        i = q * self.S + s
+        start = max(t + self.link_delay[p][s], self.serve_free[i])
+        end = self.serve_free[i] = start + self.costs.weight_bytes[s] / self.net.bandwidth + self.net.latency
+        self._push(end, "paired", (p, s, step, q, t))
+
+    def _on_paired(self, t: float, data: tuple) -> None:
+        p, s, step, q, asked = data
+        S = self.S
+        self.proxy.pair(p * S + s, q * S + s)
+        if self.record:
+            pair = sorted((p, q))
+            keep, span = self.records.append, events.span
+            keep(span("sync", p, s, step, None, asked, t, group=pair, reason="pair"))
+            keep(span("sync", q, s, None, None, asked, t, group=pair, reason="pair", served=True))
+        self._on_synced(t, (p, s, step))
+
+    # ------------------------------------------------------------------ the trace
     def _on_member(self, t: float, data: tuple) -> None:
         """The trace: pipeline p leaves (lost: the core takes it out of every stage, its work in flight is dropped)
         or joins (it takes the proxy state of the lowest live pipeline, the donor, once the stages' weights crossed
-        the network; the core hears ``Join`` with that donor; then its next step).  A change that does not apply
-        (leaving when gone, joining when there or once every batch is taken) is skipped."""
+        the network; the core hears ``Join`` with that donor; then its next step in the donor's epoch).  A change
+        that does not apply (leaving when gone, joining when there or when no batch of the donor's epoch is
+        left) is skipped."""
         what, p = data
-        if (what == "leave") != (p in self.present) or (what == "join" and self.taken >= self.total):
-            return  # nothing to change; or no batch left for a joiner (the epoch ends with its global sync)
+        if (what == "leave") != (p in self.present):
+            return
+        pipe = self.pipes[p]
         if what == "leave":
             self.present.discard(p)
             self.heap[:] = [e for e in self.heap if not _concerns(e, p)]  # in place: run() holds the list
@@ -739,15 +1080,22 @@ class _Simulation:
                 self.averaging.pop((p, s), None)
                 self.held.pop((p, s), None)
             self.held_global.pop(p, None)
-            self.pipes[p].done = True
+            self._untail(p)
+            if pipe.epoch_steps:
+                self._epoch_row(p, t, False)
+            pipe.done = True
             if self.core is not None:
                 self._apply(self.core.lost(p, t))
             donor = None
         else:
             donor = min(self.present) if self.present else None
+            epoch = self.pipes[donor].epoch if donor is not None else pipe.epoch
+            if donor is not None and (self.pipes[donor].finished or self.taken.get(epoch, 0) >= self.total):
+                return  # no batch left for a joiner (the epoch ends with its global sync)
             self.present.add(p)
-            pipe = self.pipes[p]
-            pipe.done, pipe.synced, pipe.last_start = False, {}, None
+            pipe.done = pipe.finished = False
+            pipe.synced, pipe.last_start, pipe.epoch, pipe.epoch_start, pipe.global_done = 0, None, epoch, t, 0
+            self.tail_epoch[p] = epoch
             if donor is not None:
                 self.proxy.copy(donor, p)
             if self.core is not None:
@@ -763,12 +1111,14 @@ class _Simulation:
 
     def _on_synced(self, t: float, data: tuple) -> None:
         """Worker (p, s)'s sync ended; once every stage of p's did, p starts its next step."""
-        p, s, _ = data
-        pipe = self.pipes[p]
-        pipe.synced[s] = t
-        if len(pipe.synced) == self.S:
+        pipe = self.pipes[data[0]]
+        pipe.synced += 1
+        if t > pipe.synced_at:
+            pipe.synced_at = t
+        if pipe.synced == self.S:
             pipe.step += 1
-            self._push(max(pipe.synced.values()), "start", p)
+            pipe.epoch_steps += 1
+            self._push(pipe.synced_at, "start", data[0])
 
     def _absent_at(self, t: float) -> set:
         """The pipelines the trace had taken out at time ``t`` (and not yet back)."""
@@ -779,27 +1129,15 @@ class _Simulation:
         return absent
 
     def result(self) -> RunResult:
-        """The run's history (one row per pipeline, with an ``epoch`` record each) at the last event's time."""
-        end, share_of = self.end, self.total * self.config.batch_size
-        history = []
+        """The run's history (a row per pipeline and epoch, with an ``epoch`` record each; a pipeline the trace
+        took out mid-epoch has a row of what it trained, ``complete`` False) at the last event's time."""
+        end = self.end
         for p, pipe in enumerate(self.pipes):
-            samples = pipe.step * self.config.batch_size
-            metrics = {
-                "epoch": 0,
-                "pipeline": p,
-                "loss": self.proxy.loss(p),
-                "samples": samples,
-                "share": samples / share_of,
-                "samples_per_s": samples / end if end > 0 else 0.0,
-                "steps": pipe.step,
-                "complete": True,
-            }
-            history.append(metrics)
-            if self.record:
-                self.records.append(events.epoch(p, self.S - 1, pipe.step, end, metrics))
+            if not pipe.finished and pipe.epoch_steps:
+                self._epoch_row(p, end, False)
         return RunResult(
             models=[],
-            history=history,
+            history=self.history,
             events=self.records,
             config=self.config,
             wall_time=end,
@@ -828,12 +1166,16 @@ def simulate(
     lr: float = 0.1,
     noise: float = 1.0,
     trace=None,
+    epochs: int = 1,
+    sync_every: int = 1,
 ):
-    """Simulate ``steps`` steps' worth of batches per pipeline; returns a :class:`sdpipe.RunResult`.
+    """Simulate ``epochs`` epochs of ``steps`` steps' worth of batches per pipeline; returns a
+    :class:`sdpipe.RunResult`.
 
-    Under ``allreduce`` every pipeline takes ``steps`` steps; under ``sdpipe``
-    and ``none`` the ``steps x pipelines`` batches go to whichever pipeline
-    asks next (work follows speed).  ``record=False`` keeps only the history
+    Under ``allreduce`` every pipeline takes ``steps`` steps per epoch; under the other policies the ``steps x
+    pipelines`` batches of an epoch go to whichever pipeline asks next (work follows speed).  Every
+    ``sync_every`` epochs, and after the last, the epoch ends with a global sync (none under ``none``).
+    ``record=False`` keeps only the history
     (for very large simulations).  ``trace``: ``(seconds, "leave" | "join", pipeline)`` changes of the pipelines
     present (see :func:`spot_trace`); pipelines absent at the end are in ``result.lost``, and ``control``
     records ``left`` / ``joined`` mark the changes.
@@ -861,7 +1203,8 @@ def simulate(
         schedule=schedule,
         microbatches=microbatches,
         batch_size=batch_size,
-        epochs=1,
+        epochs=epochs,
+        sync_every=sync_every,
         heterogeneity=heterogeneity,
         scheduler=scheduler,
         seed=seed,

@@ -22,6 +22,21 @@ from sdpipe.scheduler import (
 )
 
 
+def check_open_rounds(sched):
+    """What each stage keeps incrementally about its open round agrees with its definition: the workers the
+    round still waits for (rule "arrival") and whether a graph-sync round's members would connect the stage."""
+    for st_ in sched.stages:
+        r = st_.open
+        if r is None:
+            continue
+        if r.expected is not None:
+            members = set(r.members)
+            outstanding = {w for w in r.expected if w not in members and w in st_.live and w not in st_.global_waiting}
+            assert r.missing == outstanding, (r.missing, outstanding)
+        if r.graph:
+            assert st_._graph_connected(r) == st_._connected(r.members)
+
+
 def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, jitter=0.5, joins=(), start=None):
     """Event-driven run of the scheduler: worker p of each stage computes for 1/speed[p] (x 1 +- jitter),
     sends Ready, waits for its group, repeats. ``losses``: (time, pipeline) pairs.  ``start``: the pipelines
@@ -69,6 +84,7 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
 
     guard = 0
     while heap or sched.next_deadline() is not None:  # a round may still close at its deadline
+        check_open_rounds(sched)
         guard += 1
         assert guard < 200_000, "scheduler simulation did not finish (deadlock?)"
         deadline = sched.next_deadline()
