@@ -116,6 +116,39 @@ def span(
     }
 
 
+def group_sync(
+    pipeline: int, stage: int, step, start: float, end: float, members: list, round_: int, reason: str, lane=None
+) -> dict:
+    """``span("sync", ...)`` of a member of a decided group (``lane="background"`` for an overlapped averaging),
+    spelled out: the simulator makes one per member of every group."""
+    if lane is None:
+        return {
+            "kind": "sync",
+            "pipeline": pipeline,
+            "stage": stage,
+            "step": step,
+            "microbatch": None,
+            "start": start,
+            "end": end,
+            "group": members,
+            "round": round_,
+            "reason": reason,
+        }
+    return {
+        "kind": "sync",
+        "pipeline": pipeline,
+        "stage": stage,
+        "step": step,
+        "microbatch": None,
+        "start": start,
+        "end": end,
+        "group": members,
+        "round": round_,
+        "reason": reason,
+        "lane": lane,
+    }
+
+
 def instant(kind: str, at: float, *, pipeline=None, stage=None, step=None, **fields) -> dict:
     """A record of a moment (start == end)."""
     return span(kind, pipeline, stage, step, None, at, at, **fields)

@@ -73,10 +73,13 @@ Worked case, D=3, window 1 ms, max_group 3::
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Union
+
+import numpy as np
 
 __all__ = [
     "SchedulerPolicy",
@@ -375,13 +378,35 @@ class _Arrivals:
         self.released: dict = {}  # worker -> time of its last release (overlap: of its last ready signal)
         self.intervals: dict = {}  # worker -> deque of recent intervals
         self.recent: deque = deque(maxlen=4 * history)
-        self._stats: dict = {}  # worker -> (median, spread), dropped on each new interval
+        self._stats: dict = {}  # worker -> (median, spread), renewed on each new interval
         self._typical: Optional[float] = None
+        # the same by worker id, as arrays (NaN: none) for plan_mask: release times, medians, spreads
+        self._rel = np.full(16, np.nan)
+        self._med = np.full(16, np.nan)
+        self._spr = np.full(16, np.nan)
+
+    def _grow(self, worker: int) -> None:
+        n = len(self._rel)
+        if worker >= n:
+            m = max(worker + 1, 2 * n)
+            for name in ("_rel", "_med", "_spr"):
+                a = np.full(m, np.nan)
+                a[:n] = getattr(self, name)
+                setattr(self, name, a)
+
+    def _released(self, worker: int, at) -> None:
+        """Set (or, with None, drop) a worker's release time."""
+        if at is None:
+            self.released.pop(worker, None)
+        else:
+            self.released[worker] = at
+        if worker >= len(self._rel):
+            self._grow(worker)
+        self._rel[worker] = np.nan if at is None else at
 
     def ready(self, worker: int, now: float) -> None:
-        last = self.released.pop(worker, None)
-        if self.overlap:
-            self.released[worker] = now
+        last = self.released.get(worker)
+        self._released(worker, now if self.overlap else None)
         if last is None:
             return
         dt = max(0.0, now - last)
@@ -392,22 +417,25 @@ class _Arrivals:
         self.recent.append(dt)
         self._stats.pop(worker, None)
         self._typical = None
+        med, spread = self.stats(worker)
+        self._med[worker], self._spr[worker] = med, spread
 
     def release(self, workers, now: float) -> None:
         if self.overlap:
             return
         for w in workers:
-            self.released[w] = now
+            self._released(w, now)
 
     def release_global(self, workers) -> None:
         """After a global group the workers evaluate or checkpoint: their next interval says nothing of a step."""
         for w in workers:
-            self.released.pop(w, None)
+            self._released(w, None)
 
     def forget(self, worker: int) -> None:
-        self.released.pop(worker, None)
+        self._released(worker, None)
         self.intervals.pop(worker, None)
         self._stats.pop(worker, None)
+        self._med[worker] = self._spr[worker] = np.nan
 
     def typical(self) -> Optional[float]:
         if self._typical is None and self.recent:
@@ -420,8 +448,17 @@ class _Arrivals:
             q = self.intervals.get(worker)
             if not q:
                 return None
-            med = _median(q)
-            mad = _median(abs(x - med) for x in q)
+            xs = sorted(q)
+            n = len(xs)
+            h = n >> 1
+            if n & 1:
+                med = xs[h]
+                mad = sorted([abs(x - med) for x in xs])[h]
+            else:
+                med = 0.5 * (xs[h - 1] + xs[h])
+                # below the median the deviations fall, above it they rise: two sorted runs, merged by sorted()
+                ds = sorted([med - x for x in xs[h - 1 :: -1]] + [x - med for x in xs[h:]])
+                mad = 0.5 * (ds[h - 1] + ds[h])
             st = self._stats[worker] = (med, max(3.0 * mad, 0.02 * med))
         return st
 
@@ -444,6 +481,23 @@ class _Arrivals:
                 expected.append(w)
         return frozenset(expected), (end if expected else now)
 
+    def plan_mask(self, now: float, candidates, horizon: float):
+        """:meth:`plan` with the candidates as a boolean array by worker id, the same arithmetic on arrays: one
+        pass in numpy instead of one in Python per worker (a round at 16,384 pipelines looks at them all)."""
+        typical = self.typical()
+        end = now + horizon
+        n = len(candidates)
+        self._grow(n - 1)
+        rel, med, spr = self._rel[:n], self._med[:n], self._spr[:n]
+        unknown = np.isnan(med)
+        if unknown.any():  # released, no interval yet: the stage's typical interval
+            med = np.where(unknown, typical, med)
+            spr = np.where(unknown, 0.25 * typical, spr)
+        pred = rel + med
+        ok = np.isnan(rel) | ((now - horizon - spr <= pred) & (pred <= end + spr))
+        expected = np.flatnonzero(candidates & ok).tolist()
+        return frozenset(expected), (end if expected else now)
+
     def renewed(self, policy) -> "_Arrivals":
         """These arrivals under ``policy``: the same, or (another history length or overlap) relearnt from the
         recent intervals that still mean the same thing."""
@@ -462,9 +516,15 @@ class _Arrivals:
         }
 
     def restore(self, snap: dict) -> None:
-        self.released = {int(k): v for k, v in snap.get("released", {}).items()}
+        for k, v in snap.get("released", {}).items():
+            self._released(int(k), v)
         for k, v in snap.get("intervals", {}).items():
             self.intervals[int(k)] = deque(v, maxlen=self.history)
+            self._grow(int(k))
+            self._stats.pop(int(k), None)
+            st = self.stats(int(k))
+            if st is not None:
+                self._med[int(k)], self._spr[int(k)] = st
         self.recent.extend(snap.get("recent", ()))
 
 
@@ -488,8 +548,19 @@ class StageScheduler:
         #: set by GroupScheduler: whether this stage holds (or may take) the graph-sync token
         self.may_graph_sync = True
         self.arrivals = _Arrivals(self.policy.history, self.policy.overlap)
+        self._live_mask = np.zeros(max(self.live, default=-1) + 1, dtype=bool)  # ``live`` by worker id
+        for w in self.live:
+            self._mark(w, True)
 
     # -------------------------------------------------------------- helpers
+    def _mark(self, worker: int, live: bool) -> None:
+        if worker < 0:
+            raise ValueError(f"worker: must be an id >= 0, got {worker}")
+        mask = self._live_mask
+        if worker >= len(mask):
+            mask = self._live_mask = np.concatenate([mask, np.zeros(max(worker + 1, 2 * len(mask)) - len(mask), bool)])
+        mask[worker] = live
+
     def _available(self) -> set:
         return self.live - self.global_waiting
 
@@ -524,7 +595,21 @@ class StageScheduler:
         if len(self.dsu.parent) == self._available_count():
             # every item of the union is available (live workers are always items), and extra ones are too
             return trial.count <= 1
-        return trial.connects(self._available() | set(extra))
+        return self._one_component(trial, extra)
+
+    def _one_component(self, dsu: "DisjointSet", extra=()) -> bool:
+        """Whether ``dsu`` holds the available workers and ``extra`` in one component (``dsu.connects`` of them,
+        stopping at the first worker outside the first one's component)."""
+        root, find, global_waiting = None, dsu.find, self.global_waiting
+        for w in itertools.chain(self.live, extra):
+            if w in global_waiting:
+                continue
+            r = find(w)
+            if root is None:
+                root = r
+            elif r != root:
+                return False
+        return True
 
     def needs_graph_sync(self) -> bool:
         return self.since_reset >= (self.policy.staleness - 1) * self._available_count() and not self._connected()
@@ -554,9 +639,11 @@ class StageScheduler:
             r.expected, r.deadline = None, now + self.windows[opener]
             r.missing = set()
             return
-        waiting, global_waiting = self.waiting, self.global_waiting
-        candidates = (w for w in self.live if w not in waiting and w not in global_waiting)
-        r.expected, r.deadline = self.arrivals.plan(now, candidates, self.policy.horizon_fraction * typical)
+        candidates = self._live_mask.copy()  # live, not in the round, not waiting for the global group
+        for busy in (self.waiting, self.global_waiting):
+            if busy:
+                candidates[list(busy)] = False
+        r.expected, r.deadline = self.arrivals.plan_mask(now, candidates, self.policy.horizon_fraction * typical)
         r.missing = set(r.expected)  # candidates are neither in the round nor waiting for the global group
 
     # -------------------------------------------------------------- events
@@ -579,6 +666,7 @@ class StageScheduler:
         if donor is not None and donor not in self.live:
             raise ValueError(f"donor: {donor} is not a live worker of stage {self.stage} (live: {sorted(self.live)})")
         self.live.add(w)
+        self._mark(w, True)
         self.windows[w] = self.policy.window_init
         self.dsu.find(w)  # a component of its own, or (with a donor) the donor's: its model is the donor's
         if donor is not None:
@@ -623,6 +711,7 @@ class StageScheduler:
         if w not in self.live:
             return []
         self.live.discard(w)
+        self._mark(w, False)
         self.global_waiting.discard(w)
         self.waiting.discard(w)
         self.windows.pop(w, None)
@@ -686,7 +775,7 @@ class StageScheduler:
             return False
         if unavailable == 0:  # the union's items are exactly the available workers
             return trial.count <= 1
-        return trial.connects(self._available() | set(members))
+        return self._one_component(trial, members)
 
     def _close(self, now: float, reason: str) -> list:
         r, self.open = self.open, None
@@ -851,5 +940,14 @@ class GroupScheduler:
         return []
 
     def next_deadline(self) -> Optional[float]:
-        ds = [d for d in (st.next_deadline() for st in self.stages) if d is not None]
-        return min(ds) if ds else None
+        """The earliest of the stages' deadlines (``StageScheduler.next_deadline``, inlined: asked after every
+        event)."""
+        best = None
+        for st in self.stages:
+            r = st.open
+            if r is None or r.graph:
+                continue
+            d = r.deadline
+            if d != math.inf and (best is None or d < best):
+                best = d
+        return best

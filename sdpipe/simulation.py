@@ -44,6 +44,7 @@ instances behave.  :func:`calibrate` measures the costs in a real run's events;
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import itertools
 import math
@@ -56,7 +57,7 @@ import numpy as np
 from . import events
 from ._result import RunResult
 from .config import Heterogeneity, TrainConfig
-from .data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
+from .data import TAIL_BATCHES_PER_PIPELINE, smoothed_step_time, tail_goes_faster
 from .schedule import ASYNC_SCHEDULES, build_plan, dry_run
 from .scheduler import GroupScheduler
 from .sync_rules import GLOBAL, STEP, gossip_roles
@@ -664,6 +665,8 @@ class _Simulation:
                 finish[k] = (ends, busy, [M * costs.forward[s] * k[s] for s in range(S)])
             self.step_costs.append(finish[k])
         self.link_delay = [[hetero.link_delay_of(p, s) for s in range(S)] for p in range(D)]
+        self._link_delays = any(any(row) for row in self.link_delay)
+        self._ring: dict = {}  # (stage, members) -> seconds of a group: round trip and ring all-reduce
         # averaging overlapped with compute (SchedulerPolicy.overlap): a worker goes on at its ready signal; its
         # group's averaging runs meanwhile and must have ended before the worker's next ready signal
         self.overlap = policy == "sdpipe" and self.core.policy.overlap
@@ -748,9 +751,9 @@ class _Simulation:
         ends, busy, forward = self.step_costs[p]
         scale, hit = self._draw()
         begin = t + self.costs.step_overhead + (self.hetero.straggle_delay if hit else 0.0)
-        push, step, S = self._push, pipe.step, self.S
-        for s in range(S):
-            push(begin + ends[s] + busy[s] * (scale[s] - 1.0), "ready", (p, s, step))
+        heap, seq, step, S = self.heap, self._seq, pipe.step, self.S
+        for s in range(S):  # self._push, inlined
+            heapq.heappush(heap, (begin + ends[s] + busy[s] * (scale[s] - 1.0), next(seq), "ready", (p, s, step)))
         if self.record:
             keep, span = self.records.append, events.span
             for s in range(S):
@@ -791,8 +794,8 @@ class _Simulation:
         if remaining >= mine * bound * (1 + 1e-9):
             return False
         t = self.tail_t
-        faster = t[(self.tail_epoch == e) & (t > 0) & (t < mine)]
-        return leaves_tail(mine, faster.tolist(), remaining)
+        faster = t[(t > 0) & (t < mine) & (self.tail_epoch == e)] if self.epochs > 1 else t[(t > 0) & (t < mine)]
+        return tail_goes_faster(mine, float((1.0 / faster).sum()), remaining)
 
     def _untail(self, p: int) -> None:
         """p no longer counts in its epoch's tail rule."""
@@ -863,18 +866,42 @@ class _Simulation:
         w = p * self.S + s
         self.proxy.learn(w)
         if self.record:
-            loss = {"loss": self.proxy.loss(p)} if s == self.S - 1 else {}
-            self.records.append(events.span("optimizer", p, s, step, None, t, t, epoch=self.pipes[p].epoch, **loss))
+            rec = {
+                "kind": "optimizer",
+                "pipeline": p,
+                "stage": s,
+                "step": step,
+                "microbatch": None,
+                "start": t,
+                "end": t,
+                "epoch": self.pipes[p].epoch,
+            }  # events.span("optimizer", ..., epoch=, loss=) spelled out: one per worker and step
+            if s == self.S - 1:
+                rec["loss"] = self.proxy.loss(p)
+            self.records.append(rec)
         mode = self.mode
         if mode == "overlap":
-            if (p, s) not in self.averaging:
-                self._on_ask(t, data)
-            else:  # its last averaging is still undecided or running: the ready signal waits for it
-                end = self.averaging[(p, s)]
-                if end is None:
-                    self.held[(p, s)] = (t, data)
-                else:
-                    self._hold(t, end, data)
+            key, averaging = (p, s), self.averaging
+            end = averaging.get(key, 0.0)
+            if end is None:  # its last group is undecided: the ready signal waits for its averaging
+                self.held[key] = (t, data)
+            elif end > t:  # its last averaging still runs
+                self._hold(t, end, data)
+            else:  # it tells the core it is ready and goes on with its next step at once (_on_ask, inlined)
+                averaging[key] = None
+                core = self.core
+                decisions = core.ready(s, p, t)
+                if decisions:
+                    self._groups(decisions)
+                self.deadline = core.next_deadline()
+                pipe = self.pipes[p]  # _on_synced, inlined
+                pipe.synced += 1
+                if t > pipe.synced_at:
+                    pipe.synced_at = t
+                if pipe.synced == self.S:
+                    pipe.step += 1
+                    pipe.epoch_steps += 1
+                    self._push(pipe.synced_at, "start", p)
         elif mode == "sdpipe" or mode == "allreduce":
             self._apply(self.core.ready(s, p, t))
         elif mode == "none":
@@ -929,18 +956,18 @@ class _Simulation:
         delay and a ring all-reduce; the proxy averages the members; each member's ``synced`` comes at the end
         (its pipeline's ``epoch`` once every stage's global sync ended)."""
         costs, net, pipes, record, keep = self.costs, self.net, self.pipes, self.record, self.records.append
-        S, proxy, link_delay, push = self.S, self.proxy, self.link_delay, self._push
+        S, proxy, push = self.S, self.proxy, self._push
         rtt = 0.0 if self.policy == "allreduce" else net.scheduler_rtt
         by_progress = self.core.policy.weighting == "progress"
-        span = events.span
+        ring, delays = self._ring, self.link_delay if self._link_delays else None
         for g in decisions:
             members, stage, reason = g.members, g.stage, g.reason
             final = reason == "global"
             n = len(members)
-            delay = max([link_delay[m][stage] for m in members])
-            if n > 1:
-                delay += 2 * (n - 1) / n * costs.weight_bytes[stage] / net.bandwidth + 2 * (n - 1) * net.latency
-            end = g.closed + rtt + delay
+            cost = ring.get((stage, n))
+            if cost is None:
+                cost = ring[(stage, n)] = rtt + ring_allreduce_seconds(costs.weight_bytes[stage], n, net)
+            end = g.closed + cost + (max([delays[m][stage] for m in members]) if delays else 0.0)
             workers = [m * S + stage for m in members]
             if final and self.policy == "adpsgd":  # the passive side folds in what it served first
                 for w in workers:
@@ -952,35 +979,26 @@ class _Simulation:
                     events.group(stage, g.round, members, reason, g.opened, g.closed, g.wait, g.connected, self.policy)
                 )
             background = self.overlap and not final
-            lane = {"lane": "background"} if background else {}
-            for m in members:
-                step = pipes[m].step
-                if record:
-                    keep(
-                        span(
-                            "sync",
-                            m,
-                            stage,
-                            step,
-                            None,
-                            g.closed,
-                            end,
-                            group=members,
-                            round=g.round,
-                            reason=reason,
-                            **lane,
-                        )
-                    )
-                if background:
-                    self.averaging[(m, stage)] = end
-                    held = self.held.pop((m, stage), None)
-                    if held is not None:
-                        self._hold(held[0], end, held[1])
-                    self._global_when_settled(m)
-                elif final:
+            if record:
+                lane, closed, rnd, sync = "background" if background else None, g.closed, g.round, events.group_sync
+                for m in members:
+                    keep(sync(m, stage, pipes[m].step, closed, end, members, rnd, reason, lane))
+            if background:  # each member's averaging ends at ``end``: a ready signal held for it goes on then
+                averaging, held, held_global = self.averaging, self.held, self.held_global
+                for m in members:
+                    key = (m, stage)
+                    averaging[key] = end
+                    if key in held:
+                        t, data = held.pop(key)
+                        self._hold(t, end, data)
+                    if m in held_global:
+                        self._global_when_settled(m)
+            elif final:
+                for m in members:
                     self._global_done(m, end)
-                else:
-                    push(end, "synced", (m, stage, step))
+            else:
+                for m in members:
+                    push(end, "synced", (m, stage, pipes[m].step))
 
     def _global_done(self, p: int, end: float) -> None:
         """One of p's stages ends the epoch's global sync at ``end``; after the last, p's ``epoch``."""
@@ -1211,7 +1229,13 @@ def simulate(
     )
     changes = _check_trace(trace, pipelines, policy)
     sim = _Simulation(config, costs=costs, network=network, steps=steps, record=record, lr=lr, noise=noise)
-    return sim.run(changes).result()
+    collecting = gc.isenabled()
+    gc.disable()  # millions of records and no cycles among them: the cyclic collector would scan them over and over
+    try:
+        return sim.run(changes).result()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _check_trace(trace, pipelines: int, policy: str) -> list:
