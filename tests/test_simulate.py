@@ -3,13 +3,18 @@
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sdpipe
 from sdpipe import events
 from sdpipe.schedule import build_plan, dry_run
-from sdpipe.simulation import SIM_POLICIES, Costs, Network, ring_allreduce_seconds, simulate
+from sdpipe.simulation import SIM_POLICIES, Costs, Network, _Ssp, ring_allreduce_seconds, simulate
+from sdpipe.sync_rules import GLOBAL, STEP, ps_release
 
 COSTS = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], weight_bytes=[4e5, 8e5], activation_bytes=[4e4])
+COSTS4 = Costs(forward=[0.002] * 4, backward=[0.004] * 4, weight_bytes=[4e5] * 4, activation_bytes=[4e4] * 3)
+STRAGGLES = sdpipe.Heterogeneity(straggle_prob=0.1, straggle_delay=0.02)
 STRAGGLER = sdpipe.Heterogeneity(slowdown={3: 4.0})
 
 
@@ -288,3 +293,117 @@ def test_bad_traces_are_named_in_one_line():
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"^mean_down: must be a finite number > 0, got 0$"):
         sdpipe.spot_trace(4, preemptions_per_min=1, mean_down=0, duration=10)
+
+
+# ---------------------------------------------------------------- ps, adpsgd, several epochs
+@settings(max_examples=300, deadline=None)
+@given(
+    D=st.integers(1, 6),
+    staleness=st.integers(1, 4),
+    requests=st.lists(st.tuples(st.integers(0, 5), st.booleans()), max_size=80),
+)
+def test_the_simulated_servers_answer_as_the_runtimes_rule(D, staleness, requests):
+    """The simulator's parameter server keeps its bookkeeping incrementally; every answer is the one the
+    runtime's server gets from sync_rules.ps_release, kept as the runtime's server keeps its state."""
+    ssp = _Ssp(range(D), staleness)
+    clock, at_global, waiting = dict.fromkeys(range(D), 0), set(), {}
+    for c, final in requests:
+        c %= D
+        if c in waiting:  # a client waits for its pull before it pushes again
+            continue
+        kind = GLOBAL if final else STEP
+        if kind == GLOBAL:
+            at_global.add(c)
+        else:
+            clock[c] += 1
+        waiting[c] = kind
+        want = ps_release(clock, set(range(D)), at_global, waiting, staleness)
+        for x in want.replies:
+            waiting.pop(x, None)
+        if want.global_sync:
+            at_global.clear()
+        clock = want.clock
+        assert ssp.push(c, kind) == (want.replies, want.global_sync)
+
+
+def test_ps_is_bound_by_its_server_links_where_sdpipe_is_not():
+    """Every step each worker pushes and pulls its stage's weights over the server's one link: from 8 pipelines
+    on, a run lasts about as long as its server link is busy, and sdpipe's pairs leave it far behind."""
+    costs = Costs(forward=[1e-3] * 2, backward=[2e-3] * 2, weight_bytes=[1e7, 1e7])
+    net = Network(bandwidth=1e9, latency=0.0, scheduler_rtt=1e-4)
+    for D in (8, 16):
+        ps = simulate(2, D, costs=costs, network=net, policy="ps", steps=40)
+        sd = simulate(2, D, costs=costs, network=net, policy="sdpipe", steps=40)
+        # the host (pipeline 0) pushes in memory; every other push takes 1e7 / 1e9 s of the link into the server
+        pushes = [e for e in ps.events if e["kind"] == "sync" and e["stage"] == 0 and e["pipeline"] != 0]
+        busy = len(pushes) * 1e7 / 1e9
+        assert busy <= ps.wall_time <= 1.1 * busy
+        assert sd.wall_time < ps.wall_time / 3
+        assert {e["reason"] for e in ps.events if e["kind"] == "sync"} == {"ps", "global"}
+
+
+def test_ps_holds_a_fast_pipeline_within_the_staleness_bound_of_a_slow_one():
+    """Every pull the server answers while the slow pipeline still trains leaves the puller at most ``staleness``
+    steps ahead of it: the slow one had sent that many pushes before the answer arrived."""
+    costs = Costs(forward=[1e-3] * 2, backward=[2e-3] * 2, weight_bytes=[1e6, 1e6])
+    slow = sdpipe.Heterogeneity(slowdown={2: 5.0})
+    ahead = {}
+    for staleness in (1, 4):
+        r = simulate(2, 3, costs=costs, policy="ps", steps=60, scheduler={"staleness": staleness}, heterogeneity=slow)
+        syncs = [e for e in r.events if e["kind"] == "sync" and e["stage"] == 0]
+        sent = sorted(e["start"] for e in syncs if e["pipeline"] == 2 and e["reason"] == "ps")
+        running_until = min(e["start"] for e in syncs if e["pipeline"] == 2 and e["reason"] == "global")
+        ahead[staleness] = 0
+        for e in syncs:
+            if e["reason"] == "ps" and e["pipeline"] != 2 and e["end"] < running_until:
+                behind = sum(1 for t in sent if t < e["end"])  # the slow one's pushes sent before the answer came
+                ahead[staleness] = max(ahead[staleness], e["step"] + 1 - behind)
+        assert 0 < ahead[staleness] <= staleness
+    assert ahead[1] < ahead[4]
+
+
+def test_adpsgd_pairs_an_active_with_a_passive_and_serves_one_exchange_at_a_time():
+    result = simulate(2, 8, costs=COSTS, policy="adpsgd", steps=40, heterogeneity=HETERO)
+    pairs = [e for e in result.events if e["kind"] == "sync" and e["reason"] == "pair"]
+    assert pairs and all(sorted(p % 2 for p in e["group"]) == [0, 1] for e in pairs)
+    served = {}
+    for e in pairs:
+        if e.get("served"):
+            served.setdefault((e["pipeline"], e["stage"]), []).append((e["start"], e["end"]))
+            assert e["pipeline"] % 2 == 1
+    for spans in served.values():  # a passive worker's exchanges end one after another
+        ends = sorted(end for _, end in spans)
+        assert all(b > a for a, b in zip(ends, ends[1:]))
+    final = [e for e in result.events if e["kind"] == "group"]
+    assert [g["reason"] for g in final] == ["global", "global"] and all(g["group"] == list(range(8)) for g in final)
+
+
+def test_gossip_mixes_slower_than_scheduled_groups():
+    """The convergence proxy over the second half of the epoch, averaged over seeds: random pairs keep the
+    replicas further apart (a higher loss) than sdpipe's groups, and far closer than no mixing."""
+
+    def late_loss(policy, seed):
+        r = simulate(4, 16, costs=COSTS4, policy=policy, steps=100, heterogeneity=STRAGGLES, seed=seed)
+        losses = [e["loss"] for e in r.events if e["kind"] == "optimizer" and "loss" in e]
+        return sum(losses[len(losses) // 2 :]) / (len(losses) - len(losses) // 2)
+
+    mean = {p: sum(late_loss(p, seed) for seed in range(3)) / 3 for p in ("sdpipe", "adpsgd", "none")}
+    assert mean["sdpipe"] < mean["adpsgd"] < mean["none"], mean
+
+
+@pytest.mark.parametrize("policy", SIM_POLICIES)
+def test_several_epochs_sync_every_second_one(policy):
+    """Four epochs, a global sync after the second and the fourth (none under 'none'); every epoch hands out
+    all its batches, and each pipeline has a row per epoch."""
+    r = simulate(2, 4, costs=COSTS, policy=policy, steps=10, epochs=4, sync_every=2, heterogeneity=HETERO)
+    rows = {(h["epoch"], h["pipeline"]) for h in r.history}
+    assert rows == {(e, p) for e in range(4) for p in range(4)}
+    for e in range(4):
+        assert sum(h["samples"] for h in r.history if h["epoch"] == e) == 10 * 4 * 32
+    finals = [e for e in r.events if e["kind"] == "sync" and e.get("reason") == "global"]
+    # two global syncs: every worker (4 pipelines x 2 stages) takes part in each
+    assert len(finals) == (0 if policy == "none" else 2 * 4 * 2)
+    for p in range(4):
+        ends = sorted(e["end"] for e in finals if e["pipeline"] == p)
+        epochs = sorted((h["epoch"], h["samples"]) for h in r.history if h["pipeline"] == p)
+        assert len(ends) == (0 if policy == "none" else 4) and len(epochs) == 4
