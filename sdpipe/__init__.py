@@ -4,6 +4,7 @@
 in ``sdpipe.widgets``.
 """
 
+from . import profiles
 from ._runtime import Run, RunError, RunResult
 from ._train import train
 from .checkpoint import Checkpoint, load_checkpoint
@@ -26,5 +27,6 @@ __all__ = [
     "partition",
     "Checkpoint",
     "load_checkpoint",
+    "profiles",
 ]
 __version__ = "0.1.0"

@@ -177,6 +177,7 @@ class Worker:
         # next to the first (made at the first group, it could come after the run was stopped and then try a
         # closed store for the whole connect timeout)
         self._rendezvous_store = connect_store(spec, self.timeout)
+        self._server_store = None
         self.service = GroupServiceClient(self.run_id, worker=sink._worker)
 
         self.module = spec.stage_modules[self.stage].to(self.device)
@@ -304,6 +305,14 @@ class Worker:
             self.service.leave(stage=self.stage, pipeline=self.pipeline)
         except GroupServiceError:  # the service or the run is already gone
             pass
+
+    def server_store(self):
+        """A connection to the run's store for a server thread's waits (``ps``, ``adpsgd``), made at its first
+        use: a connection serves one call at a time, so a thread waiting on ``self.store`` for its next request
+        would hold up every call the training thread makes on it meanwhile (up to a wait's 0.2 s each)."""
+        if self._server_store is None:
+            self._server_store = connect_store(self.spec, self.timeout)
+        return self._server_store
 
     def delay_link(self) -> None:
         d = self.hetero.link_delay_of(self.pipeline, self.stage)

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--stages", type=int, default=4, help="stages S")
     m.add_argument("--pipelines", type=int, default=64, help="pipelines D")
-    m.add_argument("--policy", default="sdpipe", help="sdpipe, allreduce or none")
+    m.add_argument("--policy", default="sdpipe", help="sdpipe, allreduce, ps, adpsgd or none")
     _add_fields(m, TrainConfig, ["schedule", "microbatches", "batch_size"])
     m.add_argument("--steps", type=int, default=200, help="steps' worth of batches per pipeline")
     m.add_argument("--forward", type=float, default=0.002, help="seconds of forward per micro-batch and stage")
@@ -141,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--weight-bytes", type=float, default=4e5, help="bytes of a stage's weights")
     m.add_argument("--activation-bytes", type=float, default=4e4, help="bytes of a micro-batch's activation")
     m.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s of a link")
+    m.add_argument(
+        "--profile",
+        default=None,
+        help="a workload profile instead of the uniform costs: resnet50 or bert-base (sdpipe.profiles), on --gpu",
+    )
+    m.add_argument("--gpu", default="V100", help="the GPU type of --profile: V100 or A100")
+    m.add_argument("--gbit", type=float, default=None, help="links of this many Gbit/s (instead of --bandwidth)")
+    m.add_argument("--epochs", type=int, default=1, help="epochs of --steps each")
+    m.add_argument("--sync-every", type=int, default=1, help="a global sync every this many epochs (and the last)")
     m.add_argument("--seed", type=int, default=0, help="seed of the simulated jitter and straggles")
     _add_slowdowns(m)
     return parser
@@ -205,15 +214,21 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
 
 
 def _simulate(args) -> int:
-    from . import Costs, Network, simulate
+    from . import Costs, Network, profiles, simulate
 
     S = args.stages
-    costs = Costs(
-        forward=[args.forward] * S,
-        backward=[args.backward] * S,
-        weight_bytes=[args.weight_bytes] * S,
-        activation_bytes=[args.activation_bytes] * (S - 1),
-    )
+    if args.profile is not None:
+        if args.profile not in profiles.PROFILES:
+            raise ValueError(f"profile: {args.profile!r} is not one of {', '.join(profiles.PROFILES)}")
+        costs = profiles.profile(args.profile, S, gpu=args.gpu)
+    else:
+        costs = Costs(
+            forward=[args.forward] * S,
+            backward=[args.backward] * S,
+            weight_bytes=[args.weight_bytes] * S,
+            activation_bytes=[args.activation_bytes] * (S - 1),
+        )
+    network = Network(bandwidth=args.bandwidth) if args.gbit is None else profiles.network(args.gbit)
     hetero = Heterogeneity(
         slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay
     )
@@ -228,9 +243,11 @@ def _simulate(args) -> int:
         batch_size=args.batch_size,
         steps=args.steps,
         heterogeneity=hetero,
-        network=Network(bandwidth=args.bandwidth),
+        network=network,
         seed=args.seed,
         record=False,
+        epochs=args.epochs,
+        sync_every=args.sync_every,
     )
     samples = sum(h["samples"] for h in result.history)
     shares = sorted(h["share"] for h in result.history)

@@ -595,6 +595,8 @@ class _Mailbox:
 
 #: seconds between looks at the slots past a hole (see :class:`_Server`)
 HOLE_POLL = 0.002
+#: a request that only wakes a server waiting for its next slot (:meth:`_Server.settle` puts one)
+WAKE = "wake"
 
 
 class _Server(threading.Thread):
@@ -609,9 +611,12 @@ class _Server(threading.Thread):
     a slot given up on that is filled after all is still served.
     """
 
-    def __init__(self, name: str, mailbox: _Mailbox, handle, idle=None):
+    def __init__(self, name: str, mailbox: _Mailbox, handle, idle=None, door=None):
         super().__init__(name=name, daemon=True)
         self.mailbox, self.handle, self.idle = mailbox, handle, idle
+        #: the same mailbox on the connection of the threads that are not this one (settle's wake, issued()): a
+        #: store connection serves one call at a time, and this thread's waits would hold their calls up
+        self.door = door if door is not None else mailbox
         self.stopping = threading.Event()
         self.error = None
         self.served = 0
@@ -621,6 +626,7 @@ class _Server(threading.Thread):
         self.claimed = 0  # the mailbox's count of claimed slots, as last read
         self.settle_to = 0  # set by settle(): give up on the empty slots below it once the filled ones are served
         self.settled = 0
+        self.woken = 0  # the highest settle target a wake was put for
 
     def run(self) -> None:
         try:
@@ -656,8 +662,11 @@ class _Server(threading.Thread):
         return False
 
     def _served(self, i: int, text: str) -> None:
-        self.handle(text)
-        self.served += 1
+        if text == WAKE:  # settle() put it: the settle target takes it in, so the next look settles
+            self.settle_to = max(self.settle_to, i + 1)
+        else:
+            self.handle(text)
+            self.served += 1
         self.ahead.add(i)
         self._advance(self.next)
 
@@ -672,9 +681,13 @@ class _Server(threading.Thread):
         """Serve every filled slot below ``upto`` and give up on the empty ones; whether done within ``timeout``.
 
         Call it once every live writer has filled the slots it claimed below
-        ``upto`` (e.g. every one of them is waiting for this worker).
+        ``upto`` (e.g. every one of them is waiting for this worker).  A server that served everything waits
+        for its next slot (up to 0.2 s a look): a wake request in that slot ends the wait at once.
         """
         self.settle_to = max(self.settle_to, upto)
+        if self.settled < upto and self.woken < upto:
+            self.woken = upto
+            self.door.put(WAKE)
         return self.wait_until(lambda: self.settled >= upto, timeout, poll=0.001)
 
     def check(self) -> None:
@@ -735,8 +748,13 @@ class GossipPairs(_GroupPolicy):
         self.server = None
         self.worker = worker
         if self.pg is not None and not self.active:
-            mailbox = _Mailbox(self.store, Keys.gossip_mailbox(stage, worker.pipeline))
-            self.server = _Server(f"adpsgd-server-{stage}-{worker.pipeline}", mailbox, self._serve)
+            prefix = Keys.gossip_mailbox(stage, worker.pipeline)
+            self.server = _Server(
+                f"adpsgd-server-{stage}-{worker.pipeline}",
+                _Mailbox(worker.server_store(), prefix),
+                self._serve,
+                door=_Mailbox(self.store, prefix),
+            )
             self.server.start()
 
     def _serve(self, text: str) -> None:
@@ -810,7 +828,7 @@ class GossipPairs(_GroupPolicy):
         if self.server is not None:
             # every live active worker is waiting for this one in the global sync, so each has filled every
             # slot it claimed: serve the filled ones, give up on the holes a dead one left, fold in, average
-            issued = self.server.mailbox.issued()
+            issued = self.server.door.issued()
             if not self.server.settle(issued, worker.timeout):
                 self.server.check()
                 raise TimeoutError(
@@ -859,7 +877,7 @@ class GossipPairs(_GroupPolicy):
                         for p in self.actives
                     ):
                         return False
-                    return self.server.settle(self.server.mailbox.issued(), 0.0)
+                    return self.server.settle(self.server.door.issued(), 0.0)
 
                 self.server.finish(self.worker.timeout, done)
                 self.server.check()
@@ -887,7 +905,13 @@ class _PsServer:
         self.local_reply = None
         self.local_event = threading.Event()
         self.local_delta = None
-        self.thread = _Server(f"ps-server-{worker.stage}", mailbox, self._serve, idle=self._idle)
+        self.thread = _Server(
+            f"ps-server-{worker.stage}",
+            _Mailbox(worker.server_store(), mailbox.prefix),
+            self._serve,
+            idle=self._idle,
+            door=mailbox,
+        )
         self.thread.start()
 
     def _serve(self, text: str) -> None:

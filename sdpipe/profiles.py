@@ -322,10 +322,11 @@ clusters, then 256, 1,024 and 4,096 GPUs beyond them (``simulate(stages, pipelin
 
 def network(gbit: float = 10, *, latency: float = 50e-6, scheduler_rtt: float = 0.5e-3) -> Network:
     """A cluster network of ``gbit`` Gbit/s links (``gbit x 1e9 / 8`` bytes/s), ``latency`` seconds
-    per message and a ``scheduler_rtt`` round trip to the group scheduler."""
+    per message and a ``scheduler_rtt`` round trip to the group scheduler (and to a ``ps`` or ``adpsgd``
+    server thread: both go through the run's store)."""
     if isinstance(gbit, bool) or not isinstance(gbit, (int, float)) or not (0 < gbit < math.inf):
         raise ValueError(f"gbit: must be a finite number > 0 (Gbit/s per link), got {gbit!r}")
-    return Network(bandwidth=gbit * 1e9 / 8, latency=latency, scheduler_rtt=scheduler_rtt)
+    return Network(bandwidth=gbit * 1e9 / 8, latency=latency, scheduler_rtt=scheduler_rtt, server_rtt=scheduler_rtt)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ import heapq
 import itertools
 import math
 import random
+import statistics
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -102,6 +103,10 @@ class Costs:
     """Bytes of a stage's weights, averaged by its groups (default 0)."""
     step_overhead: float = 0.0
     """Seconds per step outside the plan's actions: the batch, control messages, bookkeeping."""
+    serve: float = 0.0
+    """Seconds of its worker's time a server thread takes per request it serves (``ps``: the stage's worker of
+    pipeline 0 hosts the stage's server; ``adpsgd``: a passive worker serves its exchanges): the thread shares
+    its worker's process, so the pipeline's next step starts that much later (default 0)."""
     jitter: tuple = ()
     """Relative spread (coefficient of variation) of a stage's compute per step, per stage (or one
     number for all): each simulated step's compute on a stage is scaled by its own log-normal
@@ -123,10 +128,11 @@ class Costs:
             _seconds("activation_bytes", self.activation_bytes or [0.0] * links, links, "one per link between stages"),
         )
         object.__setattr__(self, "weight_bytes", _seconds("weight_bytes", self.weight_bytes or [0.0] * S, S))
-        v = self.step_overhead
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
-            raise ValueError(f"costs.step_overhead: must be a finite number >= 0, got {v!r}")
-        object.__setattr__(self, "step_overhead", float(v))
+        for name in ("step_overhead", "serve"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+                raise ValueError(f"costs.{name}: must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
         j = self.jitter
         if isinstance(j, (int, float)) and not isinstance(j, bool):
             j = [j] * S
@@ -149,9 +155,12 @@ class Network:
     bandwidth: float = 1e9
     latency: float = 50e-6
     scheduler_rtt: float = 1e-3
+    server_rtt: float = 1e-3
+    """Seconds from a ``ps`` push or an ``adpsgd`` exchange request until its server thread starts on it (the
+    request goes through the run's store, as the scheduler's do)."""
 
     def __post_init__(self):
-        for name in ("bandwidth", "latency", "scheduler_rtt"):
+        for name in ("bandwidth", "latency", "scheduler_rtt", "server_rtt"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or (name == "bandwidth" and v == 0):
                 bound = "> 0" if name == "bandwidth" else ">= 0"
@@ -200,7 +209,15 @@ def calibrate(result) -> Calibration:
       latency) to the lower quartile of the sync spans of each stage and
       group size (a collective's span also holds the wait for late members);
     - scheduler round trip: twice the mean time from a group's decision to
-      the end of a member's wait for it.
+      the end of a member's wait for it;
+    - ``ps`` and ``adpsgd``: the server round trip, the lower quartile of the
+      exchanges (a push and pull of a pipeline that does not host the
+      server, an active worker's exchange) less their transfers; and what a
+      served request takes from the serving worker (``serve``): how much
+      longer the serving pipelines' steps are (the host's under ``ps``, the
+      passive ones' under ``adpsgd``, less the active ones' own exchanges)
+      per request each of them serves in a step.  Slowed pipelines are left
+      out of both sides (none left: 0).
 
     Spans of the first epoch (warm-up) are left out when the run has more.
     Heterogeneity is taken from the run's configuration (changes made live
@@ -228,7 +245,10 @@ def calibrate(result) -> Calibration:
         step_overhead=_mean(_untraced(by_kind, config.pipelines)),
         jitter=_jitter(by_kind, S),
     )
-    return Calibration(costs, _network(by_kind, weight_bytes), shown)
+    net = _network(by_kind, weight_bytes)
+    net = dataclasses.replace(net, server_rtt=_server_rtt(by_kind, weight_bytes, net))
+    costs = dataclasses.replace(costs, serve=_serve(by_kind, config, hetero, costs, net))
+    return Calibration(costs, net, shown)
 
 
 def _after_warm_up(records) -> dict:
@@ -352,7 +372,8 @@ def _network(by_kind: dict, weight_bytes: list) -> Network:
     spans: dict = {}
     for e in by_kind.get("sync", ()):
         n = len(e.get("group") or ())
-        if n >= 2 and e.get("stage") is not None and e.get("reason") not in ("ps", "pair"):
+        # ring all-reduces only: not a parameter server's pushes and pulls (its global sync included), not pairs
+        if n >= 2 and e.get("stage") is not None and e.get("reason") not in ("ps", "pair") and "server" not in e:
             spans.setdefault((e["stage"], n), []).append(_dur(e))
     xs = []
     for (stage, n), vals in spans.items():
@@ -370,6 +391,72 @@ def _network(by_kind: dict, weight_bytes: list) -> Network:
     ]
     rtt = 2 * _mean(trips) if trips else default.scheduler_rtt
     return Network(bandwidth=bandwidth, latency=latency, scheduler_rtt=rtt)
+
+
+def _server_rtt(by_kind: dict, weight_bytes: list, net: Network) -> float:
+    """The lower quartile of ps and adpsgd exchanges less their transfers (both ways: a push then a pull; a
+    pair's two directions at once); the default when the run had none."""
+    extra = []
+    for e in by_kind.get("sync", ()):
+        reason, stage = e.get("reason"), e.get("stage")
+        if stage is None or e.get("served"):
+            continue
+        transfer = weight_bytes[stage] / net.bandwidth + net.latency
+        if reason == "ps" and e.get("pipeline") != 0:  # the host's own exchange stays in memory
+            extra.append(_dur(e) - 2 * transfer)
+        elif reason == "pair":
+            extra.append(_dur(e) - transfer)
+    if not extra:
+        return Network().server_rtt
+    extra.sort()
+    return max(0.0, extra[len(extra) // 4])
+
+
+def _step_intervals(by_kind: dict, pipelines) -> list:
+    """Seconds between a worker's consecutive optimizer steps of one epoch, over the workers of ``pipelines``."""
+    ends: dict = {}
+    for e in by_kind.get("optimizer", ()):
+        if e["pipeline"] in pipelines:
+            ends.setdefault((e["pipeline"], e["stage"], e.get("epoch")), []).append(e["end"])
+    return [b - a for v in ends.values() for a, b in zip(sorted(v), sorted(v)[1:])]
+
+
+def _serve(by_kind: dict, config: TrainConfig, hetero: Heterogeneity, costs: Costs, net: Network) -> float:
+    """Seconds a served request takes from the serving worker (see :func:`calibrate`); 0 for other policies.
+
+    The serving pipelines' median step against the step the model gives a pipeline that serves nothing (the
+    plan's dry run with ``costs``, the step overhead and its own exchange), per request served in a step."""
+    D, S = config.pipelines, config.stages
+    plain = [p for p in range(D) if all(hetero.slowdown_of(p, s) == 1.0 for s in range(S))]
+    syncs = by_kind.get("sync", ())
+    if config.policy == "ps":
+        # the host serves every pipeline's request of a round; the staleness bound holds every pipeline to the
+        # host's rate over a run, so a host's step serves D requests
+        serving, own = [0], 0.0
+        rounds = lambda slow, fast: D  # noqa: E731
+    elif config.policy == "adpsgd":
+        # nothing holds the active pipelines back: in one of its steps a passive worker serves its share of their
+        # steps in that time
+        actives, passives = gossip_roles(D)
+        serving = [p for p in passives if p in plain]
+        own = _mean(_dur(e) for e in syncs if e.get("reason") == "pair" and not e.get("served"))
+        rounds = lambda slow, fast: len(actives) / max(1, len(passives)) * slow / fast  # noqa: E731
+    else:
+        return 0.0
+    slow = _step_intervals(by_kind, serving)
+    if not slow:
+        return 0.0
+    M = config.microbatches
+    if config.schedule in ASYNC_SCHEDULES:
+        every = config.resolved_update_every
+        plan = ((build_plan(config.schedule, S, M, steps=8, update_every=every), 8),)
+        plan = (plan[0], build_plan(config.schedule, S, M, steps=9, update_every=every))
+    else:
+        plan = build_plan(config.schedule, S, M)
+    ends, _ = _step_finish(plan, costs, net, (1.0,) * S, M)
+    fast = max(ends) + costs.step_overhead + own  # a step of a pipeline that serves nothing
+    slow = statistics.median(slow)
+    return max(0.0, (slow - fast) / rounds(slow, fast))
 
 
 def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
@@ -689,6 +776,9 @@ class _Simulation:
         if policy == "adpsgd":  # even pipelines start exchanges with odd ones, who serve them one at a time
             self.actives, self.passives = gossip_roles(D)
             self.serve_free = [0.0] * (D * S)
+        # seconds each worker's server thread took from it since its pipeline's last step started (Costs.serve)
+        self.serving = costs.serve > 0 and policy in ("ps", "adpsgd")
+        self.owed = [0.0] * (D * S)
 
     def _push(self, t: float, kind: str, data) -> None:
         heapq.heappush(self.heap, (t, next(self._seq), kind, data))
@@ -751,6 +841,10 @@ class _Simulation:
         ends, busy, forward = self.step_costs[p]
         scale, hit = self._draw()
         begin = t + self.costs.step_overhead + (self.hetero.straggle_delay if hit else 0.0)
+        if self.serving:  # what its server threads took from its workers since its last step
+            owed, first = self.owed, p * self.S
+            begin += max(owed[first : first + self.S])
+            owed[first : first + self.S] = [0.0] * self.S
         heap, seq, step, S = self.heap, self._seq, pipe.step, self.S
         for s in range(S):  # self._push, inlined
             heapq.heappush(heap, (begin + ends[s] + busy[s] * (scale[s] - 1.0), next(seq), "ready", (p, s, step)))
@@ -1016,10 +1110,11 @@ class _Simulation:
         srv, w = self.servers[s], p * self.S + s
         delta = [a - b for a, b in zip(self.proxy.x[w], self.pulled[w])]
         srv.asked[p] = (t, step, kind)
+        self.owed[s] += self.costs.serve  # the host (pipeline 0's worker of stage s) serves every request
         if p == 0:
-            arrive = t
+            arrive = t + self.net.server_rtt
         else:
-            start = max(t + self.link_delay[p][s], srv.in_free)
+            start = max(t + self.net.server_rtt + self.link_delay[p][s], srv.in_free)
             srv.in_free = start + self.costs.weight_bytes[s] / self.net.bandwidth
             arrive = srv.in_free + self.net.latency
         self._push(arrive, "pushed", (p, s, delta, kind))
@@ -1064,7 +1159,8 @@ class _Simulation:
         time (both directions at once); p waits for its exchange."""
         q = self.rng.choice(self.passives)
         i = q * self.S + s
-        start = max(t + self.link_delay[p][s], self.serve_free[i])
+        self.owed[i] += self.costs.serve
+        start = max(t + self.net.server_rtt + self.link_delay[p][s], self.serve_free[i])
         end = self.serve_free[i] = start + self.costs.weight_bytes[s] / self.net.bandwidth + self.net.latency
         self._push(end, "paired", (p, s, step, q, t))
 

@@ -136,8 +136,15 @@ def test_cli_simulate_prints_throughput():
     out = sdpipe("simulate", "--stages", "2", "--pipelines", "8", "--steps", "20", "--slowdown", "7=4")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "simulated 2 stages x 8 pipelines, policy=sdpipe:" in out.stdout and "samples/s" in out.stdout
-    bad = sdpipe("simulate", "--policy", "ps")
-    assert bad.returncode == 2 and "sdpipe: error: policy: 'ps' is not one of sdpipe, allreduce, none" in bad.stderr
+    bad = sdpipe("simulate", "--policy", "gossip")
+    assert bad.returncode == 2
+    assert "sdpipe: error: policy: 'gossip' is not one of sdpipe, allreduce, ps, adpsgd, none" in bad.stderr
+    ps = sdpipe(
+        "simulate", "--profile", "resnet50", "--gbit", "10", "--policy", "ps", "--pipelines", "16", "--steps", "5"
+    )
+    assert ps.returncode == 0 and "simulated 4 stages x 16 pipelines, policy=ps:" in ps.stdout, ps.stderr[-2000:]
+    bad = sdpipe("simulate", "--profile", "gpt3")
+    assert bad.returncode == 2 and "sdpipe: error: profile: 'gpt3' is not one of resnet50, bert-base" in bad.stderr
 
 
 @pytest.mark.parametrize(

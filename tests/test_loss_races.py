@@ -43,7 +43,8 @@ def _wait(cond, timeout=10.0):
 def test_server_serves_past_a_slot_whose_writer_died_and_settles(store):
     box = _Mailbox(store, "adpsgd/1/3/")
     served = []
-    server = _Server("test-server", box, served.append)
+    # the server waits on a connection of its own, as a worker's does (a connection serves one call at a time)
+    server = _Server("test-server", _Mailbox(store.clone(), "adpsgd/1/3/"), served.append, door=box)
     server.start()
     try:
         box.put("0,1")
@@ -60,10 +61,19 @@ def test_server_serves_past_a_slot_whose_writer_died_and_settles(store):
         # back to in-order waiting: a new request is served at once
         box.put("0,9")
         assert _wait(lambda: "0,9" in served, timeout=2.0)
+        # everything served, the server waiting for its next slot: a settle wakes it, it does not sit out the wait
+        time.sleep(0.05)
+        start = time.monotonic()
+        assert server.settle(box.issued(), timeout=5.0)
+        assert time.monotonic() - start < 0.1, time.monotonic() - start
+        assert server.settle(box.issued(), timeout=0.0)  # its wake is settled too: asking again puts no new one
+        issued = box.issued()
+        assert server.settle(box.issued(), timeout=0.0) and box.issued() == issued
+        assert _wait(lambda: "0,9" in served, timeout=2.0)
         # a slot given up on that is filled after all (its writer was slow, not dead) is still served
         store.set("adpsgd/1/3/req/1", "2,6")
         assert _wait(lambda: "2,6" in served, timeout=2.0), served
-        assert server.error is None and server.served == 5
+        assert server.error is None and server.served == 5  # the wakes are not requests
     finally:
         server.finish(0.0)
     assert not server.is_alive()
