@@ -384,6 +384,11 @@ class _Arrivals:
         self._rel = np.full(16, np.nan)
         self._med = np.full(16, np.nan)
         self._spr = np.full(16, np.nan)
+        # each worker's last ``history`` intervals as a row (in no order: a median needs none), and the workers
+        # whose median and spread are out of date: plan_mask brings them up to date together
+        self._ring = np.zeros((16, history))
+        self._slot: dict = {}  # worker -> the row's slot its next interval goes to
+        self._dirty: set = set()
 
     def _grow(self, worker: int) -> None:
         n = len(self._rel)
@@ -393,6 +398,9 @@ class _Arrivals:
                 a = np.full(m, np.nan)
                 a[:n] = getattr(self, name)
                 setattr(self, name, a)
+            ring = np.zeros((m, self.history))
+            ring[:n] = self._ring
+            self._ring = ring
 
     def _released(self, worker: int, at) -> None:
         """Set (or, with None, drop) a worker's release time."""
@@ -417,8 +425,10 @@ class _Arrivals:
         self.recent.append(dt)
         self._stats.pop(worker, None)
         self._typical = None
-        med, spread = self.stats(worker)
-        self._med[worker], self._spr[worker] = med, spread
+        slot = self._slot.get(worker, 0)
+        self._ring[worker, slot] = dt
+        self._slot[worker] = (slot + 1) % self.history
+        self._dirty.add(worker)
 
     def release(self, workers, now: float) -> None:
         if self.overlap:
@@ -435,7 +445,30 @@ class _Arrivals:
         self._released(worker, None)
         self.intervals.pop(worker, None)
         self._stats.pop(worker, None)
+        self._slot.pop(worker, None)
+        self._dirty.discard(worker)
         self._med[worker] = self._spr[worker] = np.nan
+
+    def _update_stats(self) -> None:
+        """Median and spread of every worker with new intervals: :meth:`stats`'s arithmetic, on the rows of the
+        workers with ``history`` intervals together (a sort per row in numpy), on the others one by one."""
+        full, h = [], self.history
+        for w in self._dirty:
+            if len(self.intervals[w]) == h:
+                full.append(w)
+            else:
+                self._med[w], self._spr[w] = self.stats(w)
+        self._dirty.clear()
+        if not full:
+            return
+        rows = np.array(full)
+        xs = np.sort(self._ring[rows], axis=1)
+        k = h >> 1
+        med = xs[:, k] if h & 1 else 0.5 * (xs[:, k - 1] + xs[:, k])
+        ds = np.sort(np.abs(xs - med[:, None]), axis=1)
+        mad = ds[:, k] if h & 1 else 0.5 * (ds[:, k - 1] + ds[:, k])
+        self._med[rows] = med
+        self._spr[rows] = np.maximum(3.0 * mad, 0.02 * med)
 
     def typical(self) -> Optional[float]:
         if self._typical is None and self.recent:
@@ -486,6 +519,8 @@ class _Arrivals:
         pass in numpy instead of one in Python per worker (a round at 16,384 pipelines looks at them all)."""
         typical = self.typical()
         end = now + horizon
+        if self._dirty:
+            self._update_stats()
         n = len(candidates)
         self._grow(n - 1)
         rel, med, spr = self._rel[:n], self._med[:n], self._spr[:n]
@@ -519,12 +554,14 @@ class _Arrivals:
         for k, v in snap.get("released", {}).items():
             self._released(int(k), v)
         for k, v in snap.get("intervals", {}).items():
-            self.intervals[int(k)] = deque(v, maxlen=self.history)
-            self._grow(int(k))
-            self._stats.pop(int(k), None)
-            st = self.stats(int(k))
-            if st is not None:
-                self._med[int(k)], self._spr[int(k)] = st
+            w = int(k)
+            q = self.intervals[w] = deque(v, maxlen=self.history)
+            self._grow(w)
+            self._stats.pop(w, None)
+            if q:
+                self._ring[w, : len(q)] = list(q)
+                self._slot[w] = len(q) % self.history
+                self._dirty.add(w)
         self.recent.extend(snap.get("recent", ()))
 
 
