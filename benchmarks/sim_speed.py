@@ -1,6 +1,6 @@
 """How fast the simulator runs at scale: the two sizes it is held to, seconds on this machine.
 
-    python benchmarks/sim_speed.py [--repeats 3] [--large-repeats 1] [--before REV]
+    python benchmarks/sim_speed.py [--repeats 3] [--large-repeats 1] [--before REV] [--sweep 1024,4096,16384]
 
 - *events*: 1,024 pipelines x 4 stages x 200 steps under ``sdpipe``, every event recorded;
 - *large*: 16,384 pipelines x 4 stages x 100 steps under ``sdpipe``, no events (``record=False``).
@@ -10,6 +10,8 @@ prototype's transient straggles (p = 0.1, 50 ms).  Each measurement is a fresh P
 import and the run; the seconds are the ``simulate`` call's own), the cases alternating, so a
 noisy moment of the machine spreads over both.  ``--before REV`` adds the same *events* case run by
 the simulator of git revision REV (checked out into a temporary folder), alternating with ours.
+``--sweep`` adds, once each, runs of 30 steps without events at those numbers of pipelines: the
+microseconds per worker step as the simulation grows.
 Results: ``benchmarks/results/sim_speed.md`` and ``.json``.
 """
 
@@ -71,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="measurements of the events case")
     ap.add_argument("--large-repeats", type=int, default=1, help="measurements of the large case")
     ap.add_argument("--before", default=None, help="a git revision whose simulator runs the events case too")
+    ap.add_argument("--sweep", default="", help="pipelines of the per-step sweep (30 steps each, no events)")
     ap.add_argument("--out", default=str(HERE / "results" / "sim_speed.md"))
     args = ap.parse_args(argv)
 
@@ -102,6 +105,15 @@ def main(argv=None) -> int:
             if args.before:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
 
+        sweep = []
+        for D in [int(v) for v in args.sweep.split(",") if v]:
+            CASES[f"sweep{D}"] = (D, 30, False)
+            m = measure(f"sweep{D}", ROOT, costs_json)
+            sweep.append(
+                {"pipelines": D, "seconds": m["seconds"], "us_per_worker_step": 1e6 * m["seconds"] / (D * 4 * 30)}
+            )
+            print(f"sweep {D}: {m['seconds']:.1f} s", file=sys.stderr)
+
     targets = {"events": 15.0, "large": 60.0}
     rows = []
     for (name, case), ms in runs.items():
@@ -127,7 +139,7 @@ def main(argv=None) -> int:
         "4 stages, sdpipe, ResNet-50 on V100 (sdpipe.profiles), 10 Gbit/s, transient straggles p=0.1 of 50 ms",
     )
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep}, indent=1))
     lines = [
         "# Simulator speed at scale",
         "",
@@ -143,6 +155,15 @@ def main(argv=None) -> int:
             f"| {r['contender']} | {r['case']} | {r['pipelines']} x 4 x {r['steps']} | {r['events']:,} | "
             f"{r['median']:.1f} ({each}) | {r['target']:.0f} s ({met}) |"
         )
+    if sweep:
+        lines += [
+            "",
+            "Without events, 30 steps, once each: seconds per worker step as the simulation grows.",
+            "",
+            "| pipelines | seconds | us per worker step |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {r['pipelines']} | {r['seconds']:.1f} | {r['us_per_worker_step']:.1f} |" for r in sweep]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
     return 0

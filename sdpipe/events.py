@@ -166,21 +166,35 @@ def group(
     policy: str,
 ) -> dict:
     """A group the scheduler decided for ``stage``: its round, members, why it closed, its window."""
-    return span(
-        "group",
-        None,
-        stage,
-        None,
-        None,
-        opened,
-        closed,
-        round=round_,
-        group=list(members),
-        reason=reason,
-        wait=wait,
-        connected=connected,
-        policy=policy,
-    )
+    return {  # span("group", None, stage, None, None, opened, closed, round=..., ...) spelled out: one per group
+        "kind": "group",
+        "pipeline": None,
+        "stage": stage,
+        "step": None,
+        "microbatch": None,
+        "start": opened,
+        "end": closed,
+        "round": round_,
+        "group": list(members),
+        "reason": reason,
+        "wait": wait,
+        "connected": connected,
+        "policy": policy,
+    }
+
+
+def compute(kind: str, pipeline: int, stage: int, step, start: float, end: float) -> dict:
+    """``span(kind, pipeline, stage, step, None, start, end)`` of a step's forward or backward, spelled out: the
+    simulator makes two per worker and step."""
+    return {
+        "kind": kind,
+        "pipeline": pipeline,
+        "stage": stage,
+        "step": step,
+        "microbatch": None,
+        "start": start,
+        "end": end,
+    }
 
 
 def control(what: str, at: float, *, applied_by: str, pipeline=None, stage=None, step=None, **fields) -> dict:

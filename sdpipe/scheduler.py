@@ -936,8 +936,14 @@ class GroupScheduler:
     def ready(self, stage: int, worker: int, now: float, global_sync: bool = False) -> list:
         """``handle(stage, Ready(worker, step, now, global_sync))`` without building the event (the simulator's
         hot path; the step is not part of any decision)."""
-        out = self.stages[stage].ready(worker, now, global_sync)
-        self._settle(now)
+        st = self.stages[stage]
+        out = st.ready(worker, now, global_sync)
+        # _settle, for an event of one stage: only this stage's round changed, and no other stage can hold an open
+        # graph-sync round (the token keeps the others from opening one while a stage holds it)
+        r, holder = st.open, self.graph_holder
+        graph = r is not None and r.graph
+        if (holder is None and graph) or (holder == stage and not graph):
+            self._settle(now)
         return out
 
     def tick(self, now: float) -> list:

@@ -849,11 +849,11 @@ class _Simulation:
         for s in range(S):  # self._push, inlined
             heapq.heappush(heap, (begin + ends[s] + busy[s] * (scale[s] - 1.0), next(seq), "ready", (p, s, step)))
         if self.record:
-            keep, span = self.records.append, events.span
+            keep, compute = self.records.append, events.compute
             for s in range(S):
                 f = begin + forward[s] * scale[s]
-                keep(span("forward", p, s, step, None, begin, f))
-                keep(span("backward", p, s, step, None, f, begin + busy[s] * scale[s]))
+                keep(compute("forward", p, s, step, begin, f))
+                keep(compute("backward", p, s, step, f, begin + busy[s] * scale[s]))
 
     def _next_batch(self, p: int, t: float) -> bool:
         """The runtime's dispenser: lock step under allreduce, else the next of the epoch's batches unless p

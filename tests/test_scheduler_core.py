@@ -35,6 +35,9 @@ def check_open_rounds(sched):
             assert r.missing == outstanding, (r.missing, outstanding)
         if r.graph:
             assert st_._graph_connected(r) == st_._connected(r.members)
+    graph = [st_.stage for st_ in sched.stages if st_.open is not None and st_.open.graph]
+    assert len(graph) <= 1 and sched.graph_holder == (graph[0] if graph else None)
+    assert all(st_.may_graph_sync == (sched.graph_holder in (None, st_.stage)) for st_ in sched.stages)
 
 
 def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, jitter=0.5, joins=(), start=None):
@@ -131,7 +134,10 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
         # a worker that did its last step asks for the global group (the epoch end)
         g_sync = step[(s, p)] >= steps or (global_every is not None and step[(s, p)] % global_every == 0)
         before[s][1].add(p)
-        apply(sched.handle(s, Ready(p, step[(s, p)], now, global_sync=g_sync)), before)
+        if step[(s, p)] % 2:  # the runtime's path (an event object) and the simulator's (GroupScheduler.ready)
+            apply(sched.handle(s, Ready(p, step[(s, p)], now, global_sync=g_sync)), before)
+        else:
+            apply(sched.ready(s, p, now, g_sync), before)
     # everything left open must be explained by lost workers
     for st_ in sched.stages:
         assert st_.open is None or not (set(st_.open.members) - lost)
