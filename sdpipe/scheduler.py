@@ -413,8 +413,17 @@ class _Arrivals:
         self._rel[worker] = np.nan if at is None else at
 
     def ready(self, worker: int, now: float) -> None:
-        last = self.released.get(worker)
-        self._released(worker, now if self.overlap else None)
+        released = self.released
+        if worker >= len(self._rel):
+            self._grow(worker)
+        if self.overlap:  # _released(worker, now), inlined: once per worker and step
+            last = released.get(worker)
+            released[worker] = now
+            self._rel[worker] = now
+        else:
+            last = released.pop(worker, None)
+            if last is not None:
+                self._rel[worker] = np.nan
         if last is None:
             return
         dt = max(0.0, now - last)
@@ -788,7 +797,9 @@ class StageScheduler:
             if self._graph_connected(r):
                 return self._close(now, "graph")
             return []
-        if len(r.members) >= self._max_group():
+        avail = len(self.live) - len(self.global_waiting)  # _max_group(), inlined: asked at every event
+        cap = self.policy.max_group or avail
+        if len(r.members) >= max(1, cap if cap < avail else avail):
             return self._close(now, "full")
         if r.expected is not None and len(r.members) > 1 and not r.missing:
             return self._close(now, "arrived")
