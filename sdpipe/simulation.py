@@ -13,14 +13,19 @@ shows the effect of stale mixing.
 The simulation is a heap of ``(time, seq, kind, data)`` events, each kind handled by its
 own method of ``_Simulation``; the scheduler core's deadlines come in between them::
 
-    kind    data           handler
-    start   p              _on_start   pipeline p takes a batch: its step's spans and a ``ready`` per
-                                       stage at the step's end (no batch left: a global sync)
-    ready   (p, s, step)   _on_ready   worker (p, s) stepped its optimizer; the core hears ``Ready``
-    synced  (p, s, step)   _on_synced  (p, s)'s group is done; once all of p's are, p's next ``start``
-    (tick)  deadline       _on_tick    the core's deadline came first: windows that ran out close
-    member  (what, p)      _on_member  the trace: pipeline p "leave"s (lost to the core, its events dropped)
-                                       or "join"s (a live replica's state, then its next ``start``)
+    kind    data                  handler
+    start   p                     _on_start   pipeline p takes a batch: its step's spans and a ``ready`` per
+                                              stage at the step's end (no batch of its epoch left: its epoch ends)
+    ready   (p, s, step)          _on_ready   worker (p, s) stepped its optimizer; it syncs as its policy says
+    ask     (p, s, step)          _on_ask     overlap: a ready signal that waited for the last averaging
+    global  p                     _on_global  p's workers join the epoch's global sync (through the core)
+    synced  (p, s, step)          _on_synced  (p, s)'s sync is done; once all of p's are, p's next ``start``
+    epoch   p                     _on_epoch   every stage of p ended the epoch's global sync: its next epoch
+    pushed  (p, s, delta, kind)   _on_pushed  ps: a push reached stage s's server; it answers what its bound lets go
+    paired  (p, s, step, q, t)    _on_paired  adpsgd: active p's exchange with passive q ended
+    (tick)  deadline              _on_tick    the core's deadline came first: windows that ran out close
+    member  (what, p)             _on_member  the trace: pipeline p "leave"s (lost to the core, its events dropped)
+                                              or "join"s (a live replica's state, then its next ``start``)
 
 A group the core decides ends at ``closed + round trip + slowest link delay + ring
 all-reduce`` and averages its members' proxies (weighted by progress under
@@ -32,13 +37,15 @@ The result is a :class:`sdpipe.RunResult` with the same event records and
 history fields as a real run (times are simulated seconds; every record is
 made by :mod:`sdpipe.events`), so ``Dashboard(result)`` replays a simulated run.
 
-Policies ``sdpipe``, ``allreduce`` and ``none``; one epoch ending with a
-global sync.  ``trace=`` makes pipelines leave and come back at given times (under ``sdpipe`` and ``none``):
-a leaving pipeline is lost to the core (``Lost``) and its work in flight is dropped; a returning one takes a
-live replica's state (the proxy's point, after the time its weights take over the network) and the core hears
-``Join`` with that donor; :func:`spot_trace` draws such a trace from preemption and return rates, as spot
-instances behave.  :func:`calibrate` measures the costs in a real run's events;
-``docs/simulator.md`` has the model and its agreement with real runs.
+Every policy: ``sdpipe`` and ``allreduce`` through the core; ``ps`` with a server per stage whose link carries
+every push and pull of its stage, answering by the runtime's staleness rule; ``adpsgd`` with random pairs of an
+active and a passive worker, the passive one serving one exchange at a time; ``none``.  ``epochs`` epochs, a
+global sync every ``sync_every`` of them and after the last.  ``trace=`` makes pipelines leave and come back
+at given times (under ``sdpipe`` and ``none``): a leaving pipeline is lost to the core (``Lost``) and its work
+in flight is dropped; a returning one takes a live replica's state (the proxy's point, after the time its
+weights take over the network) and the core hears ``Join`` with that donor; :func:`spot_trace` draws such a
+trace from preemption and return rates, as spot instances behave.  :func:`calibrate` measures the costs in a
+real run's events; ``docs/simulator.md`` has the model and its agreement with real runs.
 """
 
 from __future__ import annotations
@@ -758,8 +765,9 @@ class _Simulation:
         # group's averaging runs meanwhile and must have ended before the worker's next ready signal
         self.overlap = policy == "sdpipe" and self.core.policy.overlap
         self.mode = "overlap" if self.overlap else policy
-        self.averaging: dict = {}  # (p, s) -> when its overlapped averaging ends (None: its group is undecided)
-        self.held: dict = {}  # (p, s) -> (time, data) of a ready that waits for that averaging
+        #: by worker p * S + s: when its overlapped averaging ends (None: its group is undecided; 0: none yet)
+        self.averaging: list = [0.0] * (D * S)
+        self.held: dict = {}  # worker -> (time, data) of a ready that waits for that averaging
         self.held_global: dict = {}  # p -> when it ran out of batches: its global sync waits for those averagings
         self.present = set(range(D))  # pipelines taking part (the trace takes some out and back)
         self.changes: list = []  # (time, what, pipeline, donor) of the trace's changes, as applied
@@ -975,14 +983,14 @@ class _Simulation:
             self.records.append(rec)
         mode = self.mode
         if mode == "overlap":
-            key, averaging = (p, s), self.averaging
-            end = averaging.get(key, 0.0)
+            averaging = self.averaging
+            end = averaging[w]
             if end is None:  # its last group is undecided: the ready signal waits for its averaging
-                self.held[key] = (t, data)
+                self.held[w] = (t, data)
             elif end > t:  # its last averaging still runs
                 self._hold(t, end, data)
             else:  # it tells the core it is ready and goes on with its next step at once (_on_ask, inlined)
-                averaging[key] = None
+                averaging[w] = None
                 core = self.core
                 decisions = core.ready(s, p, t)
                 if decisions:
@@ -1018,7 +1026,7 @@ class _Simulation:
     def _on_ask(self, t: float, data: tuple) -> None:
         """Overlap: (p, s) tells the core it is ready and goes on with its next step at once."""
         p, s, _ = data
-        self.averaging[(p, s)] = None
+        self.averaging[p * self.S + s] = None
         self._apply(self.core.ready(s, p, t))
         self._on_synced(t, data)
 
@@ -1026,7 +1034,7 @@ class _Simulation:
         """Pipeline p's global sync, once every overlapped averaging of its workers is decided (and then ended)."""
         if p not in self.held_global:
             return
-        ends = [self.averaging.get((p, s), 0.0) for s in range(self.S)]
+        ends = self.averaging[p * self.S : (p + 1) * self.S]
         if None not in ends:
             self._push(max([self.held_global.pop(p)] + ends), "global", p)
 
@@ -1080,7 +1088,7 @@ class _Simulation:
             if background:  # each member's averaging ends at ``end``: a ready signal held for it goes on then
                 averaging, held, held_global = self.averaging, self.held, self.held_global
                 for m in members:
-                    key = (m, stage)
+                    key = m * S + stage
                     averaging[key] = end
                     if key in held:
                         t, data = held.pop(key)
@@ -1191,8 +1199,8 @@ class _Simulation:
             self.heap[:] = [e for e in self.heap if not _concerns(e, p)]  # in place: run() holds the list
             heapq.heapify(self.heap)
             for s in range(self.S):
-                self.averaging.pop((p, s), None)
-                self.held.pop((p, s), None)
+                self.averaging[p * self.S + s] = 0.0
+                self.held.pop(p * self.S + s, None)
             self.held_global.pop(p, None)
             self._untail(p)
             if pipe.epoch_steps:
