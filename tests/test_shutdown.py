@@ -82,8 +82,9 @@ def test_worker_exception_closes_everything(data, no_leaks):
 
 def test_keyboard_interrupt_while_waiting_stops_the_run(data, no_leaks):
     train_data, _ = data
-    # Python's own Ctrl-C handling (a KeyboardInterrupt in the main thread), whatever handler an earlier test of
-    # this process may have left: once, in a full run, the signal went unanswered and the run trained all its epochs
+    # Python's own Ctrl-C handling (a KeyboardInterrupt in the main thread), whatever this process started with: a
+    # pytest started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python
+    # then keeps it ignored (the signal went unanswered once and the run trained all its epochs)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="allreduce", epochs=500)
@@ -95,8 +96,8 @@ def test_keyboard_interrupt_while_waiting_stops_the_run(data, no_leaks):
             run.result(timeout=300)
     finally:
         signal.signal(signal.SIGINT, previous)
-    if previous is not signal.default_int_handler:  # said in the summary: the next place to look
-        warnings.warn(f"an earlier test left SIGINT handled by {previous!r}", stacklevel=1)
+    if previous is not signal.default_int_handler:  # said in the summary
+        warnings.warn(f"SIGINT was handled by {previous!r} in this process before the test", stacklevel=1)
     assert run.done() and time.monotonic() - t < 60
     assert run.status in ("stopped", "finished")
     assert port_closed(run.store_port)
