@@ -121,20 +121,7 @@ def group_sync(
 ) -> dict:
     """``span("sync", ...)`` of a member of a decided group (``lane="background"`` for an overlapped averaging),
     spelled out: the simulator makes one per member of every group."""
-    if lane is None:
-        return {
-            "kind": "sync",
-            "pipeline": pipeline,
-            "stage": stage,
-            "step": step,
-            "microbatch": None,
-            "start": start,
-            "end": end,
-            "group": members,
-            "round": round_,
-            "reason": reason,
-        }
-    return {
+    record = {
         "kind": "sync",
         "pipeline": pipeline,
         "stage": stage,
@@ -145,8 +132,10 @@ def group_sync(
         "group": members,
         "round": round_,
         "reason": reason,
-        "lane": lane,
     }
+    if lane is not None:
+        record["lane"] = lane
+    return record
 
 
 def instant(kind: str, at: float, *, pipeline=None, stage=None, step=None, **fields) -> dict:

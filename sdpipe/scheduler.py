@@ -380,12 +380,12 @@ class _Arrivals:
         self.recent: deque = deque(maxlen=4 * history)
         self._stats: dict = {}  # worker -> (median, spread), renewed on each new interval
         self._typical: Optional[float] = None
-        # the same by worker id, as arrays (NaN: none) for plan_mask: release times, medians, spreads
+        # the same by worker id, as arrays (NaN: none) for plan: release times, medians, spreads
         self._rel = np.full(16, np.nan)
         self._med = np.full(16, np.nan)
         self._spr = np.full(16, np.nan)
         # each worker's last ``history`` intervals as a row (in no order: a median needs none), and the workers
-        # whose median and spread are out of date: plan_mask brings them up to date together
+        # whose median and spread are out of date: plan brings them up to date together
         self._ring = np.zeros((16, history))
         self._slot: dict = {}  # worker -> the row's slot its next interval goes to
         self._dirty: set = set()
@@ -505,27 +505,12 @@ class _Arrivals:
         return st
 
     def plan(self, now: float, candidates, horizon: float):
-        """The workers among ``candidates`` predicted ready within the horizon, ``now +- horizon`` (give or take
-        their spread: due up to a horizon ago counts, a worker overdue by more is stalled), and the time the
-        round stops waiting for them: ``now + horizon``, or ``now`` when nobody is expected."""
-        typical = self.typical()
-        end = now + horizon
-        expected = []
-        for w in candidates:
-            last = self.released.get(w)
-            if last is None:  # not released since the start or a global group: expected, without a time
-                expected.append(w)
-                continue
-            st = self.stats(w)
-            med, spread = st if st is not None else (typical, 0.25 * typical)
-            pred = last + med
-            if now - horizon - spread <= pred <= end + spread:
-                expected.append(w)
-        return frozenset(expected), (end if expected else now)
-
-    def plan_mask(self, now: float, candidates, horizon: float):
-        """:meth:`plan` with the candidates as a boolean array by worker id, the same arithmetic on arrays: one
-        pass in numpy instead of one in Python per worker (a round at 16,384 pipelines looks at them all)."""
+        """The workers among ``candidates`` (a boolean array by worker id) predicted ready within the horizon,
+        ``now +- horizon`` (give or take their spread: due up to a horizon ago counts, a worker overdue by more is
+        stalled), and the time the round stops waiting for them: ``now + horizon``, or ``now`` when nobody is
+        expected.  A worker not released since the start or a global group is expected, without a time; one
+        released without an interval yet is predicted from the stage's typical interval (give or take a quarter
+        of it).  One pass in numpy over every worker id (a round at 16,384 pipelines looks at them all)."""
         typical = self.typical()
         end = now + horizon
         if self._dirty:
@@ -534,7 +519,7 @@ class _Arrivals:
         self._grow(n - 1)
         rel, med, spr = self._rel[:n], self._med[:n], self._spr[:n]
         unknown = np.isnan(med)
-        if unknown.any():  # released, no interval yet: the stage's typical interval
+        if unknown.any():
             med = np.where(unknown, typical, med)
             spr = np.where(unknown, 0.25 * typical, spr)
         pred = rel + med
@@ -614,10 +599,6 @@ class StageScheduler:
         """``len(self._available())`` without building the set (global waiters are always live)."""
         return len(self.live) - len(self.global_waiting)
 
-    def _max_group(self) -> int:
-        avail = self._available_count()
-        return max(1, min(self.policy.max_group or avail, avail))
-
     def _surely_split(self, components: int) -> bool:
         """True when a union with ``components`` components cannot connect the available workers.
 
@@ -689,7 +670,7 @@ class StageScheduler:
         for busy in (self.waiting, self.global_waiting):
             if busy:
                 candidates[list(busy)] = False
-        r.expected, r.deadline = self.arrivals.plan_mask(now, candidates, self.policy.horizon_fraction * typical)
+        r.expected, r.deadline = self.arrivals.plan(now, candidates, self.policy.horizon_fraction * typical)
         r.missing = set(r.expected)  # candidates are neither in the round nor waiting for the global group
 
     # -------------------------------------------------------------- events
@@ -797,7 +778,7 @@ class StageScheduler:
             if self._graph_connected(r):
                 return self._close(now, "graph")
             return []
-        avail = len(self.live) - len(self.global_waiting)  # _max_group(), inlined: asked at every event
+        avail = len(self.live) - len(self.global_waiting)  # the largest group: max_group of the available workers
         cap = self.policy.max_group or avail
         if len(r.members) >= max(1, cap if cap < avail else avail):
             return self._close(now, "full")

@@ -425,7 +425,11 @@ def _step_intervals(by_kind: dict, pipelines) -> list:
     for e in by_kind.get("optimizer", ()):
         if e["pipeline"] in pipelines:
             ends.setdefault((e["pipeline"], e["stage"], e.get("epoch")), []).append(e["end"])
-    return [b - a for v in ends.values() for a, b in zip(sorted(v), sorted(v)[1:])]
+    out = []
+    for v in ends.values():
+        v.sort()
+        out += [b - a for a, b in zip(v, v[1:])]
+    return out
 
 
 def _serve(by_kind: dict, config: TrainConfig, hetero: Heterogeneity, costs: Costs, net: Network) -> float:
@@ -454,13 +458,7 @@ def _serve(by_kind: dict, config: TrainConfig, hetero: Heterogeneity, costs: Cos
     if not slow:
         return 0.0
     M = config.microbatches
-    if config.schedule in ASYNC_SCHEDULES:
-        every = config.resolved_update_every
-        plan = ((build_plan(config.schedule, S, M, steps=8, update_every=every), 8),)
-        plan = (plan[0], build_plan(config.schedule, S, M, steps=9, update_every=every))
-    else:
-        plan = build_plan(config.schedule, S, M)
-    ends, _ = _step_finish(plan, costs, net, (1.0,) * S, M)
+    ends, _ = _step_finish(_step_plan(config), costs, net, (1.0,) * S, M)
     fast = max(ends) + costs.step_overhead + own  # a step of a pipeline that serves nothing
     slow = statistics.median(slow)
     return max(0.0, (slow - fast) / rounds(slow, fast))
@@ -471,6 +469,19 @@ def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
     if members < 2:
         return 0.0
     return 2 * (members - 1) / members * nbytes / net.bandwidth + 2 * (members - 1) * net.latency
+
+
+def _step_plan(config: TrainConfig):
+    """The plan :func:`_step_finish` prices for ``config``: its schedule's plan with sends and receives, or for an
+    asynchronous schedule ``((plan of 8 steps, 8), plan of 9 steps)`` (a step's span in the steady state)."""
+    S, M = config.stages, config.microbatches
+    if config.schedule not in ASYNC_SCHEDULES:
+        return build_plan(config.schedule, S, M)
+    every = config.resolved_update_every
+    return (
+        (build_plan(config.schedule, S, M, steps=8, update_every=every), 8),
+        build_plan(config.schedule, S, M, steps=9, update_every=every),
+    )
 
 
 def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches: int) -> tuple:
@@ -744,12 +755,7 @@ class _Simulation:
         self._straggles = hetero.straggle_prob > 0
         self._no_jitter = [1.0] * S
         # heterogeneity holds still in a simulation: each pipeline's step costs and each worker's link delay, once
-        if config.schedule in ASYNC_SCHEDULES:  # a step's span in the steady state, from 8 and 9 steps
-            every = config.resolved_update_every
-            plan = (build_plan(config.schedule, S, M, steps=8, update_every=every), 8)
-            plan = (plan, build_plan(config.schedule, S, M, steps=9, update_every=every))
-        else:
-            plan = build_plan(config.schedule, S, M)  # with its sends and receives
+        plan = _step_plan(config)
         finish: dict = {}
         self.step_costs = []  # per pipeline: (per-stage finish, compute, forward seconds of one step)
         for p in range(D):
@@ -989,21 +995,8 @@ class _Simulation:
                 self.held[w] = (t, data)
             elif end > t:  # its last averaging still runs
                 self._hold(t, end, data)
-            else:  # it tells the core it is ready and goes on with its next step at once (_on_ask, inlined)
-                averaging[w] = None
-                core = self.core
-                decisions = core.ready(s, p, t)
-                if decisions:
-                    self._groups(decisions)
-                self.deadline = core.next_deadline()
-                pipe = self.pipes[p]  # _on_synced, inlined
-                pipe.synced += 1
-                if t > pipe.synced_at:
-                    pipe.synced_at = t
-                if pipe.synced == self.S:
-                    pipe.step += 1
-                    pipe.epoch_steps += 1
-                    self._push(pipe.synced_at, "start", p)
+            else:  # it tells the core it is ready and goes on with its next step at once
+                self._on_ask(t, data)
         elif mode == "sdpipe" or mode == "allreduce":
             self._apply(self.core.ready(s, p, t))
         elif mode == "none":
