@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--profile",
         default=None,
-        help="a workload profile instead of the uniform costs: resnet50 or bert-base (sdpipe.profiles), on --gpu",
+        help="a workload profile instead of the uniform costs: resnet50 or bert-base (sdpipe.profiles), on --gpu, "
+        "priced for micro-batches of --batch-size / --microbatches samples",
     )
     m.add_argument("--gpu", default="V100", help="the GPU type of --profile: V100 or A100")
     m.add_argument("--gbit", type=float, default=None, help="links of this many Gbit/s (instead of --bandwidth)")
@@ -220,7 +221,9 @@ def _simulate(args) -> int:
     if args.profile is not None:
         if args.profile not in profiles.PROFILES:
             raise ValueError(f"profile: {args.profile!r} is not one of {', '.join(profiles.PROFILES)}")
-        costs = profiles.profile(args.profile, S, gpu=args.gpu)
+        # priced at the run's micro-batch, so the samples counted are the samples the costs are for
+        micro = max(1, args.batch_size // args.microbatches)
+        costs = profiles.profile(args.profile, S, gpu=args.gpu, microbatch=micro)
     else:
         costs = Costs(
             forward=[args.forward] * S,

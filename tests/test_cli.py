@@ -143,6 +143,13 @@ def test_cli_simulate_prints_throughput():
         "simulate", "--profile", "resnet50", "--gbit", "10", "--policy", "ps", "--pipelines", "16", "--steps", "5"
     )
     assert ps.returncode == 0 and "simulated 4 stages x 16 pipelines, policy=ps:" in ps.stdout, ps.stderr[-2000:]
+    # the profile is priced for the run's micro-batch, per sample: four times the batch trains at about the same
+    # samples/s (priced for a fixed micro-batch, samples counted by the batch would differ fourfold)
+    rates = []
+    for batch in ("32", "128"):
+        out = sdpipe("simulate", "--profile", "resnet50", "--policy", "none", "--pipelines", "2", "--batch-size", batch)
+        rates.append(float(out.stdout.split(" samples/s")[0].rsplit(" ", 1)[1]))
+    assert 0.95 < rates[1] / rates[0] < 1.1, rates
     bad = sdpipe("simulate", "--profile", "gpt3")
     assert bad.returncode == 2 and "sdpipe: error: profile: 'gpt3' is not one of resnet50, bert-base" in bad.stderr
 
