@@ -10,8 +10,9 @@ costs a scheduler round trip plus a ring all-reduce of the stage's weights.
 A convergence proxy (one quadratic per worker, averaged with its groups)
 shows the effect of stale mixing.
 
-The simulation is a heap of ``(time, seq, kind, data)`` events, each kind handled by its
-own method of ``_Simulation``; the scheduler core's deadlines come in between them::
+The simulation is a timeline of ``(kind, data)`` events: a heap of the times that hold any and, per time, its
+events in the order they were pushed (ties go first come, first served); each kind is handled by its own
+method of ``_Simulation``, and the scheduler core's deadlines come in between them::
 
     kind    data                  handler
     start   p                     _on_start   pipeline p takes a batch: its step's spans and a ``ready`` per
@@ -53,7 +54,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import heapq
-import itertools
 import math
 import random
 import statistics
@@ -548,13 +548,13 @@ class _Pipe:
     global_end: float = 0.0  # ... the latest at
 
 
-#: heap entries of pipeline p whose data is p itself (the others' data start with p)
+#: events of pipeline p whose data is p itself (the others' data start with p)
 _WHOLE_PIPELINE = ("start", "global", "epoch")
 
 
-def _concerns(entry: tuple, p: int) -> bool:
-    """Whether a heap entry is pipeline p's work (its start, a worker's ready, ask or synced, its global sync)."""
-    kind, data = entry[2], entry[3]
+def _concerns(event: tuple, p: int) -> bool:
+    """Whether an event is pipeline p's work (its start, a worker's ready, ask or synced, its global sync)."""
+    kind, data = event
     if kind == "member":
         return False
     return data == p if kind in _WHOLE_PIPELINE else data[0] == p
@@ -722,8 +722,8 @@ class _Server:
 
 
 class _Simulation:
-    """One simulated run: a heap of ``(time, seq, kind, data)`` events, one handler per kind, and the
-    scheduler core's deadlines as ticks in between (see the module's docstring)."""
+    """One simulated run: a timeline of ``(kind, data)`` events, one handler per kind, and the scheduler core's
+    deadlines as ticks in between (see the module's docstring)."""
 
     def __init__(
         self, config: TrainConfig, *, costs: Costs, network: Network, steps: int, record: bool, lr: float, noise: float
@@ -739,8 +739,9 @@ class _Simulation:
         self.total = steps * D  # batches in an epoch
         self.taken: dict = {}  # epoch -> batches handed out
         self.pipes = [_Pipe() for _ in range(D)]
-        self.heap: list = []
-        self._seq = itertools.count()
+        self.heap: list = []  # the times that hold events (each once) ...
+        self.at: dict = {}  # ... and time -> its events in the order pushed
+        self._cursor = 0  # how many of the current time's events were taken (see _on_member)
         self.records: list = []
         self.history: list = []
         self.now = 0.0
@@ -795,7 +796,12 @@ class _Simulation:
         self.owed = [0.0] * (D * S)
 
     def _push(self, t: float, kind: str, data) -> None:
-        heapq.heappush(self.heap, (t, next(self._seq), kind, data))
+        due = self.at.get(t)
+        if due is None:
+            self.at[t] = [(kind, data)]
+            heapq.heappush(self.heap, t)
+        else:
+            due.append((kind, data))
 
     def run(self, trace=()) -> "_Simulation":
         """Every pipeline starts at 0; events in time order (ties in the order pushed), a tick first when the
@@ -815,21 +821,40 @@ class _Simulation:
             "pushed": self._on_pushed,
             "paired": self._on_paired,
         }
-        heap, pop, pipes = self.heap, heapq.heappop, self.pipes
+        heap, at, pop, pipes = self.heap, self.at, heapq.heappop, self.pipes
+        ready = self._on_ready
         # a pending deadline is ticked also when nothing else is left: workers of different stages can all be
         # waiting in open rounds at once (each pipeline's step needs every stage's group)
         while heap or self.deadline is not None:
             deadline = self.deadline
-            if deadline is not None and (not heap or deadline <= heap[0][0]):
+            if deadline is not None and (not heap or deadline <= heap[0]):
                 self._on_tick(deadline)
                 if not heap and self.deadline == deadline:
                     raise RuntimeError(f"simulation: the scheduler's deadline {deadline} did not pass when ticked")
                 continue
-            now, _, kind, data = pop(heap)
-            self.now = now
-            handlers[kind](now, data)
-            if kind != "member" and (kind != "start" or not pipes[data].done):
+            now = pop(heap)
+            due = at[now]  # stays in place while its events run: what they push for ``now`` comes after them
+            i = 0
+            while i < len(due):
+                deadline = self.deadline
+                if deadline is not None and deadline <= now:
+                    self._on_tick(deadline)
+                    continue
+                kind, data = due[i]
+                i += 1
+                self.now = now
+                if kind == "ready":  # most events
+                    ready(now, data)
+                elif kind == "member":
+                    self._cursor = i
+                    self._on_member(now, data)
+                    continue
+                else:
+                    handlers[kind](now, data)
+                    if kind == "start" and pipes[data].done:
+                        continue
                 self.end = now  # the trace (and its joiners finding no batch) may go on after the work
+            del at[now]
         return self
 
     def _draw(self) -> tuple:
@@ -859,9 +884,15 @@ class _Simulation:
             owed, first = self.owed, p * self.S
             begin += max(owed[first : first + self.S])
             owed[first : first + self.S] = [0.0] * self.S
-        heap, seq, step, S = self.heap, self._seq, pipe.step, self.S
+        at, step, S = self.at, pipe.step, self.S
         for s in range(S):  # self._push, inlined
-            heapq.heappush(heap, (begin + ends[s] + busy[s] * (scale[s] - 1.0), next(seq), "ready", (p, s, step)))
+            t_s = begin + ends[s] + busy[s] * (scale[s] - 1.0)
+            due = at.get(t_s)
+            if due is None:
+                at[t_s] = [("ready", (p, s, step))]
+                heapq.heappush(self.heap, t_s)
+            else:
+                due.append(("ready", (p, s, step)))
         if self.record:
             keep, compute = self.records.append, events.compute
             for s in range(S):
@@ -1189,8 +1220,9 @@ class _Simulation:
         pipe = self.pipes[p]
         if what == "leave":
             self.present.discard(p)
-            self.heap[:] = [e for e in self.heap if not _concerns(e, p)]  # in place: run() holds the list
-            heapq.heapify(self.heap)
+            for when, due in self.at.items():  # in place: run() holds the current time's list
+                keep = self._cursor if when == t else 0  # of the current time's, those taken stay
+                due[keep:] = [e for e in due[keep:] if not _concerns(e, p)]
             for s in range(self.S):
                 self.averaging[p * self.S + s] = 0.0
                 self.held.pop(p * self.S + s, None)
