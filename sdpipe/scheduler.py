@@ -953,6 +953,8 @@ class GroupScheduler:
         self.stages = [StageScheduler(s, range(pipelines), policy) for s in range(stages)]
         self.policy = policy
         self.graph_holder: Optional[int] = None
+        self._deadline: Optional[float] = None  # next_deadline's answer, while ``_deadline_ok``
+        self._deadline_ok = False
 
     def snapshot(self) -> dict:
         """Plain data: every stage's state and the graph-sync token."""
@@ -968,6 +970,7 @@ class GroupScheduler:
         g.stages = [StageScheduler.restore(st) for st in snap["stages"]]
         g.policy = SchedulerPolicy(**snap["policy"])
         g.graph_holder = snap["graph_holder"]
+        g._deadline, g._deadline_ok = None, False
         g._flags()
         return g
 
@@ -977,6 +980,7 @@ class GroupScheduler:
 
     def _apply(self, now: float, fn) -> list:
         self._flags()
+        self._deadline_ok = False
         out = fn()
         return out + self._settle(now)
 
@@ -989,7 +993,10 @@ class GroupScheduler:
         """``handle(stage, Ready(worker, step, now, global_sync))`` without building the event (the simulator's
         hot path; the step is not part of any decision)."""
         st = self.stages[stage]
+        before = st.open
         out = st.ready(worker, now, global_sync)
+        if out or st.open is not before:  # a round opened or closed: the deadlines changed (an open one's stays)
+            self._deadline_ok = False
         # _settle, for an event of one stage: only this stage's round changed, and no other stage can hold an open
         # graph-sync round (the token keeps the others from opening one while a stage holds it)
         r, holder = st.open, self.graph_holder
@@ -1036,7 +1043,10 @@ class GroupScheduler:
 
     def next_deadline(self) -> Optional[float]:
         """The earliest of the stages' deadlines (``StageScheduler.next_deadline``, inlined: asked after every
-        event)."""
+        event; kept from the last time until a round opens or closes, or an event other than a ready signal
+        comes: the stages are driven through this object)."""
+        if self._deadline_ok:
+            return self._deadline
         best = None
         for st in self.stages:
             r = st.open
@@ -1045,4 +1055,5 @@ class GroupScheduler:
             d = r.deadline
             if d != math.inf and (best is None or d < best):
                 best = d
+        self._deadline, self._deadline_ok = best, True
         return best

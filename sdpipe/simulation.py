@@ -1026,8 +1026,13 @@ class _Simulation:
                 self.held[w] = (t, data)
             elif end > t:  # its last averaging still runs
                 self._hold(t, end, data)
-            else:  # it tells the core it is ready and goes on with its next step at once
-                self._on_ask(t, data)
+            else:  # it tells the core it is ready and goes on with its next step at once (_on_ask, inlined)
+                averaging[w] = None
+                decisions = self.core.ready(s, p, t)
+                if decisions:
+                    self._groups(decisions)
+                self.deadline = self.core.next_deadline()
+                self._on_synced(t, data)
         elif mode == "sdpipe" or mode == "allreduce":
             self._apply(self.core.ready(s, p, t))
         elif mode == "none":
