@@ -567,9 +567,17 @@ class _Proxy:
     ``mass`` is a worker's progress (1 + steps since the last global sync), the weight of ``weighting="progress"``.
     Replicas of a stage start equal.  A pipeline's loss is the mean of its stages' quadratics.  Workers are
     numbered ``p * stages + s``; the noise has its own random stream (drawn in blocks), apart from the timing's.
+
+    A step is only logged (:meth:`learn`); every other method first takes the logged steps in, in their order
+    (:meth:`settle`: in numpy when many are logged, as between two rounds at scale), so the points and the
+    noise they drew are those of stepping at once.  Pairs of a round average together in numpy
+    (:meth:`mix_pairs`).
     """
 
-    __slots__ = ("stages", "a", "b", "x", "mass", "gen", "buf", "i", "pending")
+    __slots__ = ("stages", "a", "b", "x", "mass", "gen", "buf", "i", "pending", "log")
+
+    #: logged steps from which :meth:`settle` and :meth:`mix_pairs` go to numpy (below, Python is quicker)
+    BATCH = 32
 
     def __init__(self, stages: int, pipelines: int, seed: int, lr: float, noise: float):
         self.stages, self.a, self.b = stages, 1.0 - lr, lr * noise
@@ -579,23 +587,90 @@ class _Proxy:
         self.mass = [1.0] * (pipelines * stages)
         self.buf, self.i = [], 0
         self.pending: dict = {}  # worker -> correction served to it (adpsgd's passive side) not yet applied
+        self.log: list = []  # workers that stepped, in order, not yet taken in
 
     def learn(self, w: int) -> None:
-        i, buf = self.i, self.buf
-        if i + 4 > len(buf):
-            buf = self.buf = self.gen.standard_normal(1 << 16).tolist()
-            i = 0
-        self.i = i + 4
-        v, a, b = self.x[w], self.a, self.b
-        v[0] = a * v[0] - b * buf[i]
-        v[1] = a * v[1] - b * buf[i + 1]
-        v[2] = a * v[2] - b * buf[i + 2]
-        v[3] = a * v[3] - b * buf[i + 3]
-        self.mass[w] += 1.0
+        """Worker w stepped (taken in by the next :meth:`settle`)."""
+        self.log.append(w)
+
+    def _normals(self, k: int) -> list:
+        """The noise stream's next k numbers."""
+        out: list = []
+        while k:
+            if self.i >= len(self.buf):
+                self.buf, self.i = self.gen.standard_normal(1 << 16).tolist(), 0
+            take = min(k, len(self.buf) - self.i)
+            out += self.buf[self.i : self.i + take]
+            self.i += take
+            k -= take
+        return out
+
+    def settle(self) -> None:
+        """Take the logged steps in, in their order: ``x = a x - b z`` with the stream's next 4 numbers z and one
+        more step of progress each."""
+        log = self.log
+        if not log:
+            return
+        self.log = []
+        n, a, b, x, mass = len(log), self.a, self.b, self.x, self.mass
+        z = self._normals(4 * n)
+        if n < self.BATCH:
+            for j, w in enumerate(log):
+                v, i = x[w], 4 * j
+                v[0] = a * v[0] - b * z[i]
+                v[1] = a * v[1] - b * z[i + 1]
+                v[2] = a * v[2] - b * z[i + 2]
+                v[3] = a * v[3] - b * z[i + 3]
+                mass[w] += 1.0
+            return
+        W = np.array(log)
+        Z = np.array(z).reshape(n, 4)
+        workers, where = np.unique(W, return_inverse=True)
+        ws = workers.tolist()
+        X = np.array([x[w] for w in ws])
+        M = np.array([mass[w] for w in ws])
+        if len(ws) == n:  # each stepped once
+            X[where] = a * X[where] - b * Z
+            M[where] += 1.0
+        else:  # a worker's steps one after another: its k-th ones together
+            order = np.argsort(W, kind="stable")
+            first = np.ones(n, dtype=bool)
+            first[1:] = W[order][1:] != W[order][:-1]
+            starts = np.flatnonzero(first)
+            rank = np.empty(n, dtype=np.int64)
+            rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.append(starts, n)))
+            for k in range(int(rank.max()) + 1):
+                sel = rank == k
+                rows = where[sel]
+                X[rows] = a * X[rows] - b * Z[sel]
+                M[rows] += 1.0
+        for w, v, m in zip(ws, X.tolist(), M.tolist()):
+            x[w] = v
+            mass[w] = m
+
+    def mix_pairs(self, us: list, vs: list, by_progress: bool) -> None:
+        """Each pair ``(us[i], vs[i])`` (distinct workers of one stage) averages, as :meth:`mix` would."""
+        self.settle()
+        if len(us) < self.BATCH:
+            for u, v in zip(us, vs):
+                self.mix([u, v], by_progress, False)
+            return
+        x, mass = self.x, self.mass
+        XU, XV = np.array([x[u] for u in us]), np.array([x[v] for v in vs])
+        MU, MV = np.array([mass[u] for u in us]), np.array([mass[v] for v in vs])
+        if by_progress:
+            mean = (MU[:, None] * XU + MV[:, None] * XV) / (MU + MV)[:, None]
+        else:
+            mean = (XU + XV) / 2.0  # (1 x_u + 1 x_v) / 2
+        shared = ((MU + MV) / 2).tolist()
+        for u, v, row, m in zip(us, vs, mean.tolist(), shared):
+            x[u], x[v] = row, list(row)
+            mass[u] = mass[v] = m
 
     def mix(self, workers: list, by_progress: bool, restart: bool) -> None:
         """``workers`` (of one stage) average (by progress or uniformly); a global sync (``restart``) resets
         their progress."""
+        self.settle()
         x, mass = self.x, self.mass
         n = len(workers)
         if n == 2:
@@ -621,6 +696,7 @@ class _Proxy:
     def pair(self, active: int, passive: int) -> None:
         """adpsgd: the active worker takes the pair's mean; the passive one is owed ``(x_a - x_p) / 2`` (folded in
         at its next step boundary, :meth:`fold`), so the sum over the replicas is conserved."""
+        self.settle()
         xa, xp = self.x[active], self.x[passive]
         half = [(xa[k] - xp[k]) / 2 for k in range(4)]
         self.x[active] = [xa[k] - half[k] for k in range(4)]
@@ -630,17 +706,20 @@ class _Proxy:
     def fold(self, w: int) -> None:
         owed = self.pending.pop(w, None)
         if owed is not None:
+            self.settle()
             v = self.x[w]
             self.x[w] = [v[k] + owed[k] for k in range(4)]
 
     def copy(self, donor: int, p: int) -> None:
         """Pipeline p takes the donor's points and progress (a joiner's state)."""
+        self.settle()
         S = self.stages
         for s in range(S):
             self.x[p * S + s] = list(self.x[donor * S + s])
             self.mass[p * S + s] = self.mass[donor * S + s]
 
     def loss(self, p: int) -> float:
+        self.settle()
         S, x = self.stages, self.x
         total = 0.0
         for w in range(p * S, p * S + S):
@@ -1091,6 +1170,8 @@ class _Simulation:
         rtt = 0.0 if self.policy == "allreduce" else net.scheduler_rtt
         by_progress = self.core.policy.weighting == "progress"
         ring, delays = self._ring, self.link_delay if self._link_delays else None
+        us: list = []  # pairs to average together: a round's groups are disjoint (only a round that a global
+        vs: list = []  # sync preempted shares members, with that global group, which comes after it)
         for g in decisions:
             members, stage, reason = g.members, g.stage, g.reason
             final = reason == "global"
@@ -1099,11 +1180,18 @@ class _Simulation:
             if cost is None:
                 cost = ring[(stage, n)] = rtt + ring_allreduce_seconds(costs.weight_bytes[stage], n, net)
             end = g.closed + cost + (max([delays[m][stage] for m in members]) if delays else 0.0)
-            workers = [m * S + stage for m in members]
-            if final and self.policy == "adpsgd":  # the passive side folds in what it served first
-                for w in workers:
-                    proxy.fold(w)
-            proxy.mix(workers, by_progress, final)
+            if n == 2 and not final:  # pairs average together, after the others before them
+                us.append(members[0] * S + stage)
+                vs.append(members[1] * S + stage)
+            else:
+                if us:
+                    proxy.mix_pairs(us, vs, by_progress)
+                    us, vs = [], []
+                workers = [m * S + stage for m in members]
+                if final and self.policy == "adpsgd":  # the passive side folds in what it served first
+                    for w in workers:
+                        proxy.fold(w)
+                proxy.mix(workers, by_progress, final)
             if record:
                 members = list(members)
                 keep(
@@ -1130,6 +1218,8 @@ class _Simulation:
             else:
                 for m in members:
                     push(end, "synced", (m, stage, pipes[m].step))
+        if us:
+            proxy.mix_pairs(us, vs, by_progress)
 
     def _global_done(self, p: int, end: float) -> None:
         """One of p's stages ends the epoch's global sync at ``end``; after the last, p's ``epoch``."""
@@ -1145,6 +1235,7 @@ class _Simulation:
         """Worker (p, s) sends its update (its point minus the one it last pulled) over its stage's server link
         (one transfer at a time, in the order sent) and waits for its pull; the host's own stays in memory."""
         srv, w = self.servers[s], p * self.S + s
+        self.proxy.settle()
         delta = [a - b for a, b in zip(self.proxy.x[w], self.pulled[w])]
         srv.asked[p] = (t, step, kind)
         self.owed[s] += self.costs.serve  # the host (pipeline 0's worker of stage s) serves every request
@@ -1171,6 +1262,7 @@ class _Simulation:
     def _ps_reply(self, t: float, c: int, s: int, final: bool) -> None:
         """The server sends its weights to client c (over its link's other direction; in memory to the host)."""
         srv, w = self.servers[s], c * self.S + s
+        self.proxy.settle()
         self.proxy.x[w] = list(srv.w)
         self.pulled[w] = list(srv.w)
         asked, step, _ = srv.asked.pop(c)
