@@ -566,26 +566,23 @@ class _Proxy:
 
     ``mass`` is a worker's progress (1 + steps since the last global sync), the weight of ``weighting="progress"``.
     Replicas of a stage start equal.  A pipeline's loss is the mean of its stages' quadratics.  Workers are
-    numbered ``p * stages + s``; the noise has its own random stream (drawn in blocks), apart from the timing's.
+    numbered ``p * stages + s`` (the rows of ``x``); the noise has its own random stream (drawn in blocks), apart
+    from the timing's.
 
-    A step is only logged (:meth:`learn`); every other method first takes the logged steps in, in their order
-    (:meth:`settle`: in numpy when many are logged, as between two rounds at scale), so the points and the
-    noise they drew are those of stepping at once.  Pairs of a round average together in numpy
-    (:meth:`mix_pairs`).
+    A step is only logged (:meth:`learn`); every other method first takes the logged steps in, together and in
+    their order (:meth:`settle`), so the points and the noise they drew are those of stepping at once.  The
+    pairs of a round average together (:meth:`mix_pairs`).
     """
 
     __slots__ = ("stages", "a", "b", "x", "mass", "gen", "buf", "i", "pending", "log")
 
-    #: logged steps from which :meth:`settle` and :meth:`mix_pairs` go to numpy (below, Python is quicker)
-    BATCH = 32
-
     def __init__(self, stages: int, pipelines: int, seed: int, lr: float, noise: float):
         self.stages, self.a, self.b = stages, 1.0 - lr, lr * noise
         self.gen = np.random.default_rng([seed, 1])
-        init = self.gen.normal(0.0, 3.0, size=(stages, 4)).tolist()
-        self.x = [list(init[w % stages]) for w in range(pipelines * stages)]
-        self.mass = [1.0] * (pipelines * stages)
-        self.buf, self.i = [], 0
+        init = self.gen.normal(0.0, 3.0, size=(stages, 4))
+        self.x = init[np.arange(pipelines * stages) % stages]  # by worker: its point
+        self.mass = np.ones(pipelines * stages)
+        self.buf, self.i = np.empty(0), 0
         self.pending: dict = {}  # worker -> correction served to it (adpsgd's passive side) not yet applied
         self.log: list = []  # workers that stepped, in order, not yet taken in
 
@@ -593,17 +590,17 @@ class _Proxy:
         """Worker w stepped (taken in by the next :meth:`settle`)."""
         self.log.append(w)
 
-    def _normals(self, k: int) -> list:
+    def _normals(self, k: int):
         """The noise stream's next k numbers."""
-        out: list = []
+        parts = []
         while k:
             if self.i >= len(self.buf):
-                self.buf, self.i = self.gen.standard_normal(1 << 16).tolist(), 0
+                self.buf, self.i = self.gen.standard_normal(1 << 16), 0
             take = min(k, len(self.buf) - self.i)
-            out += self.buf[self.i : self.i + take]
+            parts.append(self.buf[self.i : self.i + take])
             self.i += take
             k -= take
-        return out
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def settle(self) -> None:
         """Take the logged steps in, in their order: ``x = a x - b z`` with the stream's next 4 numbers z and one
@@ -613,91 +610,64 @@ class _Proxy:
             return
         self.log = []
         n, a, b, x, mass = len(log), self.a, self.b, self.x, self.mass
-        z = self._normals(4 * n)
-        if n < self.BATCH:
-            for j, w in enumerate(log):
-                v, i = x[w], 4 * j
-                v[0] = a * v[0] - b * z[i]
-                v[1] = a * v[1] - b * z[i + 1]
-                v[2] = a * v[2] - b * z[i + 2]
-                v[3] = a * v[3] - b * z[i + 3]
-                mass[w] += 1.0
-            return
+        Z = self._normals(4 * n).reshape(n, 4)
         W = np.array(log)
-        Z = np.array(z).reshape(n, 4)
-        workers, where = np.unique(W, return_inverse=True)
-        ws = workers.tolist()
-        X = np.array([x[w] for w in ws])
-        M = np.array([mass[w] for w in ws])
-        if len(ws) == n:  # each stepped once
-            X[where] = a * X[where] - b * Z
-            M[where] += 1.0
-        else:  # a worker's steps one after another: its k-th ones together
-            order = np.argsort(W, kind="stable")
-            first = np.ones(n, dtype=bool)
-            first[1:] = W[order][1:] != W[order][:-1]
-            starts = np.flatnonzero(first)
-            rank = np.empty(n, dtype=np.int64)
-            rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.append(starts, n)))
-            for k in range(int(rank.max()) + 1):
-                sel = rank == k
-                rows = where[sel]
-                X[rows] = a * X[rows] - b * Z[sel]
-                M[rows] += 1.0
-        for w, v, m in zip(ws, X.tolist(), M.tolist()):
-            x[w] = v
-            mass[w] = m
+        if len(set(log)) == n:  # each stepped once
+            x[W] = a * x[W] - b * Z
+            mass[W] += 1.0
+            return
+        # a worker's steps one after another: every worker's k-th one together
+        order = np.argsort(W, kind="stable")
+        ws = W[order]
+        first = np.ones(n, dtype=bool)
+        first[1:] = ws[1:] != ws[:-1]
+        starts = np.flatnonzero(first)
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.append(starts, n)))
+        for k in range(int(rank.max()) + 1):
+            sel = rank == k
+            rows = W[sel]
+            x[rows] = a * x[rows] - b * Z[sel]
+            mass[rows] += 1.0
 
     def mix_pairs(self, us: list, vs: list, by_progress: bool) -> None:
-        """Each pair ``(us[i], vs[i])`` (distinct workers of one stage) averages, as :meth:`mix` would."""
+        """Each pair ``(us[i], vs[i])`` (distinct workers of one stage, each in one pair) averages, as :meth:`mix`
+        does two."""
         self.settle()
-        if len(us) < self.BATCH:
-            for u, v in zip(us, vs):
-                self.mix([u, v], by_progress, False)
-            return
         x, mass = self.x, self.mass
-        XU, XV = np.array([x[u] for u in us]), np.array([x[v] for v in vs])
-        MU, MV = np.array([mass[u] for u in us]), np.array([mass[v] for v in vs])
+        U, V = np.array(us), np.array(vs)
+        MU, MV = mass[U], mass[V]
         if by_progress:
-            mean = (MU[:, None] * XU + MV[:, None] * XV) / (MU + MV)[:, None]
+            mean = (MU[:, None] * x[U] + MV[:, None] * x[V]) / (MU + MV)[:, None]
         else:
-            mean = (XU + XV) / 2.0  # (1 x_u + 1 x_v) / 2
-        shared = ((MU + MV) / 2).tolist()
-        for u, v, row, m in zip(us, vs, mean.tolist(), shared):
-            x[u], x[v] = row, list(row)
-            mass[u] = mass[v] = m
+            mean = (x[U] + x[V]) / 2.0  # (1 x_u + 1 x_v) / 2
+        x[U] = mean
+        x[V] = mean
+        mass[U] = mass[V] = (MU + MV) / 2
 
     def mix(self, workers: list, by_progress: bool, restart: bool) -> None:
-        """``workers`` (of one stage) average (by progress or uniformly); a global sync (``restart``) resets
-        their progress."""
-        self.settle()
-        x, mass = self.x, self.mass
+        """``workers`` (of one stage) average (by progress or uniformly), in the order listed; a global sync
+        (``restart``) resets their progress."""
         n = len(workers)
         if n == 2:
-            u, v = workers
-            wu, wv = (mass[u], mass[v]) if by_progress else (1.0, 1.0)
-            xu, xv, tot = x[u], x[v], wu + wv
-            mean = [(wu * xu[k] + wv * xv[k]) / tot for k in range(4)]
-            x[u], x[v] = mean, list(mean)
-            mass[u] = mass[v] = (mass[u] + mass[v]) / 2
+            self.mix_pairs(workers[:1], workers[1:], by_progress)
         elif n > 2:
-            w = [mass[m] for m in workers] if by_progress else [1.0] * n
+            self.settle()
+            x, mass = self.x, self.mass
+            w = mass[workers].tolist() if by_progress else [1.0] * n
             total = sum(w)
-            points = [x[m] for m in workers]
+            points = x[workers].tolist()
             mean = [sum(wi * pt[k] for wi, pt in zip(w, points)) / total for k in range(4)]
-            shared = sum(mass[m] for m in workers) / n
-            for m in workers:
-                x[m] = list(mean)
-                mass[m] = shared
+            x[workers] = mean
+            mass[workers] = sum(mass[workers].tolist()) / n
         if restart:
-            for m in workers:
-                mass[m] = 1.0
+            self.mass[workers] = 1.0
 
     def pair(self, active: int, passive: int) -> None:
         """adpsgd: the active worker takes the pair's mean; the passive one is owed ``(x_a - x_p) / 2`` (folded in
         at its next step boundary, :meth:`fold`), so the sum over the replicas is conserved."""
         self.settle()
-        xa, xp = self.x[active], self.x[passive]
+        xa, xp = self.x[active].tolist(), self.x[passive].tolist()
         half = [(xa[k] - xp[k]) / 2 for k in range(4)]
         self.x[active] = [xa[k] - half[k] for k in range(4)]
         owed = self.pending.get(passive)
@@ -707,23 +677,21 @@ class _Proxy:
         owed = self.pending.pop(w, None)
         if owed is not None:
             self.settle()
-            v = self.x[w]
+            v = self.x[w].tolist()
             self.x[w] = [v[k] + owed[k] for k in range(4)]
 
     def copy(self, donor: int, p: int) -> None:
         """Pipeline p takes the donor's points and progress (a joiner's state)."""
         self.settle()
         S = self.stages
-        for s in range(S):
-            self.x[p * S + s] = list(self.x[donor * S + s])
-            self.mass[p * S + s] = self.mass[donor * S + s]
+        self.x[p * S : p * S + S] = self.x[donor * S : donor * S + S]
+        self.mass[p * S : p * S + S] = self.mass[donor * S : donor * S + S]
 
     def loss(self, p: int) -> float:
         self.settle()
-        S, x = self.stages, self.x
+        S = self.stages
         total = 0.0
-        for w in range(p * S, p * S + S):
-            v = x[w]
+        for v in self.x[p * S : p * S + S].tolist():
             total += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]
         return total / (4 * S)
 
@@ -865,8 +833,8 @@ class _Simulation:
         self.tail_rate: dict = {}
         if policy == "ps":  # a server per stage, hosted by pipeline 0's worker (its own push and pull stay local)
             staleness = config.scheduler_policy().staleness
-            self.servers = [_Server(self.proxy.x[s], range(D), staleness) for s in range(S)]
-            self.pulled = [list(v) for v in self.proxy.x]
+            self.servers = [_Server(self.proxy.x[s].tolist(), range(D), staleness) for s in range(S)]
+            self.pulled = self.proxy.x.tolist()
         if policy == "adpsgd":  # even pipelines start exchanges with odd ones, who serve them one at a time
             self.actives, self.passives = gossip_roles(D)
             self.serve_free = [0.0] * (D * S)
@@ -1236,7 +1204,7 @@ class _Simulation:
         (one transfer at a time, in the order sent) and waits for its pull; the host's own stays in memory."""
         srv, w = self.servers[s], p * self.S + s
         self.proxy.settle()
-        delta = [a - b for a, b in zip(self.proxy.x[w], self.pulled[w])]
+        delta = [a - b for a, b in zip(self.proxy.x[w].tolist(), self.pulled[w])]
         srv.asked[p] = (t, step, kind)
         self.owed[s] += self.costs.serve  # the host (pipeline 0's worker of stage s) serves every request
         if p == 0:
@@ -1263,7 +1231,7 @@ class _Simulation:
         """The server sends its weights to client c (over its link's other direction; in memory to the host)."""
         srv, w = self.servers[s], c * self.S + s
         self.proxy.settle()
-        self.proxy.x[w] = list(srv.w)
+        self.proxy.x[w] = srv.w
         self.pulled[w] = list(srv.w)
         asked, step, _ = srv.asked.pop(c)
         if c == 0:
