@@ -531,43 +531,25 @@ class _Arrivals:
             self._count[worker] = self._slot[worker] = 0
         self._dirty.discard(worker)
 
-    def _row_stats(self, worker: int):
-        """(median, spread) of a worker's intervals, in Python (one worker at a time)."""
-        xs = sorted(self._ring[worker, : int(self._count[worker])].tolist())
-        n = len(xs)
-        h = n >> 1
-        if n & 1:
-            med = xs[h]
-            mad = sorted([abs(x - med) for x in xs])[h]
-        else:
-            med = 0.5 * (xs[h - 1] + xs[h])
-            # below the median the deviations fall, above it they rise: two sorted runs, merged by sorted()
-            ds = sorted([med - x for x in xs[h - 1 :: -1]] + [x - med for x in xs[h:]])
-            mad = 0.5 * (ds[h - 1] + ds[h])
-        return med, max(3.0 * mad, 0.02 * med)
-
     def _update_stats(self) -> None:
-        """Median and spread of every worker with new intervals: the rows of the workers with ``history``
-        intervals together (a sort per row in numpy), the others one by one."""
+        """Median and spread of every worker with new intervals, the workers with as many intervals together (a
+        sort per row in numpy; the median of an even count is the mean of the middle two, as is the median
+        absolute deviation's)."""
         self._take_in()
         if not self._dirty:
             return
         dirty = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
         self._dirty.clear()
-        h = self.history
-        full = self._count[dirty] == h
-        for w in dirty[~full].tolist():
-            self._med[w], self._spr[w] = self._row_stats(w)
-        rows = dirty[full]
-        if not len(rows):
-            return
-        xs = np.sort(self._ring[rows], axis=1)
-        k = h >> 1
-        med = xs[:, k] if h & 1 else 0.5 * (xs[:, k - 1] + xs[:, k])
-        ds = np.sort(np.abs(xs - med[:, None]), axis=1)
-        mad = ds[:, k] if h & 1 else 0.5 * (ds[:, k - 1] + ds[:, k])
-        self._med[rows] = med
-        self._spr[rows] = np.maximum(3.0 * mad, 0.02 * med)
+        counts = self._count[dirty]
+        for n in np.unique(counts[counts > 0]).tolist():
+            rows = dirty[counts == n]
+            xs = np.sort(self._ring[rows, :n], axis=1)
+            k = n >> 1
+            med = xs[:, k] if n & 1 else 0.5 * (xs[:, k - 1] + xs[:, k])
+            ds = np.sort(np.abs(xs - med[:, None]), axis=1)
+            mad = ds[:, k] if n & 1 else 0.5 * (ds[:, k - 1] + ds[:, k])
+            self._med[rows] = med
+            self._spr[rows] = np.maximum(3.0 * mad, 0.02 * med)
 
     def typical(self) -> Optional[float]:
         self._take_in()
