@@ -788,7 +788,8 @@ class _Simulation:
         self.pipes = [_Pipe() for _ in range(D)]
         self.heap: list = []  # the times that hold events (each once) ...
         self.at: dict = {}  # ... and time -> its events in the order pushed
-        self._cursor = 0  # how many of the current time's events were taken (see _on_member)
+        self._due: list = []  # the current time's events ...
+        self._cursor = 0  # ... and how many of them were taken (see _on_member)
         self.records: list = []
         self.history: list = []
         self.now = 0.0
@@ -880,7 +881,7 @@ class _Simulation:
                     raise RuntimeError(f"simulation: the scheduler's deadline {deadline} did not pass when ticked")
                 continue
             now = pop(heap)
-            due = at[now]  # stays in place while its events run: what they push for ``now`` comes after them
+            due = self._due = at.pop(now)  # what its events push for ``now`` comes after them, as a time of its own
             i = 0
             while i < len(due):
                 deadline = self.deadline
@@ -901,7 +902,6 @@ class _Simulation:
                     if kind == "start" and pipes[data].done:
                         continue
                 self.end = now  # the trace (and its joiners finding no batch) may go on after the work
-            del at[now]
         return self
 
     def _draw(self) -> tuple:
@@ -1285,9 +1285,10 @@ class _Simulation:
         pipe = self.pipes[p]
         if what == "leave":
             self.present.discard(p)
-            for when, due in self.at.items():  # in place: run() holds the current time's list
-                keep = self._cursor if when == t else 0  # of the current time's, those taken stay
-                due[keep:] = [e for e in due[keep:] if not _concerns(e, p)]
+            for due in self.at.values():
+                due[:] = [e for e in due if not _concerns(e, p)]
+            due, taken = self._due, self._cursor  # in place: run() holds the current time's list
+            due[taken:] = [e for e in due[taken:] if not _concerns(e, p)]
             for s in range(self.S):
                 self.averaging[p * self.S + s] = 0.0
                 self.held.pop(p * self.S + s, None)
