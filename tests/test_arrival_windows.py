@@ -2,8 +2,10 @@
 
 import math
 import random
+import statistics
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -254,3 +256,45 @@ def test_under_overlap_intervals_run_ready_to_ready():
     assert s.open.expected == frozenset({1, 2})  # due at 4.01 and 4.02
     s.set_policy(SchedulerPolicy(overlap=False), 4.001)
     assert s.arrivals.typical() is None  # release-based intervals are learnt afresh
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    signals=st.lists(st.tuples(st.integers(0, 9), st.floats(0.0, 0.5)), min_size=1, max_size=120),
+    history=st.integers(2, 6),
+    reads=st.lists(st.integers(0, 119), max_size=6),
+)
+def test_logged_ready_signals_are_taken_in_as_if_one_by_one(signals, history, reads):
+    """Under overlapped averaging a ready signal is logged and the log taken in (in numpy) when the state is read:
+    the intervals, medians, spreads, release times and plans are those of taking each signal in at once."""
+    from sdpipe.scheduler import _Arrivals
+
+    batched, single = _Arrivals(history, overlap=True), _Arrivals(history, overlap=True)
+    now = 0.0
+    for i, (w, gap) in enumerate(signals):
+        now += gap
+        batched.ready(w, now)
+        single.ready(w, now)
+        single._take_in()
+        if i in reads:  # read in between: the log is taken in part by part
+            assert batched.typical() == single.typical()
+    assert batched.snapshot() == single.snapshot()
+    assert batched.released == single.released and batched.typical() == single.typical()
+    for w in range(10):
+        assert batched.stats(w) == single.stats(w)
+    if single.typical() is not None:  # the core plans a round only then
+        candidates = np.ones(10, dtype=bool)
+        assert batched.plan(now, candidates, 0.3) == single.plan(now, candidates, 0.3)
+    # a worker's row holds its last ``history`` intervals: their median is the one of the plain list
+    for w in range(10):
+        gaps = [b - a for a, b in zip(*(lambda ts: (ts, ts[1:]))([t for v, t in _times(signals) if v == w]))]
+        if gaps:
+            assert batched.stats(w)[0] == pytest.approx(statistics.median(gaps[-history:]), abs=1e-12)
+
+
+def _times(signals):
+    now, out = 0.0, []
+    for w, gap in signals:
+        now += gap
+        out.append((w, now))
+    return out

@@ -484,3 +484,23 @@ def test_joins_under_random_speeds_losses_and_rejoins(
             dsu[g.stage] = DisjointSet(live_after)
     # every pipeline there at the end trained after its (last) join
     assert all(step[(s, p)] > 0 for s in range(stages) for p in range(D) if p not in lost)
+
+
+def test_decided_groups_are_ordinary_frozen_groups():
+    """The core builds a round's groups without the dataclass's __init__: they equal, hash and refuse changes as
+    groups built by it do."""
+    import dataclasses
+
+    from sdpipe.scheduler import Group
+
+    s = StageScheduler(0, range(8), SchedulerPolicy(pair_threshold=2))
+    out = []
+    for w in range(8):
+        out += s.handle(Ready(w, 0, 0.01 * w))
+    out += s.handle(Tick(10.0))
+    assert out and all(type(g) is Group for g in out)
+    for g in out:
+        twin = Group(*(getattr(g, f.name) for f in dataclasses.fields(Group)))
+        assert g == twin and hash(g) == hash(twin) and repr(g) == repr(twin) and g.to_dict() == twin.to_dict()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            g.reason = "changed"

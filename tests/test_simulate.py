@@ -418,3 +418,47 @@ def test_every_policy_steps_faster_without_the_flush_of_a_synchronous_schedule(p
     steady = simulate(4, 4, costs=costs, policy=policy, schedule="async-1f1b", steps=30)
     assert steady.wall_time < 0.8 * flushed.wall_time
     assert sum(h["samples"] for h in steady.history) == sum(h["samples"] for h in flushed.history) == 30 * 4 * 32
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(st.integers(0, 11), min_size=1, max_size=200),
+    settle_at=st.lists(st.integers(0, 199), max_size=5),
+    by_progress=st.booleans(),
+)
+def test_proxy_steps_taken_in_together_equal_steps_one_at_a_time(steps, settle_at, by_progress):
+    """The proxy logs a worker's step and takes the log in (in numpy, repeats of a worker one after another)
+    when a point is read; a round's pairs average together: the points, progress and the noise drawn are those
+    of stepping and averaging one at a time, bit for bit."""
+    from sdpipe.simulation import _Proxy
+
+    together, alone = _Proxy(3, 4, 7, 0.1, 1.0), _Proxy(3, 4, 7, 0.1, 1.0)
+    for i, w in enumerate(steps):
+        together.learn(w)
+        alone.learn(w)
+        alone.settle()
+        if i in settle_at:
+            together.settle()
+    pairs = [(0, 3), (6, 9), (1, 4)]  # of stage 0, 0 and 1: disjoint
+    together.mix_pairs([u for u, _ in pairs], [v for _, v in pairs], by_progress)
+    for u, v in pairs:
+        alone.mix([u, v], by_progress, False)
+    together.mix([2, 5, 8], by_progress, True)
+    alone.mix([2, 5, 8], by_progress, True)
+    assert together.x.tolist() == alone.x.tolist() and together.mass.tolist() == alone.mass.tolist()
+    assert together._normals(4).tolist() == alone._normals(4).tolist()
+    expected_mass = 1.0 + steps.count(7)  # not in any group
+    assert together.mass[7] == expected_mass
+    assert [together.loss(p) for p in range(4)] == [alone.loss(p) for p in range(4)]
+
+
+def test_a_proxy_step_is_the_formula_on_the_streams_next_numbers():
+    from sdpipe.simulation import _Proxy
+
+    proxy, twin = _Proxy(2, 3, 5, 0.2, 0.5), _Proxy(2, 3, 5, 0.2, 0.5)
+    before = proxy.x[4].tolist()
+    proxy.learn(4)
+    proxy.settle()
+    z = twin._normals(4).tolist()
+    assert proxy.x[4].tolist() == [0.8 * x - 0.2 * 0.5 * n for x, n in zip(before, z)]
+    assert proxy.mass.tolist() == [1.0, 1.0, 1.0, 1.0, 2.0, 1.0]
