@@ -1,6 +1,7 @@
 """How fast the simulator runs at scale: the two sizes it is held to, seconds on this machine.
 
-    python benchmarks/sim_speed.py [--repeats 3] [--large-repeats 1] [--before REV] [--sweep 1024,4096,16384]
+    python benchmarks/sim_speed.py [--repeats 3] [--large-repeats 1] [--before REV] [--before-large N]
+                                   [--sweep 1024,4096,16384]
 
 - *events*: 1,024 pipelines x 4 stages x 200 steps under ``sdpipe``, every event recorded;
 - *large*: 16,384 pipelines x 4 stages x 100 steps under ``sdpipe``, no events (``record=False``).
@@ -9,7 +10,8 @@ Both on the ResNet-50 profile (V100, ``sdpipe.profiles.resnet50``) on 10 Gbit/s 
 prototype's transient straggles (p = 0.1, 50 ms).  Each measurement is a fresh Python process (an
 import and the run; the seconds are the ``simulate`` call's own), the cases alternating, so a
 noisy moment of the machine spreads over both.  ``--before REV`` adds the same *events* case run by
-the simulator of git revision REV (checked out into a temporary folder), alternating with ours.
+the simulator of git revision REV (checked out into a temporary folder), alternating with ours, and with
+``--before-large N`` N runs of its *large* case too.
 ``--sweep`` adds, once each, runs of 30 steps without events at those numbers of pipelines: the
 microseconds per worker step as the simulation grows.
 Results: ``benchmarks/results/sim_speed.md`` and ``.json``.
@@ -73,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="measurements of the events case")
     ap.add_argument("--large-repeats", type=int, default=1, help="measurements of the large case")
     ap.add_argument("--before", default=None, help="a git revision whose simulator runs the events case too")
+    ap.add_argument("--before-large", type=int, default=0, help="measurements of the large case by --before")
     ap.add_argument("--sweep", default="", help="pipelines of the per-step sweep (30 steps each, no events)")
     ap.add_argument("--out", default=str(HERE / "results" / "sim_speed.md"))
     args = ap.parse_args(argv)
@@ -92,11 +95,14 @@ def main(argv=None) -> int:
             contenders[f"before ({args.before})"] = before
         runs: dict = {}
         try:
-            for i in range(max(args.repeats, args.large_repeats)):
+            for i in range(max(args.repeats, args.large_repeats, args.before_large)):
                 for name, path in contenders.items():
                     for case in CASES:
-                        want = args.large_repeats if case == "large" else args.repeats
-                        if i >= want or (case == "large" and name != "now"):
+                        if case == "large":
+                            want = args.large_repeats if name == "now" else args.before_large
+                        else:
+                            want = args.repeats
+                        if i >= want:
                             continue
                         m = measure(case, path, costs_json)
                         runs.setdefault((name, case), []).append(m)
