@@ -183,6 +183,22 @@ def _free_threads(dask_worker) -> int:
     return dask_worker.state.nthreads - len(dask_worker.state.executing) - len(dask_worker.state.long_running)
 
 
+def warm_worker() -> float:
+    """(On a Dask worker) load what every rank loads before its first step: torch, sdpipe's worker code, and what
+    an optimizer imports at its first construction (``torch.optim`` loads ``torch._dynamo`` then: a second or
+    more, several on a busy machine).  The launcher runs it on every chosen worker at once before the ranks'
+    tasks, so a rank on a fresh worker process (one restarted after a failure, or just added) starts with the
+    others instead of seconds later: under ``none`` the others would have taken its batches meanwhile.  Returns
+    the seconds it took (about none on a worker that ran a rank before)."""
+    t = time.perf_counter()
+    import torch
+
+    import sdpipe._worker  # noqa: F401
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    return time.perf_counter() - t
+
+
 def pick_workers(client, config: TrainConfig) -> list:
     """Workers for the ranks, one with a free thread each.
 
