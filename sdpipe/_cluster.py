@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import threading
 import time
 
 from .config import TrainConfig
@@ -182,46 +181,6 @@ def _free_threads(dask_worker) -> int:
     """(On a Dask worker) threads not running a task, cancelled ones included: a task whose client left
     keeps its thread until the function returns."""
     return dask_worker.state.nthreads - len(dask_worker.state.executing) - len(dask_worker.state.long_running)
-
-
-def warm_worker() -> float:
-    """(On a Dask worker) load what every rank loads before its first step: torch, sdpipe's worker code, and what
-    an optimizer imports at its first construction (``torch.optim`` loads ``torch._dynamo`` then: a second or
-    more, several on a busy machine).  The launcher runs it on every chosen worker at once (:func:`warm_workers`)
-    before the ranks' tasks, so a rank on a fresh worker process (one restarted after a failure, or just added)
-    starts with the others instead of seconds later: under ``none`` the others would have taken its batches
-    meanwhile.  Returns the seconds it took (about none on a worker that ran a rank before)."""
-    t = time.perf_counter()
-    import torch
-
-    import sdpipe._worker  # noqa: F401
-
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    return time.perf_counter() - t
-
-
-def warm_workers(client, workers: list, timeout: float) -> None:
-    """:func:`warm_worker` on each of ``workers`` at once, waiting at most ``timeout`` seconds (``Client.run``
-    takes no timeout: it runs in a thread of its own, left to end with the client when it outlives the wait);
-    a worker that fails or takes longer ends the start with a one-line error."""
-    out: dict = {}
-
-    def call() -> None:
-        try:
-            out["took"] = client.run(warm_worker, workers=workers)
-        except BaseException as e:  # noqa: BLE001  (reported below, in the launcher's thread)
-            out["error"] = e
-
-    thread = threading.Thread(target=call, name="sdpipe-warm-workers", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise RuntimeError(
-            f"cluster: the workers did not load torch and sdpipe's worker code within the run's timeout "
-            f"({timeout:.0f}s)"
-        )
-    if "error" in out:
-        raise RuntimeError(f"cluster: a worker could not load torch and sdpipe's worker code: {out['error']!r}"[:400])
 
 
 def pick_workers(client, config: TrainConfig) -> list:

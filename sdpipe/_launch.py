@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 
-from ._cluster import bound_store, connect, host_cores, pick_workers, route_address, warm_workers
+from ._cluster import bound_store, connect, host_cores, pick_workers, route_address
 from ._control import ControlPlane
 from ._result import RunError
 from ._service import ensure_service
@@ -107,8 +107,6 @@ class Launcher:
             workers, placed = self._place_data(data)
             run._workers = workers
             run._hosts = host_cores(run._client, workers)
-            run._startup = "loading torch and sdpipe's worker code on the workers"
-            warm_workers(run._client, workers, cfg.timeout)
             run.cores = sum(c for _, c in run._hosts.values() if c) or None
             run._startup = "submitting the workers' tasks"
             run._futures = self._submit(spec, workers, placed)

@@ -209,14 +209,3 @@ def test_worker_exception_ends_the_run_with_its_error(data, shared_cluster):
     assert time.monotonic() - t < 60
     assert run.status == "error"
     assert live_process_groups(shared_cluster) == 0
-
-
-def test_warming_the_workers_is_bounded_and_says_so(shared_cluster):
-    """The launcher's warm-up of the chosen workers waits at most the run's timeout: past it, one line."""
-    from sdpipe._cluster import warm_worker, warm_workers
-
-    workers = sorted(shared_cluster.scheduler_info()["workers"])
-    warm_workers(shared_cluster, workers, timeout=120)  # loads, or finds loaded
-    assert all(t < 5 for t in shared_cluster.run(warm_worker, workers=workers).values())  # nothing left to load
-    with pytest.raises(RuntimeError, match=r"^cluster: the workers did not load torch .* within the run's timeout"):
-        warm_workers(shared_cluster, workers, timeout=0.0)  # the call's round trip alone takes longer
