@@ -931,15 +931,9 @@ class _Simulation:
             owed, first = self.owed, p * self.S
             begin += max(owed[first : first + self.S])
             owed[first : first + self.S] = [0.0] * self.S
-        at, step, S = self.at, pipe.step, self.S
-        for s in range(S):  # self._push, inlined
-            t_s = begin + ends[s] + busy[s] * (scale[s] - 1.0)
-            due = at.get(t_s)
-            if due is None:
-                at[t_s] = [("ready", (p, s, step))]
-                heapq.heappush(self.heap, t_s)
-            else:
-                due.append(("ready", (p, s, step)))
+        push, step, S = self._push, pipe.step, self.S
+        for s in range(S):
+            push(begin + ends[s] + busy[s] * (scale[s] - 1.0), "ready", (p, s, step))
         if self.record:
             keep, compute = self.records.append, events.compute
             for s in range(S):
