@@ -82,7 +82,8 @@ class PipelineControl:
         if w.first:
             t = torch.tensor(msg.encode(), dtype=torch.int64)
         else:
-            t = w.link.recv((ControlMessage.SIZE,), torch.int64, w.stage - 1, TAG_CTRL)
+            with w.pace.waiting():  # the previous stage's step and its slowdown: not this worker's own
+                t = w.link.recv((ControlMessage.SIZE,), torch.int64, w.stage - 1, TAG_CTRL)
         if not w.last:
             # not waited for here: a gloo send completes only once the next stage posted its receive,
             # i.e. once it finished its previous step; this stage starts its step meanwhile

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from . import events
 from ._boundary import CTL_MAX_AGE, Dispenser, PipelineControl
 from ._comm import TAG_TARGET, Link, first_lost, make_group
+from ._pace import Pace
 from ._stage import AsyncStream, evaluate, train_step
 from ._tree import rows, to_device
 from .checkpoint import write_rank
@@ -165,6 +166,8 @@ class Worker:
         self.link_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self.hetero = Heterogeneity.from_dict(cfg["heterogeneity"]) if cfg["heterogeneity"] else Heterogeneity()
         self.rng = random.Random(cfg["seed"] * 100003 + rank)
+        #: the emulated slowdown and straggles inside a step (sdpipe._pace): stretches this worker's own work
+        self.pace = Pace()
         self._groups: list = []
 
         self.generation = join["generation"] if join else 0
@@ -320,10 +323,12 @@ class Worker:
             time.sleep(d)
 
     def slow(self, elapsed: float) -> None:
-        """The emulated slowdown: sleep ``(k - 1) x elapsed`` after a compute of ``elapsed`` seconds."""
-        k = self.hetero.slowdown_of(self.pipeline, self.stage)
+        """After a forward or backward of ``elapsed`` seconds: the emulated compute slowdown k (sleep ``(k - 1) x
+        elapsed``), then the step's slowdown and a pending straggle (:class:`~sdpipe._pace.Pace`)."""
+        k = self.hetero.compute_slowdown_of(self.pipeline, self.stage)
         if k > 1.0:
             time.sleep((k - 1.0) * elapsed)
+        self.pace.computed()
 
     # ----------------------------------------------------------- state
     def restore(self, state: dict) -> None:
@@ -485,7 +490,10 @@ class Training:
         losses, samples, j = [], 0, self.first_j
         self.first_j = 0
         while True:
+            w.pace.begin(w.hetero.slowdown_of(w.pipeline, w.stage))
             msg = self._boundary(epoch, j)
+            if msg.op is not Op.RUN:
+                w.pace.end()
             if msg.op is Op.PAUSE:  # stage 0 holds the pipeline; this is its heartbeat
                 continue
             changes = msg.policy != w.policy_version or msg.members != w.members_version
@@ -512,6 +520,7 @@ class Training:
                     w.policy.epoch_end(w, self.step)
                 break
             loss = self._train(epoch, msg.batch)
+            self._stretch()
             if loss is not None:
                 losses.append(loss)
             samples += self.batch_rows
@@ -556,11 +565,9 @@ class Training:
     def _train(self, epoch: int, batch: int) -> Optional[float]:
         """One step on ``batch``: the stage's compute, the policy's sync, the optimizer; the last stage's loss."""
         w, cfg, step = self.w, self.w.cfg, self.step
-        t = time.time()
         h = w.hetero
         if h.straggle_prob > 0 and w.rng.random() < h.straggle_prob:
-            time.sleep(h.straggle_delay)
-            w.span("straggle", step, None, t, time.time())
+            w.pace.straggle(h.straggle_delay, lambda a, b: w.span("straggle", step, None, a, b))
         sent = []
         if w.spec.streamed:
             xb, yb, sent = self._stream_batch(epoch)
@@ -578,6 +585,14 @@ class Training:
         if w.stream is None:
             self._update(epoch, loss)
         return loss
+
+    def _stretch(self) -> None:
+        """The step's end under an emulated slowdown: its own time stretched (a ``straggle`` span of what
+        ``"slowdown"``)."""
+        w = self.w
+        t = time.time()
+        if w.pace.end() > 0:
+            w.span("straggle", self.step - 1, None, t, time.time(), what="slowdown")
 
     def _stream_batch(self, epoch: int) -> tuple:
         """``(inputs, targets, sends)`` of a stream's batch: stage 0 reads it from its shard and sends the targets
@@ -609,7 +624,8 @@ class Training:
         if w.first and w.policy.coupled:
             cmd = w.read_ctl(CTL_MAX_AGE)
             proposal = (cmd.stop, cmd.policy, cmd.pause, cmd.members)
-        self.agreed = w.policy.after_backward(w, step, *proposal)
+        with w.pace.waiting():  # the policy's collectives and groups wait for other pipelines
+            self.agreed = w.policy.after_backward(w, step, *proposal)
         t = time.time()
         if w.optimizer is not None:
             w.optimizer.step()
@@ -617,7 +633,8 @@ class Training:
         if loss is not None:
             fields["loss"] = loss
         w.span("optimizer", step, None, t, time.time(), epoch=epoch, **fields)
-        w.policy.after_step(w, step)
+        with w.pace.waiting():
+            w.policy.after_step(w, step)
         self.step += 1
 
     def _report(self, epoch: int, train_time: float, losses: list, samples: int) -> None:

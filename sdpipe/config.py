@@ -102,26 +102,38 @@ WorkerKey = Union[int, tuple]
 
 @dataclass(frozen=True, kw_only=True)
 class Heterogeneity:
-    """Emulated heterogeneity, applied by each worker at its step boundaries.
+    """Emulated heterogeneity, applied by each worker inside its steps (:mod:`sdpipe._pace`).
 
-    ``Heterogeneity(slowdown={3: 4.0})`` makes every stage of pipeline 3 run
-    its forward and backward compute 4x as long as measured;
-    ``slowdown={(3, 1): 2.0}`` slows only stage 1 of pipeline 3.
+    ``Heterogeneity(slowdown={3: 4.0})`` makes pipeline 3's own step (measured without waiting for other
+    pipelines) take 4x as long, whatever share of it is compute: its workers act as if everything they do
+    themselves ran 4x slower; ``slowdown={(3, 1): 2.0}`` slows only stage 1 of pipeline 3 that way.
+    ``compute_slowdown`` multiplies forward and backward compute alone (on a small model most of a step is
+    communication and overhead, so the step grows far less).  A transient straggle: at each step, each worker
+    with probability ``straggle_prob`` spends ``straggle_delay`` more seconds in it.  A slow link: each
+    averaging (or gradient collective) the worker takes part in starts ``link_delay`` seconds later, so its group
+    waits that long.
     """
 
     slowdown: Mapping[WorkerKey, float] = field(default_factory=dict)
-    """Persistent slowdown factor >= 1 per pipeline or per (pipeline, stage)."""
+    """Factor >= 1 per pipeline or per (pipeline, stage): that pipeline's (or worker's) own step takes this many
+    times as long."""
+    compute_slowdown: Mapping[WorkerKey, float] = field(default_factory=dict)
+    """Factor >= 1 per pipeline or per (pipeline, stage): forward and backward compute alone take this many times
+    as long."""
     straggle_prob: float = 0.0
     """Probability, per worker and step, of a transient straggle."""
     straggle_delay: float = 0.0
-    """Seconds a transient straggle adds to the step."""
+    """Seconds a transient straggle adds to the worker's step (slept after its first forward or backward)."""
     link_delay: Mapping[WorkerKey, float] = field(default_factory=dict)
     """Extra seconds per synchronization per pipeline or (pipeline, stage): a slow link."""
 
+    TABLES = ("slowdown", "compute_slowdown", "link_delay")
+
     def __post_init__(self):
-        object.__setattr__(self, "slowdown", dict(self.slowdown or {}))
-        object.__setattr__(self, "link_delay", dict(self.link_delay or {}))
-        for name, table, lo in (("slowdown", self.slowdown, 1.0), ("link_delay", self.link_delay, 0.0)):
+        for name in self.TABLES:
+            object.__setattr__(self, name, dict(getattr(self, name) or {}))
+        for name in self.TABLES:
+            table, lo = getattr(self, name), 0.0 if name == "link_delay" else 1.0
             for key, value in table.items():
                 if not (isinstance(key, int) and not isinstance(key, bool)) and not (
                     isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)
@@ -135,7 +147,7 @@ class Heterogeneity:
 
     def check_workers(self, pipelines: int, stages: int) -> None:
         """Reject keys naming pipelines or stages the run does not have."""
-        for name in ("slowdown", "link_delay"):
+        for name in self.TABLES:
             for key in getattr(self, name):
                 p, s = key if isinstance(key, tuple) else (key, 0)
                 if not 0 <= p < pipelines or not 0 <= s < stages:
@@ -152,6 +164,9 @@ class Heterogeneity:
     def slowdown_of(self, pipeline: int, stage: int) -> float:
         return self._lookup(self.slowdown, pipeline, stage, 1.0)
 
+    def compute_slowdown_of(self, pipeline: int, stage: int) -> float:
+        return self._lookup(self.compute_slowdown, pipeline, stage, 1.0)
+
     def link_delay_of(self, pipeline: int, stage: int) -> float:
         return self._lookup(self.link_delay, pipeline, stage, 0.0)
 
@@ -160,6 +175,7 @@ class Heterogeneity:
         enc = lambda t: {(f"{k[0]},{k[1]}" if isinstance(k, tuple) else str(k)): float(v) for k, v in t.items()}
         return {
             "slowdown": enc(self.slowdown),
+            "compute_slowdown": enc(self.compute_slowdown),
             "straggle_prob": self.straggle_prob,
             "straggle_delay": self.straggle_delay,
             "link_delay": enc(self.link_delay),
@@ -172,6 +188,7 @@ class Heterogeneity:
         }
         return cls(
             slowdown=dec(d.get("slowdown")),
+            compute_slowdown=dec(d.get("compute_slowdown")),
             straggle_prob=d.get("straggle_prob", 0.0),
             straggle_delay=d.get("straggle_delay", 0.0),
             link_delay=dec(d.get("link_delay")),

@@ -53,7 +53,8 @@ SCHEMA: dict = {
     "backward": ((), ()),
     "send": ((), ()),
     "recv": ((), ()),
-    "straggle": ((), ()),
+    # what="slowdown": the sleep that stretches a slowed worker's step (sdpipe._pace); else a transient straggle
+    "straggle": ((), ("what",)),
     "eval": ((), ()),
     "pause": ((), ()),
     # what="group": a step waiting for its group (the service's answer, or an overlapped averaging still running);

@@ -445,6 +445,9 @@ class Scheduled(_GroupPolicy):
         self.overlap = bool((worker.cfg.get("scheduler") or {}).get("overlap"))
         self.pool = None  # its one thread, made at the first overlapped step
         self.in_flight = None  # (future, step) of the averaging in flight
+        #: steps an overlapped averaging may stay in flight before a step waits for it: the run's staleness bound
+        #: P, as the connectivity bound's (within P steps of a worker its model has mixed)
+        self.max_lag = int((worker.cfg.get("scheduler") or {}).get("staleness") or 10)
         self.worker = worker
 
     def decide_stop(self, store_stop: bool) -> bool:
@@ -469,8 +472,15 @@ class Scheduled(_GroupPolicy):
 
     def after_step(self, worker, step: int) -> None:
         self.mass = rules.mass_after_step(self.mass)
-        # the last step's overlapped averaging first: its answer may also turn overlap off (a live policy change),
-        # and this step's ready signal must not reach the service while that one's is still there
+        if self.in_flight is not None:
+            future, asked = self.in_flight
+            if not future.done() and step - asked < self.max_lag:
+                # the group of an earlier step is still forming or averaging (it may be waiting for a slow
+                # member): this step goes on without a ready signal of its own instead of waiting for it, and
+                # the averaging lands as a correction at a later step boundary
+                return
+        # the last averaging first: its answer may also turn overlap off (a live policy change), and this step's
+        # ready signal must not reach the service while that one's is still there
         self.settle(worker, step, boundary=False)
         if not self.overlap:
             answer = self._ask(worker, step, False)

@@ -201,10 +201,11 @@ def calibrate(result) -> Calibration:
     - forward / backward: the mean span per micro-batch and stage over the
       workers the run did not slow (over all, each divided by its slowdown,
       when every worker of a stage was slowed);
-    - heterogeneity: the run's, with the slowdown each slowed worker showed
-      (its compute against the unslowed mean of its stage; the runtime's
-      emulated slowdown k sleeps k - 1 times the compute, and a sleeping
-      process wakes late on a busy machine);
+    - heterogeneity: the run's, with the slowdowns each slowed worker
+      showed: a step slowdown as its pipeline's median step against the
+      unslowed pipelines' (a sleeping pipeline hands its core to the others on
+      a busy machine), a compute slowdown as its compute against the mean of
+      its stage's other workers (a sleeping process wakes late);
     - optimizer: the mean optimizer span per stage;
     - jitter: per stage, the spread of a worker's compute per step (forward
       and backward) around its mean;
@@ -241,7 +242,7 @@ def calibrate(result) -> Calibration:
     forward, backward, optimizer = (
         [_stage_mean(by_kind, kind, s, hetero) for s in range(S)] for kind in ("forward", "backward", "optimizer")
     )
-    shown = _shown_heterogeneity(by_kind, hetero, forward, backward)
+    shown = _shown_heterogeneity(by_kind, hetero, forward, backward, config.pipelines, S)
     weight_bytes, activation_bytes = _stage_bytes(by_kind, S)
     costs = Costs(
         forward=forward,
@@ -278,21 +279,27 @@ def _after_warm_up(records) -> dict:
 
 
 def _slowed(hetero: Heterogeneity, e) -> bool:
-    return hetero.slowdown_of(e["pipeline"], e["stage"]) != 1.0
+    """Whether the worker of record ``e`` ran under a compute slowdown (its compute spans are stretched)."""
+    return hetero.compute_slowdown_of(e["pipeline"], e["stage"]) != 1.0
 
 
 def _stage_mean(by_kind: dict, kind: str, s: int, hetero: Heterogeneity) -> float:
-    """Mean span of ``kind`` on stage s: over the unslowed workers (all, each divided by its slowdown, when
-    every one was slowed); the optimizer's over all."""
+    """Mean span of ``kind`` on stage s: over the workers without a compute slowdown (all, each divided by its
+    slowdown, when every one had one); the optimizer's over all.  A step slowdown stretches no compute span."""
     spans = [e for e in by_kind.get(kind, ()) if e.get("stage") == s]
     if kind == "optimizer":
         return _mean(_dur(e) for e in spans)
     plain = [_dur(e) for e in spans if not _slowed(hetero, e)]
-    return _mean(plain) if plain else _mean(_dur(e) / hetero.slowdown_of(e["pipeline"], s) for e in spans)
+    return _mean(plain) if plain else _mean(_dur(e) / hetero.compute_slowdown_of(e["pipeline"], s) for e in spans)
 
 
-def _shown_heterogeneity(by_kind: dict, hetero: Heterogeneity, forward: list, backward: list) -> Heterogeneity:
-    """``hetero`` with the slowdown each slowed worker showed: its compute against its stage's unslowed mean."""
+def _shown_heterogeneity(
+    by_kind: dict, hetero: Heterogeneity, forward: list, backward: list, pipelines: int, stages: int
+) -> Heterogeneity:
+    """``hetero`` with the slowdowns each slowed worker showed: a compute slowdown as its compute against its stage's
+    mean over the others; a step slowdown as its pipeline's median step against the unslowed pipelines' (on a
+    machine with fewer cores than workers a sleeping pipeline hands its core to the others, which then step
+    faster, so the ratio shown can exceed the factor asked for)."""
     shown: dict = {}
     for kind, base in (("forward", forward), ("backward", backward)):
         for e in by_kind.get(kind, ()):
@@ -300,8 +307,23 @@ def _shown_heterogeneity(by_kind: dict, hetero: Heterogeneity, forward: list, ba
                 acc = shown.setdefault((e["pipeline"], e["stage"]), [0.0, 0.0])
                 acc[0] += _dur(e)
                 acc[1] += base[e["stage"]]
+    changes = {}
     measured = {key: max(1.0, spent / base) for key, (spent, base) in shown.items() if base > 0}
-    return dataclasses.replace(hetero, slowdown=measured) if measured else hetero
+    if measured:
+        changes["compute_slowdown"] = measured
+    slowed = {(p, s) for p in range(pipelines) for s in range(stages) if hetero.slowdown_of(p, s) != 1.0}
+    plain = [p for p in range(pipelines) if all((p, s) not in slowed for s in range(stages))]
+    base = _step_intervals(by_kind, plain)
+    if slowed and base:
+        typical, steps = statistics.median(base), {}
+        for p, s in slowed:
+            if p not in steps:
+                mine = _step_intervals(by_kind, [p])
+                steps[p] = max(1.0, statistics.median(mine) / typical) if mine and typical > 0 else None
+        step = {key: steps[key[0]] for key in slowed if steps[key[0]] is not None}
+        if step:
+            changes["slowdown"] = step
+    return dataclasses.replace(hetero, **changes) if changes else hetero
 
 
 def _stage_bytes(by_kind: dict, S: int) -> tuple:
@@ -807,12 +829,19 @@ class _Simulation:
         plan = _step_plan(config)
         finish: dict = {}
         self.step_costs = []  # per pipeline: (per-stage finish, compute, forward seconds of one step)
+        #: per pipeline, what each stage sleeps after its step for a step slowdown f (sdpipe._pace: f - 1 times its
+        #: own step, the step overhead counted on stage 0), or None
+        self.stretch: list = []
         for p in range(D):
-            k = tuple(hetero.slowdown_of(p, s) for s in range(S))
+            k = tuple(hetero.compute_slowdown_of(p, s) for s in range(S))
             if k not in finish:
                 ends, busy = _step_finish(plan, costs, network, k, M)
                 finish[k] = (ends, busy, [M * costs.forward[s] * k[s] for s in range(S)])
             self.step_costs.append(finish[k])
+            f = [hetero.slowdown_of(p, s) for s in range(S)]
+            ends = finish[k][0]
+            own = [ends[s] + (costs.step_overhead if s == 0 else 0.0) for s in range(S)]
+            self.stretch.append([(f[s] - 1.0) * own[s] for s in range(S)] if max(f) > 1.0 else None)
         self.link_delay = [[hetero.link_delay_of(p, s) for s in range(S)] for p in range(D)]
         self._link_delays = any(any(row) for row in self.link_delay)
         self._ring: dict = {}  # (stage, members) -> seconds of a group: round trip and ring all-reduce
@@ -822,6 +851,10 @@ class _Simulation:
         self.mode = "overlap" if self.overlap else policy
         #: by worker p * S + s: when its overlapped averaging ends (None: its group is undecided; 0: none yet)
         self.averaging: list = [0.0] * (D * S)
+        #: by worker: the step of its last ready signal; a step goes on without one while that averaging is in flight,
+        #: for fewer than ``max_lag`` steps (the staleness bound P, as Scheduled.max_lag)
+        self.asked: list = [0] * (D * S)
+        self.max_lag = self.core.policy.staleness if self.core is not None else 0
         self.held: dict = {}  # worker -> (time, data) of a ready that waits for that averaging
         self.held_global: dict = {}  # p -> when it ran out of batches: its global sync waits for those averagings
         self.present = set(range(D))  # pipelines taking part (the trace takes some out and back)
@@ -905,13 +938,14 @@ class _Simulation:
         return self
 
     def _draw(self) -> tuple:
-        """One step's draws: (each stage's jitter factor, whether a transient straggle hits)."""
+        """One step's draws: (each stage's jitter factor, how many of its stages a transient straggle hits)."""
         if not self._draws:
             n, S, gen = 4096, self.S, self._timing
             sigma = self._jitter_sigma
             scale = np.exp(gen.standard_normal((n, S)) * sigma - sigma**2 / 2).tolist()  # log-normal, mean 1
             p = self.hetero.straggle_prob
-            hits = (gen.random((n, S)) < p).any(axis=1).tolist() if p > 0 else [False] * n  # S draws, as the runtime
+            # S draws, as the runtime: each stage that straggles holds the pipeline's step back by the delay
+            hits = (gen.random((n, S)) < p).sum(axis=1).tolist() if p > 0 else [0] * n
             self._draws = list(zip(scale, hits))
             self._draws.reverse()
         return self._draws.pop()
@@ -926,7 +960,7 @@ class _Simulation:
         pipe.synced, pipe.synced_at = 0, t
         ends, busy, forward = self.step_costs[p]
         scale, hit = self._draw()
-        begin = t + self.costs.step_overhead + (self.hetero.straggle_delay if hit else 0.0)
+        begin = t + self.costs.step_overhead + (self.hetero.straggle_delay * hit if hit else 0.0)
         if self.serving:  # what its server threads took from its workers since its last step
             owed, first = self.owed, p * self.S
             begin += max(owed[first : first + self.S])
@@ -1063,12 +1097,17 @@ class _Simulation:
         if mode == "overlap":
             averaging = self.averaging
             end = averaging[w]
-            if end is None:  # its last group is undecided: the ready signal waits for its averaging
+            if (end is None or end > t) and step - self.asked[w] < self.max_lag:
+                # its last group is undecided or still averaging: this step goes on without a ready signal
+                # (Scheduled.after_step); the averaging lands at a later step
+                self._on_synced(t, data)
+            elif end is None:  # lagging by the bound: the ready signal waits for its averaging
                 self.held[w] = (t, data)
             elif end > t:  # its last averaging still runs
                 self._hold(t, end, data)
             else:  # it tells the core it is ready and goes on with its next step at once (_on_ask, inlined)
                 averaging[w] = None
+                self.asked[w] = step
                 decisions = self.core.ready(s, p, t)
                 if decisions:
                     self._groups(decisions)
@@ -1095,8 +1134,9 @@ class _Simulation:
 
     def _on_ask(self, t: float, data: tuple) -> None:
         """Overlap: (p, s) tells the core it is ready and goes on with its next step at once."""
-        p, s, _ = data
+        p, s, step = data
         self.averaging[p * self.S + s] = None
+        self.asked[p * self.S + s] = step
         self._apply(self.core.ready(s, p, t))
         self._on_synced(t, data)
 
@@ -1317,8 +1357,12 @@ class _Simulation:
             )
 
     def _on_synced(self, t: float, data: tuple) -> None:
-        """Worker (p, s)'s sync ended; once every stage of p's did, p starts its next step."""
+        """Worker (p, s)'s sync ended (and its step slowdown's sleep after it); once every stage of p's did, p starts
+        its next step."""
         pipe = self.pipes[data[0]]
+        stretch = self.stretch[data[0]]
+        if stretch is not None:
+            t += stretch[data[1]]
         pipe.synced += 1
         if t > pipe.synced_at:
             pipe.synced_at = t

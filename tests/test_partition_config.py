@@ -112,7 +112,9 @@ def test_field_docs_are_the_strings_under_the_fields():
     assert docs["policy"] == (
         "How the D replicas of a stage synchronize: one of POLICIES (sdpipe, allreduce, ps, adpsgd, none)."
     )
-    assert field_docs(Heterogeneity)["straggle_delay"] == "Seconds a transient straggle adds to the step."
+    assert field_docs(Heterogeneity)["straggle_delay"] == (
+        "Seconds a transient straggle adds to the worker's step (slept after its first forward or backward)."
+    )
 
 
 @config_keywords
