@@ -16,6 +16,54 @@ VARIANTS = {
 }
 
 
+#: the small models the straggler benchmarks run (notebook 01's MLP, the digits CNN, the GPT example)
+WORKLOAD_NAMES = ("mlp", "cnn", "gpt")
+
+
+def workload(name: str, stages: int = 2) -> dict:
+    """``sdpipe.train`` keywords of one of :data:`WORKLOAD_NAMES` (a fresh model each call: ``model``,
+    ``train_data``, ``eval_data`` and what else it needs) and ``"text"``, its description."""
+    if name == "mlp":
+        from sdpipe.data import digits, digits_mlp
+
+        train, held = digits()
+        return dict(model=digits_mlp(hidden=128), train_data=train, eval_data=held, text="digits MLP 64-128-128-10")
+    if name == "cnn":
+        from sdpipe.data import digits, digits_cnn
+
+        train, held = digits()
+        return dict(
+            model=digits_cnn(),
+            train_data=train,
+            eval_data=held,
+            cuts=(6,) if stages == 2 else None,
+            text="digits CNN (32/64/128 channels)",
+        )
+    if name == "gpt":
+        from sdpipe.examples import char_data, char_gpt, lm_loss
+
+        train, held = char_data(train_chars=100_000, eval_chars=10_000)
+        return dict(
+            model=char_gpt(),
+            train_data=train,
+            eval_data=held,
+            loss_fn=lm_loss,
+            metric="perplexity",
+            text="GPT example (221k parameters) on 100,000 characters of the standard library's text",
+        )
+    raise ValueError(f"--models: {name!r} is not one of {', '.join(WORKLOAD_NAMES)}")
+
+
+def train_workload(name: str, stages: int, timeout: float = 3600, **kwargs):
+    """The finished ``RunResult`` of ``sdpipe.train`` on workload ``name`` (no held-out data) with ``kwargs``."""
+    import sdpipe
+
+    w = workload(name, stages)
+    w.pop("text"), w.pop("eval_data")
+    model, data = w.pop("model"), w.pop("train_data")
+    return sdpipe.train(model, data, stages=stages, **kwargs, **w).result(timeout=timeout)
+
+
 def time_to_target(events, pipelines: int, target: float):
     """Seconds from the run's start until every pipeline's held-out accuracy had reached ``target`` at one epoch
     (that epoch's last evaluation), from its ``epoch`` records; None when it never did."""

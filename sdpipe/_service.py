@@ -12,6 +12,9 @@ hosts one :class:`~sdpipe.scheduler.GroupScheduler` per run.  Its routes
 ``sdpipe_leave(run_id, stage, pipeline, token=None)``
     a worker leaves its stage for good: stop or failure (worker); with
     ``stage=None`` a whole pipeline was lost (driver, with the run's token).
+``sdpipe_hurry(run_id, stage, pipeline)``
+    the worker reached its epoch's end while its ready signal waits in an open round: that round closes now
+    (worker).
 ``sdpipe_join(run_id, stage, pipeline, donor)``
     a pipeline joins a stage holding a copy of the live ``donor``'s state (the donor's worker, at the step
     it copied its state); the joiner is in no group before its first ready signal.
@@ -89,6 +92,7 @@ class GroupService(SchedulerPlugin):
                 "sdpipe_open": self.open,
                 "sdpipe_ready": self.ready,
                 "sdpipe_leave": self.leave,
+                "sdpipe_hurry": self.hurry,
                 "sdpipe_join": self.join,
                 "sdpipe_set_policy": self.set_policy,
                 "sdpipe_pause": self.pause,
@@ -245,6 +249,11 @@ class GroupService(SchedulerPlugin):
                     st.waiters.pop((s, p), None)
                     fut.set_result({"error": f"pipeline {pipeline} was lost"})
         self._dispatch(run_id, st, decisions)
+        return {"ok": True}
+
+    def hurry(self, run_id, stage, pipeline):
+        st = self._run(run_id)
+        self._dispatch(run_id, st, st.core.hurry(stage, pipeline, self._now(st)))
         return {"ok": True}
 
     def join(self, run_id, stage, pipeline, donor):

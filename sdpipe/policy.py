@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from . import sync_rules as rules
 from ._comm import CONNECT_TIMEOUT, allreduce_mean_, flatten, pipeline_lost, unflatten_
-from .protocol import Keys
+from .protocol import GroupServiceError, Keys
 
 __all__ = [
     "SyncPolicy",
@@ -517,6 +517,13 @@ class Scheduled(_GroupPolicy):
             return
         future, asked = self.in_flight
         self.in_flight = None
+        if boundary and not future.done():
+            # an epoch's end (or a stop, a leave, a switch): a round still open for this ready signal closes now
+            # with the members it holds, instead of the global sync waiting out its window
+            try:
+                worker.service.hurry(stage=worker.stage, pipeline=worker.pipeline)
+            except GroupServiceError:  # the run or the service is gone: the wait below says so
+                pass
         start = time.time()
         try:
             answer, snapshot, average, mass, after = future.result(timeout=worker.timeout)

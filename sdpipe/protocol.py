@@ -380,6 +380,10 @@ class GroupServiceClient:
     def leave(self, *, stage: int, pipeline: int) -> dict:
         return self._call("sdpipe_leave", within=10, stage=stage, pipeline=pipeline)
 
+    def hurry(self, *, stage: int, pipeline: int) -> dict:
+        """This worker reached its epoch's end: the open round that holds its ready signal closes now."""
+        return self._call("sdpipe_hurry", within=10, stage=stage, pipeline=pipeline)
+
     def join(self, *, stage: int, pipeline: int, donor: int) -> dict:
         """(The donor's worker of ``stage``) ``pipeline`` takes part in ``stage`` from now on, holding a copy of
         ``donor``'s state: it is in no group before its first ready signal."""

@@ -52,7 +52,10 @@ Global sync: a worker may ask for the global group instead (at an epoch end).
 Such a worker takes part in no ordinary round; when every live worker of the
 stage asked, they form one group with reason "global".  A pending round is
 closed at once when a worker asks for the global group, so nobody waits on a
-worker that will not come.
+worker that will not come; and when a worker that waits in it reaches its
+epoch's end (``Hurry``: under overlapped averaging its ready signal is still
+in the round while its next step found no batch), so its global sync does not
+wait out the round's window.
 
 Joining (elastic pipelines): a worker that was not live, or was lost, joins a stage with ``Join`` once it
 holds a live replica's state (its ``donor``): it is in no group before that, and from then on a live worker
@@ -87,6 +90,7 @@ __all__ = [
     "Lost",
     "Tick",
     "Join",
+    "Hurry",
     "Group",
     "StageScheduler",
     "GroupScheduler",
@@ -262,7 +266,17 @@ class Join:
     donor: Optional[int] = None
 
 
-Event = Union[Ready, Lost, Tick, Join]
+@dataclass(frozen=True)
+class Hurry:
+    """Worker (a pipeline id) reached the end of its epoch with a ready signal in the open round: the round closes
+    at once with the members it holds (reason "preempted"), as a global sync's first ready signal closes it, so
+    the worker's global sync does not wait out the round's window."""
+
+    worker: int
+    time: float
+
+
+Event = Union[Ready, Lost, Tick, Join, Hurry]
 
 
 @dataclass(frozen=True)
@@ -752,7 +766,16 @@ class StageScheduler:
             return self._try_close(event.time)
         if isinstance(event, Join):
             return self._join(event)
-        raise TypeError(f"event: {event!r} is not Ready, Lost, Tick or Join")
+        if isinstance(event, Hurry):
+            return self.hurry(event.worker, event.time)
+        raise TypeError(f"event: {event!r} is not Ready, Lost, Tick, Join or Hurry")
+
+    def hurry(self, w: int, now: float) -> list:
+        """``handle(Hurry(w, now))``: the open round closes now if ``w`` is in it (else nothing changes)."""
+        r = self.open
+        if r is None or w not in self.waiting:
+            return []
+        return self._close(now, "preempted")
 
     def _join(self, ev: Join) -> list:
         w, donor = ev.worker, ev.donor
@@ -1016,6 +1039,10 @@ class GroupScheduler:
     def join(self, worker: int, now: float, donor: Optional[int] = None) -> list:
         """A whole pipeline joins (or rejoins): every stage's worker ``worker`` took the state of ``donor``'s."""
         return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Join(worker, now, donor))])
+
+    def hurry(self, stage: int, worker: int, now: float) -> list:
+        """``worker`` of ``stage`` reached its epoch's end: its open round closes now (see :class:`Hurry`)."""
+        return self._apply(now, lambda: self.stages[stage].hurry(worker, now))
 
     def leave(self, stage: int, worker: int, now: float) -> list:
         """One worker left its stage (its pipeline stopped)."""

@@ -1033,6 +1033,10 @@ class _Simulation:
                 self._ps_push(t, p, s, pipe.step, GLOBAL)
         else:
             self.held_global[p] = t
+            if self.overlap:  # a round still open for one of its ready signals closes now (Hurry)
+                for s in range(self.S):
+                    if self.averaging[p * self.S + s] is None:
+                        self._apply(self.core.hurry(s, p, t))
             self._global_when_settled(p)
 
     def _on_epoch(self, t: float, p: int) -> None:
