@@ -434,6 +434,7 @@ class Worker:
             self.ctl.close()
             self.policy.close(failed)
         finally:
+            self.service.close_sockets()
             if self.link is not None:
                 self.link.group = None  # a failed operation's traceback may still hold the Link
             self.link = None
@@ -587,12 +588,13 @@ class Training:
         return loss
 
     def _stretch(self) -> None:
-        """The step's end under an emulated slowdown: its own time stretched (a ``straggle`` span of what
-        ``"slowdown"``)."""
+        """The step's end under an emulated slowdown: its own time stretched, as a ``straggle`` span of what
+        ``"slowdown"`` under the number of the step it holds back (the next: it lies between this step's optimizer
+        and the next one's, where step times are measured)."""
         w = self.w
         t = time.time()
         if w.pace.end() > 0:
-            w.span("straggle", self.step - 1, None, t, time.time(), what="slowdown")
+            w.span("straggle", self.step, None, t, time.time(), what="slowdown")
 
     def _stream_batch(self, epoch: int) -> tuple:
         """``(inputs, targets, sends)`` of a stream's batch: stage 0 reads it from its shard and sends the targets

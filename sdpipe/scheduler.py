@@ -31,7 +31,10 @@ interval, the prototype's window applies.  Rule "prototype" keeps the
 prototype's window throughout.
 
 Connectivity bound: as in the SDPipe prototype, updates are counted per
-stage (one per member of each group: a worker's step) and the groups since
+stage (a worker's steps: one per member of each group, or, for a member whose
+ready signal carries a step number, the steps it took since its last one: under
+overlapped averaging a worker goes on without a ready signal while its last
+averaging is in flight) and the groups since
 the last reset are kept in a disjoint set.  When the union connects every
 live worker of the stage the count resets.  Otherwise, once the count reaches
 ``(staleness - 1) * D`` (D live workers: P - 1 steps of every worker), the
@@ -655,7 +658,11 @@ class StageScheduler:
         self.round = 0
         self.open: Optional[_Round] = None
         self.dsu = DisjointSet(self.live)
-        self.since_reset = 0  # updates (group members) since the union last connected
+        self.since_reset = 0  # updates (the members' steps since their last ready signals) since the union connected
+        #: worker -> the step of its last ready signal, and how many steps the one waiting now counts for (a worker
+        #: whose averaging was still in flight goes on without ready signals: its steps still count as updates)
+        self._last_step: dict = {}
+        self._updates: dict = {}
         self.global_waiting: set = set()
         self.waiting: set = set()  # workers inside the open round
         #: set by GroupScheduler: whether this stage holds (or may take) the graph-sync token
@@ -797,15 +804,21 @@ class StageScheduler:
         return self._try_close(ev.time)
 
     def _ready(self, ev: Ready) -> list:
-        return self.ready(ev.worker, ev.time, ev.global_sync)
+        return self.ready(ev.worker, ev.time, ev.global_sync, ev.step)
 
-    def ready(self, w: int, now: float, global_sync: bool = False) -> list:
-        """``handle(Ready(w, step, now, global_sync))`` without building the event (the simulator's hot path)."""
+    def ready(self, w: int, now: float, global_sync: bool = False, step: Optional[int] = None) -> list:
+        """``handle(Ready(w, step, now, global_sync))`` without building the event (the simulator's hot path);
+        ``step`` None counts the ready signal as one update."""
         if w not in self.live:
             raise ValueError(f"worker: {w} is not a live worker of stage {self.stage} (live: {sorted(self.live)})")
         waiting = self.waiting
         if w in waiting or w in self.global_waiting:
             raise ValueError(f"worker: {w} of stage {self.stage} is already waiting for a group")
+        if step is not None:
+            last = self._last_step.get(w)
+            self._last_step[w] = step
+            if last is not None and step - last > 1:
+                self._updates[w] = step - last
         self.arrivals.ready(w, now)
         if global_sync:
             self.global_waiting.add(w)
@@ -833,6 +846,8 @@ class StageScheduler:
         self.global_waiting.discard(w)
         self.waiting.discard(w)
         self.windows.pop(w, None)
+        self._last_step.pop(w, None)
+        self._updates.pop(w, None)
         self.arrivals.forget(w)
         decisions = []
         r = self.open
@@ -852,6 +867,8 @@ class StageScheduler:
             return []
         members = tuple(sorted(self.global_waiting))
         self.global_waiting.clear()
+        for m in members:
+            self._updates.pop(m, None)
         self.arrivals.release_global(members)
         g = Group(
             self.stage, self.round, members, "global", now, now, tuple((m, self.windows[m]) for m in members), True
@@ -939,7 +956,11 @@ class StageScheduler:
             self.dsu = DisjointSet(self.live)
             self.since_reset = 0
         else:
-            self.since_reset += len(members)
+            updates = self._updates
+            self.since_reset += len(members) + (sum(updates.pop(m, 1) - 1 for m in members) if updates else 0)
+        if self._updates:
+            for m in members:
+                self._updates.pop(m, None)
         return out
 
     # -------------------------------------------------------------- state
@@ -1013,12 +1034,12 @@ class GroupScheduler:
         now = getattr(event, "time")
         return self._apply(now, lambda: self.stages[stage].handle(event))
 
-    def ready(self, stage: int, worker: int, now: float, global_sync: bool = False) -> list:
+    def ready(self, stage: int, worker: int, now: float, global_sync: bool = False, step: Optional[int] = None) -> list:
         """``handle(stage, Ready(worker, step, now, global_sync))`` without building the event (the simulator's
-        hot path; the step is not part of any decision)."""
+        hot path)."""
         st = self.stages[stage]
         before = st.open
-        out = st.ready(worker, now, global_sync)
+        out = st.ready(worker, now, global_sync, step)
         if out or st.open is not before:  # a round opened or closed: the deadlines changed (an open one's stays)
             self._deadline_ok = False
         # _settle, for an event of one stage: only this stage's round changed, and no other stage can hold an open

@@ -1112,7 +1112,7 @@ class _Simulation:
             else:  # it tells the core it is ready and goes on with its next step at once (_on_ask, inlined)
                 averaging[w] = None
                 self.asked[w] = step
-                decisions = self.core.ready(s, p, t)
+                decisions = self.core.ready(s, p, t, False, step)
                 if decisions:
                     self._groups(decisions)
                 self.deadline = self.core.next_deadline()
@@ -1141,7 +1141,7 @@ class _Simulation:
         p, s, step = data
         self.averaging[p * self.S + s] = None
         self.asked[p * self.S + s] = step
-        self._apply(self.core.ready(s, p, t))
+        self._apply(self.core.ready(s, p, t, False, step))
         self._on_synced(t, data)
 
     def _global_when_settled(self, p: int) -> None:

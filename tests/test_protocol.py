@@ -1,5 +1,7 @@
 """The messages between driver, group service and workers: encodings, store keys, the handle, event records."""
 
+import concurrent.futures
+import socket
 import sys
 
 import pytest
@@ -126,6 +128,48 @@ def test_the_service_handle_answers_and_fails_with_one_exception_type(scheduler)
     assert handle.close()["ok"]
     with pytest.raises(GroupServiceError, match="no sdpipe run 'r-handle' is scheduled here"):
         handle.state()
+
+
+def _call_socket(sock, message: dict) -> dict:
+    from sdpipe.protocol import decode_frame, encode_frame
+
+    sock.sendall(encode_frame(message))
+    size = int.from_bytes(sock.recv(4, socket.MSG_WAITALL), "big")
+    return decode_frame(sock.recv(size, socket.MSG_WAITALL))
+
+
+def test_ready_signals_over_the_services_own_socket_and_a_closed_runs_topic_goes(scheduler):
+    """On a tcp:// scheduler the service listens on the scheduler's host; two workers' ready signals over their
+    own connections get one group; a bad frame and an unknown run are answered in one line; closing the run drops
+    its event topic from the scheduler."""
+    endpoint = scheduler.run_on_scheduler(lambda dask_scheduler: dask_scheduler.handlers["sdpipe_endpoint"]())
+    host, port = endpoint["endpoint"]
+    assert host == "127.0.0.1"
+    handle = GroupServiceClient("r-socket", client=scheduler, token="t" * 32, timeout=10)
+    handle.open(
+        stages=1, pipelines=2, policy={"window": "prototype"}, policy_name="sdpipe", topic="sdpipe-r-socket", t0=0.0
+    )
+    scheduler.log_event("sdpipe-r-socket", {"rank": 0, "seq": 0, "events": []})
+    has_topic = lambda: scheduler.run_on_scheduler(  # noqa: E731
+        lambda dask_scheduler: "sdpipe-r-socket" in dask_scheduler._broker._topics
+    )
+    assert has_topic()
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(2)]
+    try:
+        ready = lambda p: {"op": "sdpipe_ready", "run_id": "r-socket", "stage": 0, "pipeline": p, "step": 0}  # noqa: E731
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda p: _call_socket(socks[p], ready(p)), range(2)))
+        assert [a["members"] for a in answers] == [[0, 1], [0, 1]] and answers[0]["round"] == answers[1]["round"]
+        assert _call_socket(socks[0], {"op": "nope"}) == {"error": "op: must be sdpipe_ready or sdpipe_hurry"}
+        assert "not scheduled" in _call_socket(socks[0], {**ready(0), "run_id": "r-none"})["error"]
+        assert _call_socket(socks[1], {"op": "sdpipe_hurry", "run_id": "r-socket", "stage": 0, "pipeline": 1}) == {
+            "ok": True
+        }
+    finally:
+        for sock in socks:
+            sock.close()
+    assert handle.close()["ok"]
+    assert not has_topic()
 
 
 def test_the_pure_core_imports_nothing_from_the_rest():

@@ -137,7 +137,7 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
         if step[(s, p)] % 2:  # the runtime's path (an event object) and the simulator's (GroupScheduler.ready)
             apply(sched.handle(s, Ready(p, step[(s, p)], now, global_sync=g_sync)), before)
         else:
-            apply(sched.ready(s, p, now, g_sync), before)
+            apply(sched.ready(s, p, now, g_sync, step[(s, p)]), before)
     # everything left open must be explained by lost workers
     for st_ in sched.stages:
         assert st_.open is None or not (set(st_.open.members) - lost)
@@ -235,6 +235,66 @@ def test_every_staleness_rounds_connect_the_stage(speeds, seed, staleness, rule)
         else:
             assert not any(g.connected for g in rounds[r])
             updates += sum(len(g.members) for g in rounds[r])
+
+
+def test_steps_a_worker_took_without_a_ready_signal_count_towards_the_bound():
+    """Under overlapped averaging a worker whose last averaging is in flight goes on without a ready signal; the
+    steps it took meanwhile still count as updates, so the bound stays one of steps."""
+
+    def next_is_graph(step_gap):
+        st_ = StageScheduler(0, range(3), SchedulerPolicy(staleness=2, max_group=2, window="prototype"))
+        for w in (0, 1):
+            st_.handle(Ready(w, 1, 0.0))
+        for w in (0, 1):  # the same two again, after step_gap steps: {0, 1} leaves worker 2 out
+            st_.handle(Ready(w, 1 + step_gap, 1.0))
+        st_.handle(Ready(0, 2 + step_gap, 2.0))
+        return st_.open.graph
+
+    # two ready signals each (4 updates) reach (P - 1) x D = 3 either way; one each does not
+    st_ = StageScheduler(0, range(3), SchedulerPolicy(staleness=2, max_group=2, window="prototype"))
+    st_.handle(Ready(0, 1, 0.0))
+    st_.handle(Ready(1, 1, 0.0))
+    assert st_.since_reset == 2
+    st_.handle(Ready(0, 5, 1.0))  # it went on for 3 steps without a ready signal: they count
+    st_.handle(Ready(1, 2, 1.0))
+    assert st_.since_reset == 2 + 4 + 1
+    assert next_is_graph(1) and next_is_graph(4)
+    st_.handle(Ready(2, 1, 2.0))
+    assert not st_.open.graph or st_.since_reset >= 3
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    speeds=speeds_st,
+    seed=st.integers(0, 10_000),
+    staleness=st.integers(1, 6),
+    gaps=st.lists(st.integers(1, 4), min_size=1, max_size=20),
+)
+def test_the_bound_counts_the_steps_of_workers_that_skip_ready_signals(speeds, seed, staleness, gaps):
+    """Workers whose ready signals come every few steps (random gaps; zero windows, so ordinary rounds are alone
+    and only the bound connects the stage): the scheduler counts exactly the steps its groups' members took, and
+    the steps before each connecting round stay below (P - 1) x D plus one ordinary round's."""
+    D = len(speeds)
+    rng = random.Random(seed)
+    policy = SchedulerPolicy(staleness=staleness, window="prototype", window_init=0.0, window_min=0.0)
+    st_ = StageScheduler(0, range(D), policy)
+    step, last, since = [0] * D, [None] * D, 0  # a worker's first ready signal counts one step
+    queue = [(rng.uniform(0.5, 1.5) / speeds[p], p) for p in range(D)]
+    heapq.heapify(queue)
+    for k in range(30 * D):
+        now, p = heapq.heappop(queue)
+        step[p] += gaps[k % len(gaps)]
+        for g in st_.handle(Ready(p, step[p], now)):
+            counted = sum(1 if last[m] is None else step[m] - last[m] for m in g.members)
+            for m in g.members:
+                last[m] = step[m]
+                heapq.heappush(queue, (now + rng.uniform(0.5, 1.5) / speeds[m], m))
+            if g.connected:
+                assert since < (staleness - 1) * D + max(gaps) or D == 1, (since, staleness, D)
+                since = 0
+            else:
+                since += counted
+            assert st_.since_reset == since, (st_.since_reset, since, g)
 
 
 @settings(max_examples=60, deadline=None)

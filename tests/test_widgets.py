@@ -218,7 +218,8 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     layout = dash.figure.layout[dash._timeline_xaxis.replace("xaxis", "yaxis")]
     rows = dict(zip(layout.tickvals, layout.ticktext))
     compute = dash.trace("timeline/compute")
-    assert compute.name == "compute" and len(compute.x) > 10
+    # the slowed pipeline spends most of its steps in its (emulated) compute: its rows have compute bars
+    assert compute.name == "compute" and {rows[y] for y in compute.y} >= {"pipeline 1 stage 0", "pipeline 1 stage 1"}
     shown = {
         rows[y]
         for c in ("compute", "communication", "synchronization", "waiting", "eval")

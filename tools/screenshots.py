@@ -1,10 +1,15 @@
 """Screenshots of the real dashboard for the README: a 4x2 sdpipe run with one 4x straggler.
 
     python tools/screenshots.py [--out docs/images]
+    python tools/screenshots.py --quickstart [--out docs/images]
 
 Writes a small notebook to a temporary folder, runs it in JupyterLab (on
 127.0.0.1) in headless Chromium, and photographs the live dashboard once its
-group view has filled and three epochs are done.
+group view has filled and three epochs are done.  ``--quickstart`` runs
+``notebooks/01_quickstart.ipynb`` itself instead (Run All, as a reader would),
+waits for every cell, fails on a cell's error, and photographs its dashboard
+(``quickstart-dashboard.png``) and the cells that report who was left out
+(``quickstart-left-out.png``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,16 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab_browser import PLOTS_JS, chromium_page, jupyterlab, notebook_done, run_notebook, wait_js  # noqa: E402
+from lab_browser import (  # noqa: E402
+    PLOTS_JS,
+    chromium_page,
+    copy_notebooks,
+    jupyterlab,
+    notebook_done,
+    notebook_errors,
+    run_notebook,
+    wait_js,
+)
 
 CELLS = [
     """import sdpipe
@@ -49,12 +63,51 @@ FILLED = f"""() => {{
 }}"""
 
 
+def quickstart(out: Path) -> None:
+    """Notebook 01, run all in JupyterLab: its live dashboard and the cells that check who was left out."""
+    root_dir = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        copy_notebooks(root_dir / "notebooks", root, ["01_quickstart.ipynb"])
+        with jupyterlab(root) as (url, token), chromium_page() as page:
+            run_notebook(page, url, token, "01_quickstart.ipynb")
+            deadline = time.monotonic() + 900
+            while not notebook_done(page) and time.monotonic() < deadline:
+                time.sleep(1.0)
+            errors = notebook_errors(page)
+            if errors or not notebook_done(page):
+                raise RuntimeError(f"notebook 01: {'; '.join(errors) or 'still running after 900 s'}")
+            time.sleep(2.0)
+            dash = page.locator(".jp-OutputArea-output", has=page.locator(".js-plotly-plot")).first
+            dash.scroll_into_view_if_needed()
+            dash.screenshot(path=str(out / "quickstart-dashboard.png"))
+            cell = page.locator(".jp-CodeCell", has_text="took part in").first
+            cell.scroll_into_view_if_needed()
+            box = cell.bounding_box()
+            following = page.locator(".jp-CodeCell", has_text="samples/s  (").first.bounding_box()
+            page.screenshot(
+                path=str(out / "quickstart-left-out.png"),
+                clip={
+                    "x": box["x"],
+                    "y": box["y"],
+                    "width": box["width"],
+                    "height": following["y"] + following["height"] - box["y"],
+                },
+                full_page=True,
+            )
+    print(f"wrote {out / 'quickstart-dashboard.png'} and {out / 'quickstart-left-out.png'}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "images"))
+    ap.add_argument("--quickstart", action="store_true", help="run notebooks/01_quickstart.ipynb itself")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.quickstart:
+        quickstart(out)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         nb = new_notebook(

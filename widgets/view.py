@@ -34,7 +34,7 @@ _KIND_CATEGORY = {
     "recv": "communication",
     "sync": "synchronization",
     "wait": "waiting",
-    "straggle": "waiting",
+    "straggle": "compute",  # an emulated slowdown's or straggle's extra time: the worker's own (slower) work
     "pause": "waiting",
     "eval": "eval",
     "save": "eval",
@@ -60,7 +60,8 @@ def emulated_text(h) -> str:
         p, _, st = str(k).partition(",")
         return f"p{p} s{st}" if st else f"pipeline {p}"
 
-    parts = [f"{name(k)} x{x:g}" for k, x in (h.get("slowdown") or {}).items() if x > 1.0]
+    parts = [f"{name(k)} steps x{x:g}" for k, x in (h.get("slowdown") or {}).items() if x > 1.0]
+    parts += [f"{name(k)} compute x{x:g}" for k, x in (h.get("compute_slowdown") or {}).items() if x > 1.0]
     parts += [f"{name(k)} link +{d:g} s" for k, d in (h.get("link_delay") or {}).items() if d > 0]
     if h.get("straggle_prob") and h.get("straggle_delay"):
         parts.append(f"straggles p {h['straggle_prob']:g} of {h['straggle_delay']:g} s")
