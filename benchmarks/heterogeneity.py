@@ -1,22 +1,27 @@
 """Does emulated heterogeneity mean what it says?  Slowdowns, transient straggles and slow links, measured.
 
     python benchmarks/heterogeneity.py [--models mlp,cnn,gpt] [--factors 1.5,2,4,8] [--pipelines 4]
-                                       [--epochs 4] [--repeats 3] [--straggle 0.2,0.02] [--link-delay 0.01]
+                                       [--repeats 3] [--straggle 0.2,0.02] [--link-delay 0.01]
 
-Under policy ``none`` nobody waits for anybody, so a pipeline's step time is its own.  Per model, on one
-LocalCluster of S x D single-threaded workers, the runs of one repeat alternate (their order reversed every
-other repeat): pipeline D-1 slowed by each factor f (``Heterogeneity(slowdown={D-1: f})``), nothing slowed, and
-transient straggles on every worker.  A pipeline's step time is the median interval between its stage 0's
-consecutive optimizer steps within an epoch.  Recorded:
+Every comparison is made within one run, so that the machine's drift from run to run (on this 2-core machine
+two runs of one configuration differ by up to 20%) does not enter it.  Per model and repeat, on one LocalCluster
+of S x D single-threaded workers:
 
-- the slowed pipeline's step against its own step in the same repeat's run without a slowdown (what the
-  factor promises: its step f times as long as it would otherwise take), and against the other pipelines'
-  steps in the same run (what a user sees side by side; on a machine with fewer cores than workers the slowed
-  pipeline's sleep hands its core to the others, which then step faster);
-- transient straggles (probability p, delay d, every worker): a pipeline's mean step against the mean step
-  without, next to the expected ``S x p x d`` more;
-- a slow link (``link_delay={D-1: d}``, policy ``sdpipe`` with blocking averaging): the mean averaging span of
-  groups with pipeline D-1 against those without, next to d.
+- **slowdown**: one run under ``none`` (nobody waits for anybody, so a pipeline's step is its own) whose pipeline
+  D-1 is slowed live, phase after phase: nothing, f1, nothing, f2, ... (``run.set_heterogeneity``).  Each phase
+  lasts about 12 of that pipeline's steps.  Its steps fall into phases by the heterogeneity version its stage 0
+  took up at each step (the worker's ``control`` records).  A slowed step's length is its own time (what it did
+  and waited for within its pipeline) plus the sleep that stretches it, which the worker records as a
+  ``straggle`` span of what ``"slowdown"``: own x f.  Recorded per factor: the median slowed step over the
+  median step of the same pipeline in the phases without (*/ own*: the factor's definition, its step f times
+  as long as it would otherwise take), and over the other pipelines' median step in the same phase (*/ others*:
+  what a user sees side by side; where workers share cores the sleeping pipeline hands its core to the others,
+  which then step faster);
+- **transient straggles** (probability p, delay d, every worker): one run under ``none``; each of a pipeline's
+  steps (stage 0's interval between optimizer steps) grouped by how many of its workers straggled in it (their
+  ``straggle`` spans); the median step with k straggles less the median step with none, next to k x d;
+- **a slow link** (``link_delay={D-1: d}``): one run under ``sdpipe`` with blocking averaging; the median
+  averaging span of groups with pipeline D-1 less the median of those without, next to d.
 
 Results: ``benchmarks/results/heterogeneity.md`` and ``.json``.
 """
@@ -27,32 +32,131 @@ import argparse
 import json
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 from _common import WORKLOAD_NAMES, local_cluster, results_head, run_meta, train_workload, workload
 
 
-def step_times(result) -> dict:
-    """pipeline -> (median, mean, count) of its stage 0's intervals between consecutive optimizer steps of an epoch."""
-    ends: dict = {}
+def _median(v):
+    return statistics.median(v) if v else float("nan")
+
+
+def slowdown_phases(result, slow: int, factors: dict) -> dict:
+    """Per phase version: the slowed pipeline's steps (own x f, from its slowdown spans, or its plain intervals)
+    and the other pipelines' intervals of stage 0.  ``factors``: heterogeneity version -> factor of pipeline
+    ``slow`` (1.0: none)."""
+    applied: dict = {}  # pipeline -> [(step, version)] as its stage 0 took them up
+    for e in result.events:
+        if e["kind"] == "control" and e.get("what") == "heterogeneity" and e.get("applied_by") == "worker":
+            if e["stage"] == 0:
+                applied.setdefault(e["pipeline"], []).append((e["step"], e["version"]))
+
+    def version_of(p, step):
+        v = 0
+        for k, ver in sorted(applied.get(p, [])):
+            if k <= step - 2:  # two steps after the change: the first one may straddle it
+                v = ver
+            elif k <= step:
+                return None
+        return v
+
+    opt: dict = {}
     for e in result.events:
         if e["kind"] == "optimizer" and e["stage"] == 0:
-            ends.setdefault((e["pipeline"], e["epoch"]), []).append(e["end"])
-    per: dict = {}
-    for (p, _), v in ends.items():
+            opt.setdefault(e["pipeline"], []).append((e["step"], e.get("epoch"), e["end"]))
+    intervals: dict = {}  # (pipeline, version) -> [seconds]
+    for p, v in opt.items():
         v.sort()
-        per.setdefault(p, []).extend(b - a for a, b in zip(v, v[1:]))
-    return {p: (statistics.median(v), statistics.mean(v), len(v)) for p, v in sorted(per.items()) if v}
+        for (k0, e0, t0), (k1, e1, t1) in zip(v, v[1:]):
+            ver = version_of(p, k1)
+            if k1 == k0 + 1 and e0 == e1 and ver is not None and version_of(p, k0) == ver:
+                intervals.setdefault((p, ver), []).append(t1 - t0)
+    slowed: dict = {}  # version -> [own x f] of the slowed pipeline's steps
+    for e in result.events:
+        if e["kind"] == "straggle" and e.get("what") == "slowdown" and e["pipeline"] == slow and e["stage"] == 0:
+            ver = version_of(slow, e["step"])
+            f = factors.get(ver, 1.0)
+            if ver is not None and f > 1.0:
+                slept = e["end"] - e["start"]
+                slowed.setdefault(ver, []).append(slept * f / (f - 1.0))
+    return {"intervals": {f"{p},{v}": x for (p, v), x in intervals.items()}, "slowed": slowed}
+
+
+def straggle_effect(result, S: int) -> dict:
+    """k -> the stage-0 intervals of steps in which k of the pipeline's workers straggled."""
+    hits: dict = {}
+    for e in result.events:
+        if e["kind"] == "straggle" and e.get("what") != "slowdown":
+            hits[(e["pipeline"], e["step"])] = hits.get((e["pipeline"], e["step"]), 0) + 1
+    opt: dict = {}
+    for e in result.events:
+        if e["kind"] == "optimizer" and e["stage"] == 0:
+            opt.setdefault(e["pipeline"], []).append((e["step"], e.get("epoch"), e["end"]))
+    by_k: dict = {}
+    for p, v in opt.items():
+        v.sort()
+        for (k0, e0, t0), (k1, e1, t1) in zip(v, v[1:]):
+            if k1 == k0 + 1 and e0 == e1:
+                by_k.setdefault(hits.get((p, k1), 0), []).append(t1 - t0)
+    return by_k
 
 
 def link_effect(result, slow: int) -> tuple:
-    """(mean seconds of the averaging spans of groups with ``slow``, of those without, how many of each)."""
-    syncs = [e for e in result.events if e["kind"] == "sync" and e.get("reason") not in ("global", None)]
-    syncs = [e for e in syncs if len(e["group"]) > 1 and not e.get("failed")]
+    """(median seconds of the averaging spans of groups with ``slow``, of those without, how many of each)."""
+    syncs = [e for e in result.events if e["kind"] == "sync" and e.get("round") is not None]
+    syncs = [e for e in syncs if len(e["group"]) > 1 and e.get("reason") != "global" and not e.get("failed")]
     with_ = [e["end"] - e["start"] for e in syncs if slow in e["group"]]
     without = [e["end"] - e["start"] for e in syncs if slow not in e["group"]]
-    mean = lambda v: statistics.mean(v) if v else float("nan")
-    return mean(with_), mean(without), len(with_), len(without)
+    return _median(with_), _median(without), len(with_), len(without)
+
+
+def live_slowdowns(name: str, S: int, D: int, factors: list, batch_size: int, client) -> tuple:
+    """One ``none`` run of workload ``name`` whose last pipeline is slowed by each factor in turn, a phase without
+    between them; returns (its result, heterogeneity version -> factor)."""
+    import sdpipe
+
+    slow = D - 1
+    w = workload(name, S)
+    w.pop("text"), w.pop("eval_data")
+    model, data = w.pop("model"), w.pop("train_data")
+    run = sdpipe.train(
+        model, data, stages=S, pipelines=D, policy="none", epochs=10_000, batch_size=batch_size, cluster=client, **w
+    )
+    versions = {0: 1.0}
+    failure = []
+
+    def steps_of(p):
+        return [e for e in run.events if e["kind"] == "optimizer" and e["stage"] == 0 and e["pipeline"] == p]
+
+    def wait_steps(n, timeout=600):
+        start, deadline = len(steps_of(slow)), time.monotonic() + timeout
+        while len(steps_of(slow)) < start + n and time.monotonic() < deadline and not run.done():
+            time.sleep(0.05)
+
+    def plan():
+        try:
+            wait_steps(15)  # warm
+            for k, f in enumerate(factors):
+                run.set_heterogeneity(slowdown={slow: f})
+                versions[2 * k + 1] = f
+                wait_steps(14)
+                run.set_heterogeneity(None)
+                versions[2 * k + 2] = 1.0
+                wait_steps(14)
+        except Exception as e:  # said by the caller
+            failure.append(e)
+        finally:
+            run.stop()
+
+    steering = threading.Thread(target=plan, name="heterogeneity-plan", daemon=True)
+    steering.start()
+    result = run.result(timeout=3600)
+    steering.join(30)
+    if failure:
+        raise failure[0]
+    return result, versions
 
 
 def main(argv=None) -> int:
@@ -61,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--factors", default="1.5,2,4,8")
     ap.add_argument("--pipelines", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=4, help="epochs of the straggle and link runs")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--straggle", default="0.2,0.02", help="p,d of the transient straggles (every worker)")
@@ -75,128 +179,130 @@ def main(argv=None) -> int:
     slow = D - 1
     factors = [float(x) for x in args.factors.split(",")]
     p_straggle, d_straggle = (float(x) for x in args.straggle.split(","))
-    contenders = [("plain", None)] + [(f"slowdown {f:g}", sdpipe.Heterogeneity(slowdown={slow: f})) for f in factors]
-    contenders.append(
-        ("straggles", sdpipe.Heterogeneity(straggle_prob=p_straggle, straggle_delay=d_straggle)),
-    )
     rows = []
     client, cluster = local_cluster(D * S)
     try:
         for name in args.models.split(","):
             text = workload(name, S)["text"]
             for rep in range(args.repeats):
-                order = contenders if rep % 2 == 0 else contenders[::-1]
-                for label, hetero in order:
-                    f = hetero.slowdown_of(slow, 0) if hetero is not None else 1.0
-                    r = train_workload(
-                        name,
-                        S,
-                        pipelines=D,
-                        policy="none",
-                        # a pipeline slowed f times takes about 1/f of the others' batches: more epochs give it as
-                        # many steps to measure as a factor of 2 would
-                        epochs=max(args.epochs, round(args.epochs * f / 2)),
-                        batch_size=args.batch_size,
-                        heterogeneity=hetero,
-                        cluster=client,
-                    )
-                    row = {"model": name, "text": text, "repeat": rep, "run": label, "steps": step_times(r)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                # a slow link: groups with the slowed pipeline average d later
+                order = factors if rep % 2 == 0 else factors[::-1]
+                r, versions = live_slowdowns(name, S, D, order, args.batch_size, client)
+                row = {"model": name, "text": text, "repeat": rep, "run": "slowdown", "versions": versions}
+                row.update(slowdown_phases(r, slow, versions))
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k in ("model", "repeat", "run", "versions")}))
+                common = dict(pipelines=D, epochs=args.epochs, batch_size=args.batch_size, cluster=client)
                 r = train_workload(
                     name,
                     S,
-                    pipelines=D,
+                    policy="none",
+                    heterogeneity=sdpipe.Heterogeneity(straggle_prob=p_straggle, straggle_delay=d_straggle),
+                    **common,
+                )
+                rows.append({"model": name, "repeat": rep, "run": "straggles", "by_hits": straggle_effect(r, S)})
+                r = train_workload(
+                    name,
+                    S,
                     policy="sdpipe",
                     scheduler={"overlap": False},
-                    epochs=args.epochs,
-                    batch_size=args.batch_size,
                     heterogeneity=sdpipe.Heterogeneity(link_delay={slow: args.link_delay}),
-                    cluster=client,
+                    **common,
                 )
-                row = {"model": name, "text": text, "repeat": rep, "run": "link", "link": link_effect(r, slow)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append({"model": name, "repeat": rep, "run": "link", "link": link_effect(r, slow)})
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         client.close()
         cluster.close()
+    return report(rows, args, argv)
 
+
+def report(rows: list, args, argv) -> int:
+    D, S = args.pipelines, args.stages
+    slow = D - 1
+    factors = [float(x) for x in args.factors.split(",")]
+    p_straggle, d_straggle = (float(x) for x in args.straggle.split(","))
     meta = run_meta(
         "heterogeneity.py",
         argv,
-        f"S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches, {args.epochs} epochs per run (f / 2 "
-        f"times as many for a factor f above 2), policy none (the slow link: sdpipe, blocking averaging), slowed "
-        f"pipeline {slow}, straggles p={p_straggle:g} of {d_straggle:g} s on every worker, link delay "
-        f"{args.link_delay:g} s, gloo on CPU, {args.repeats} repeats; "
-        f"slept heterogeneity (sdpipe._pace)",
+        f"S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches; slowdowns of pipeline {slow} set live "
+        f"in one run under none per repeat; straggles p={p_straggle:g} of {d_straggle:g} s on every worker and a "
+        f"link delay of {args.link_delay:g} s on pipeline {slow} in runs of {args.epochs} epochs; gloo on CPU, "
+        f"{args.repeats} repeats; slept heterogeneity (sdpipe._pace)",
     )
     Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out, L = results_head(args.out, "Emulated heterogeneity, measured", meta)
 
     def med_spread(v) -> str:
-        return f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+        v = [x for x in v if x == x]
+        return f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]" if v else "-"
 
     L += [
         "",
-        "Step: the median interval between a pipeline's consecutive optimizer steps within an epoch (stage 0). "
-        "Per repeat, the slowed pipeline's step is divided by its own step in that repeat's run without a "
-        "slowdown (*/ own*: the definition), and by the median of the other pipelines' steps in the same run "
-        "(*/ others*); the table gives the median over the repeats and, in brackets, their range.",
+        "**Slowdown.** Per repeat and factor: the slowed pipeline's median step in the phase (its own time plus "
+        "the sleep that stretches it) over its median step in the phases without a slowdown (*/ own*), and over "
+        "the other pipelines' median step in the same phase (*/ others*); the median over the repeats, their range "
+        "in brackets.  *steps*: the slowed steps measured, over the repeats.",
         "",
-        "| model | f | / own | / others | within 10% of f (/ own) |",
-        "|---|---|---|---|---|",
+        "| model | f | / own | / others | steps | / own within 10% of f |",
+        "|---|---|---|---|---|---|",
     ]
     verdicts = []
-    for name in args.models.split(","):
-        mine = [r for r in rows if r["model"] == name]
-        plain = {r["repeat"]: r["steps"] for r in mine if r["run"] == "plain"}
+    for name in dict.fromkeys(r["model"] for r in rows):
+        runs = [r for r in rows if r["model"] == name and r["run"] == "slowdown"]
         for f in factors:
-            own, others = [], []
-            for r in mine:
-                if r["run"] != f"slowdown {f:g}" or str(slow) not in map(str, r["steps"]):
-                    continue
-                steps = {int(k): v for k, v in r["steps"].items()}
-                base = {int(k): v for k, v in plain[r["repeat"]].items()}
-                own.append(steps[slow][0] / base[slow][0])
-                others.append(steps[slow][0] / statistics.median(v[0] for p, v in steps.items() if p != slow))
-            ok = abs(statistics.median(own) / f - 1) <= 0.10
+            own, others, n = [], [], 0
+            for r in runs:
+                intervals = {tuple(int(x) for x in k.split(",")): v for k, v in r["intervals"].items()}
+                versions = {int(k): v for k, v in r["versions"].items()}
+                plain = [x for (p, ver), v in intervals.items() if p == slow and versions.get(ver) == 1.0 for x in v]
+                for ver, fv in versions.items():
+                    steps = r["slowed"].get(ver, r["slowed"].get(str(ver), []))
+                    if fv != f or not steps:
+                        continue
+                    n += len(steps)
+                    mine = statistics.median(steps)
+                    own.append(mine / _median(plain))
+                    rest = [x for (p, v2), v in intervals.items() if p != slow and v2 == ver for x in v]
+                    others.append(mine / _median(rest))
+            ok = bool(own) and abs(statistics.median(own) / f - 1) <= 0.10
             verdicts.append(ok)
-            L.append(f"| {name} | {f:g} | {med_spread(own)} | {med_spread(others)} | {'yes' if ok else 'no'} |")
+            L.append(f"| {name} | {f:g} | {med_spread(own)} | {med_spread(others)} | {n} | {'yes' if ok else 'no'} |")
     L += [
         "",
-        f"Transient straggles, p = {p_straggle:g} of {d_straggle:g} s on every worker: a pipeline's mean step "
-        f"grows by S x p x d = {S * p_straggle * d_straggle * 1000:.1f} ms on average (each stage that straggles "
-        "holds the step back by d).  Measured: the mean step of every pipeline in the run with straggles less "
-        "its mean step in the same repeat's run without, the median over pipelines and repeats.",
+        f"**Transient straggles**, p = {p_straggle:g} of {d_straggle:g} s on every worker (S = {S}: a pipeline's "
+        f"step grows by S x p x d = {S * p_straggle * d_straggle * 1000:.1f} ms on average).  Per repeat: the "
+        "median step (stage 0's interval) in which k of the pipeline's workers straggled less the median step in "
+        "which none did, next to k x d; the median over the repeats and their range.",
         "",
-        "| model | expected (ms) | measured (ms) [range] |",
-        "|---|---|---|",
+        "| model | k | expected (ms) | measured (ms) | steps |",
+        "|---|---|---|---|---|",
     ]
-    for name in args.models.split(","):
-        mine = [r for r in rows if r["model"] == name]
-        plain = {r["repeat"]: r["steps"] for r in mine if r["run"] == "plain"}
-        extra = []
-        for r in mine:
-            if r["run"] == "straggles":
-                for p, v in r["steps"].items():
-                    extra.append(1000 * (v[1] - plain[r["repeat"]][p][1]))
-        L.append(
-            f"| {name} | {S * p_straggle * d_straggle * 1000:.1f} | {statistics.median(extra):.1f} "
-            f"[{min(extra):.1f}-{max(extra):.1f}] |"
-        )
+    for name in dict.fromkeys(r["model"] for r in rows):
+        runs = [r for r in rows if r["model"] == name and r["run"] == "straggles"]
+        for k in (1, 2):
+            got, n = [], 0
+            for r in runs:
+                by = {int(x): v for x, v in r["by_hits"].items()}
+                if by.get(k) and by.get(0):
+                    got.append(1000 * (statistics.median(by[k]) - statistics.median(by[0])))
+                    n += len(by[k])
+            if got:
+                L.append(
+                    f"| {name} | {k} | {1000 * k * d_straggle:.0f} | {statistics.median(got):.1f} "
+                    f"[{min(got):.1f}-{max(got):.1f}] | {n} |"
+                )
     L += [
         "",
-        f"A slow link, d = {args.link_delay * 1000:g} ms on pipeline {slow} (each averaging its workers take part in "
-        "starts d later, so the whole group waits d): the mean averaging span of groups with that pipeline less "
-        "those without, per repeat (policy sdpipe, blocking averaging).",
+        f"**A slow link**, d = {args.link_delay * 1000:g} ms on pipeline {slow} (each averaging its workers take part "
+        "in starts d later, so the whole group waits d): per repeat, the median averaging span of groups with that "
+        "pipeline less the median of those without (policy sdpipe, blocking averaging), with how many of each.",
         "",
         "| model | expected (ms) | measured per repeat (ms) |",
         "|---|---|---|",
     ]
-    for name in args.models.split(","):
+    for name in dict.fromkeys(r["model"] for r in rows):
         links = [r["link"] for r in rows if r["model"] == name and r["run"] == "link"]
-        got = ", ".join(f"{1000 * (a - b):.1f}" for a, b, _, _ in links)
+        got = ", ".join(f"{1000 * (a - b):.1f} ({n1} / {n2})" for a, b, n1, n2 in links)
         L.append(f"| {name} | {args.link_delay * 1000:g} | {got} |")
     out.write_text("\n".join(L) + "\n")
     print(out.read_text())

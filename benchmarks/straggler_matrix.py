@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import WORKLOAD_NAMES, local_cluster, results_head, run_meta, train_workload, workload
+from _common import VARIANTS, WORKLOAD_NAMES, local_cluster, results_head, run_meta, train_workload, workload
 
 #: epochs per run by model: enough steps after the first epoch for a median (an epoch of the digits is 45
 #: batches, of the GPT example's 100,000 characters 48)
@@ -106,7 +106,8 @@ def main(argv=None) -> int:
                                 name,
                                 S,
                                 pipelines=D,
-                                policy=policy,
+                                policy=VARIANTS.get(policy, (policy,))[0],
+                                scheduler=VARIANTS[policy][1] if policy in VARIANTS else None,
                                 epochs=args.epochs or EPOCHS[name],
                                 batch_size=32,
                                 heterogeneity=sdpipe.Heterogeneity(slowdown={slow: f}) if f > 1 else None,
@@ -200,6 +201,33 @@ def report(rows: list, args, argv) -> int:
     met = sum(ok for goals in verdicts.values() for _, ok in goals)
     total = sum(len(goals) for goals in verdicts.values())
     L += ["", f"Goals met: {met} of {total}."]
+    variants = [v for v in dict.fromkeys(r["policy"] for r in rows) if v in VARIANTS]
+    if variants:
+        L += [
+            "",
+            "Variants (`benchmarks/_common.py` VARIANTS: sdpipe with other scheduler parameters), against `none` of "
+            "the same cells:",
+            "",
+            "| model | D | f | variant | samples/s | / none | slow share (/ none) | rounds with it (1/f) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for v in variants:
+            for name in dict.fromkeys(r["model"] for r in rows):
+                for D in sorted({r["D"] for r in rows if r["model"] == name}):
+                    for f in sorted({r["f"] for r in rows}):
+                        rs, base = pick(model=name, D=D, f=f, policy=v), pick(model=name, D=D, f=f, policy="none")
+                        if not rs:
+                            continue
+                        sps = [r["samples_per_s"] for r in rs]
+                        to_none = f"{med(rs) / med(base):.2f}" if base else "-"
+                        share = med(rs, "slow_share")
+                        share_txt = f"{share:.3f} ({share / med(base, 'slow_share'):.2f})" if base and f > 1 else "-"
+                        rounds = sum(r["rounds"] for r in rs)
+                        with_slow = sum(r["rounds_with_slow"] for r in rs) / max(1, rounds)
+                        L.append(
+                            f"| {name} | {D} | {f:g} | {v} | {statistics.median(sps):.0f} [{min(sps):.0f}-"
+                            f"{max(sps):.0f}] | {to_none} | {share_txt} | {with_slow:.2f} ({1 / f:.2f}) |"
+                        )
     out.write_text("\n".join(L) + "\n")
     print(out.read_text())
     return 0

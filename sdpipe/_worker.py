@@ -324,7 +324,7 @@ class Worker:
 
     def slow(self, elapsed: float) -> None:
         """After a forward or backward of ``elapsed`` seconds: the emulated compute slowdown k (sleep ``(k - 1) x
-        elapsed``), then the step's slowdown and a pending straggle (:class:`~sdpipe._pace.Pace`)."""
+        elapsed``), then a transient straggle this step drew (:class:`~sdpipe._pace.Pace`)."""
         k = self.hetero.compute_slowdown_of(self.pipeline, self.stage)
         if k > 1.0:
             time.sleep((k - 1.0) * elapsed)

@@ -73,7 +73,8 @@ class ControlPanel(anywidget.AnyWidget):
 
         // heterogeneity
         const hetBox = el_("div", { className: "sdpipe-col sdpipe-het" },
-          el_("b", { textContent: "heterogeneity (slowdown per pipeline)" }));
+          el_("b", { textContent: "heterogeneity (slowdown per pipeline)",
+                     title: "a pipeline slowed k times: its own steps take k times as long" }));
         const n = model.get("pipelines");
         for (let p = 0; p < n; p++) hetBox.append(slider(`slowdown/${p}`, `pipeline ${p}`, 1, 8, 0.5));
         hetBox.append(slider("straggle_prob", "straggle p", 0, 0.5, 0.05),

@@ -615,6 +615,7 @@ class Dashboard:
                     straggle_prob=panel.straggle_prob,
                     straggle_delay=panel.straggle_delay,
                     link_delay=dict(run.heterogeneity.link_delay),
+                    compute_slowdown=dict(run.heterogeneity.compute_slowdown),
                 ),
             )
         elif action == "add pipeline":
