@@ -78,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=None, help="epochs per run (default: by model, EPOCHS)")
+    ap.add_argument("--sync-every", type=int, default=1, help="epochs between global syncs (TrainConfig.sync_every)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "straggler_matrix.md"))
     ap.add_argument("--report", action="store_true", help="only write the results from the rows file")
     args = ap.parse_args(argv)
@@ -110,6 +111,7 @@ def main(argv=None) -> int:
                                 scheduler=VARIANTS[policy][1] if policy in VARIANTS else None,
                                 epochs=args.epochs or EPOCHS[name],
                                 batch_size=32,
+                                sync_every=args.sync_every,
                                 heterogeneity=sdpipe.Heterogeneity(slowdown={slow: f}) if f > 1 else None,
                                 cluster=client,
                             )
@@ -130,8 +132,8 @@ def report(rows: list, args, argv) -> int:
         "straggler_matrix.py",
         argv,
         f"S={args.stages}, batch 32 per pipeline, 4 micro-batches, epochs per run {args.epochs or EPOCHS}, every "
-        f"policy at its defaults, pipeline D-1 slowed (slept heterogeneity, sdpipe._pace), gloo on CPU, "
-        f"{args.repeats} repeats",
+        f"policy at its defaults but a global sync every {getattr(args, 'sync_every', 1)} epoch(s), pipeline D-1 "
+        f"slowed (slept heterogeneity, sdpipe._pace), gloo on CPU, {args.repeats} repeats",
     )
     Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out, L = results_head(args.out, "Stragglers in the runs people make: every policy, small models", meta)
