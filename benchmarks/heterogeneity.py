@@ -9,10 +9,10 @@ of S x D single-threaded workers:
 
 - **slowdown**: one run under ``none`` (nobody waits for anybody, so a pipeline's step is its own) whose pipeline
   D-1 is slowed live, phase after phase: nothing, f1, nothing, f2, ... (``run.set_heterogeneity``).  Each phase
-  lasts about 12 of that pipeline's steps.  Its steps fall into phases by the heterogeneity version its stage 0
-  took up at each step (the worker's ``control`` records).  A slowed step's length is its own time (what it did
-  and waited for within its pipeline) plus the sleep that stretches it, which the worker records as a
-  ``straggle`` span of what ``"slowdown"``: own x f.  Recorded per factor: the median slowed step over the
+  lasts 40 of that pipeline's steps.  Its steps fall into phases by the heterogeneity version its stage 0
+  took up at each step (the worker's ``control`` records); a step is stage 0's interval between consecutive
+  optimizer steps of an epoch (the sleep that stretches a step lies between them).  Recorded per factor: the
+  median slowed step over the
   median step of the same pipeline in the phases without (*/ own*: the factor's definition, its step f times
   as long as it would otherwise take), and over the other pipelines' median step in the same phase (*/ others*:
   what a user sees side by side; where workers share cores the sleeping pipeline hands its core to the others,
@@ -38,15 +38,17 @@ from pathlib import Path
 
 from _common import WORKLOAD_NAMES, local_cluster, results_head, run_meta, train_workload, workload
 
+#: steps of the slowed pipeline per phase (about half of them count: intervals across an epoch's end do not)
+PHASE_STEPS = 40
+
 
 def _median(v):
     return statistics.median(v) if v else float("nan")
 
 
-def slowdown_phases(result, slow: int, factors: dict) -> dict:
-    """Per phase version: the slowed pipeline's steps (own x f, from its slowdown spans, or its plain intervals)
-    and the other pipelines' intervals of stage 0.  ``factors``: heterogeneity version -> factor of pipeline
-    ``slow`` (1.0: none)."""
+def slowdown_phases(result, slow: int) -> dict:
+    """Per pipeline and heterogeneity version its stage 0 was under: stage 0's intervals between consecutive
+    optimizer steps of one epoch (a step's sleep lies between its optimizer and the next step's)."""
     applied: dict = {}  # pipeline -> [(step, version)] as its stage 0 took them up
     for e in result.events:
         if e["kind"] == "control" and e.get("what") == "heterogeneity" and e.get("applied_by") == "worker":
@@ -66,22 +68,14 @@ def slowdown_phases(result, slow: int, factors: dict) -> dict:
     for e in result.events:
         if e["kind"] == "optimizer" and e["stage"] == 0:
             opt.setdefault(e["pipeline"], []).append((e["step"], e.get("epoch"), e["end"]))
-    intervals: dict = {}  # (pipeline, version) -> [seconds]
+    intervals: dict = {}  # "pipeline,version" -> [seconds]
     for p, v in opt.items():
         v.sort()
         for (k0, e0, t0), (k1, e1, t1) in zip(v, v[1:]):
             ver = version_of(p, k1)
             if k1 == k0 + 1 and e0 == e1 and ver is not None and version_of(p, k0) == ver:
-                intervals.setdefault((p, ver), []).append(t1 - t0)
-    slowed: dict = {}  # version -> [own x f] of the slowed pipeline's steps
-    for e in result.events:
-        if e["kind"] == "straggle" and e.get("what") == "slowdown" and e["pipeline"] == slow and e["stage"] == 0:
-            ver = version_of(slow, e["step"])
-            f = factors.get(ver, 1.0)
-            if ver is not None and f > 1.0:
-                slept = e["end"] - e["start"]
-                slowed.setdefault(ver, []).append(slept * f / (f - 1.0))
-    return {"intervals": {f"{p},{v}": x for (p, v), x in intervals.items()}, "slowed": slowed}
+                intervals.setdefault(f"{p},{ver}", []).append(t1 - t0)
+    return {"intervals": intervals}
 
 
 def straggle_effect(result, S: int) -> dict:
@@ -137,14 +131,14 @@ def live_slowdowns(name: str, S: int, D: int, factors: list, batch_size: int, cl
 
     def plan():
         try:
-            wait_steps(15)  # warm
+            wait_steps(20)  # warm
             for k, f in enumerate(factors):
                 run.set_heterogeneity(slowdown={slow: f})
                 versions[2 * k + 1] = f
-                wait_steps(14)
+                wait_steps(PHASE_STEPS)
                 run.set_heterogeneity(None)
                 versions[2 * k + 2] = 1.0
-                wait_steps(14)
+                wait_steps(PHASE_STEPS)
         except Exception as e:  # said by the caller
             failure.append(e)
         finally:
@@ -188,7 +182,7 @@ def main(argv=None) -> int:
                 order = factors if rep % 2 == 0 else factors[::-1]
                 r, versions = live_slowdowns(name, S, D, order, args.batch_size, client)
                 row = {"model": name, "text": text, "repeat": rep, "run": "slowdown", "versions": versions}
-                row.update(slowdown_phases(r, slow, versions))
+                row.update(slowdown_phases(r, slow))
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k in ("model", "repeat", "run", "versions")}))
                 common = dict(pipelines=D, epochs=args.epochs, batch_size=args.batch_size, cluster=client)
@@ -256,7 +250,7 @@ def report(rows: list, args, argv) -> int:
                 versions = {int(k): v for k, v in r["versions"].items()}
                 plain = [x for (p, ver), v in intervals.items() if p == slow and versions.get(ver) == 1.0 for x in v]
                 for ver, fv in versions.items():
-                    steps = r["slowed"].get(ver, r["slowed"].get(str(ver), []))
+                    steps = intervals.get((slow, ver), [])
                     if fv != f or not steps:
                         continue
                     n += len(steps)

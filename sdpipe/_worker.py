@@ -491,7 +491,7 @@ class Training:
         losses, samples, j = [], 0, self.first_j
         self.first_j = 0
         while True:
-            w.pace.begin(w.hetero.slowdown_of(w.pipeline, w.stage))
+            w.pace.begin(w.hetero.stretch_of(w.pipeline, w.stage))
             msg = self._boundary(epoch, j)
             if msg.op is not Op.RUN:
                 w.pace.end()

@@ -164,6 +164,15 @@ class Heterogeneity:
     def slowdown_of(self, pipeline: int, stage: int) -> float:
         return self._lookup(self.slowdown, pipeline, stage, 1.0)
 
+    def stretch_of(self, pipeline: int, stage: int) -> float:
+        """The factor worker (pipeline, stage) stretches its own step by (:mod:`sdpipe._pace`): its own key's; a
+        pipeline's key on the pipeline's stage 0 alone, which leads each of the pipeline's steps (its control
+        message starts the step everywhere, and its step spans the pipeline's), so the pipeline's step stretches by
+        it while the later stages wait for that message."""
+        if (pipeline, stage) in self.slowdown:
+            return float(self.slowdown[(pipeline, stage)])
+        return float(self.slowdown.get(pipeline, 1.0)) if stage == 0 else 1.0
+
     def compute_slowdown_of(self, pipeline: int, stage: int) -> float:
         return self._lookup(self.compute_slowdown, pipeline, stage, 1.0)
 

@@ -830,7 +830,7 @@ class _Simulation:
         finish: dict = {}
         self.step_costs = []  # per pipeline: (per-stage finish, compute, forward seconds of one step)
         #: per pipeline, what each stage sleeps after its step for a step slowdown f (sdpipe._pace: f - 1 times its
-        #: own step, the step overhead counted on stage 0), or None
+        #: own step, the step overhead counted on stage 0; a pipeline's slowdown is stage 0's), or None
         self.stretch: list = []
         for p in range(D):
             k = tuple(hetero.compute_slowdown_of(p, s) for s in range(S))
@@ -838,7 +838,7 @@ class _Simulation:
                 ends, busy = _step_finish(plan, costs, network, k, M)
                 finish[k] = (ends, busy, [M * costs.forward[s] * k[s] for s in range(S)])
             self.step_costs.append(finish[k])
-            f = [hetero.slowdown_of(p, s) for s in range(S)]
+            f = [hetero.stretch_of(p, s) for s in range(S)]
             ends = finish[k][0]
             own = [ends[s] + (costs.step_overhead if s == 0 else 0.0) for s in range(S)]
             self.stretch.append([(f[s] - 1.0) * own[s] for s in range(S)] if max(f) > 1.0 else None)

@@ -218,8 +218,8 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     layout = dash.figure.layout[dash._timeline_xaxis.replace("xaxis", "yaxis")]
     rows = dict(zip(layout.tickvals, layout.ticktext))
     compute = dash.trace("timeline/compute")
-    # the slowed pipeline spends most of its steps in its (emulated) compute: its rows have compute bars
-    assert compute.name == "compute" and {rows[y] for y in compute.y} >= {"pipeline 1 stage 0", "pipeline 1 stage 1"}
+    # the slowed pipeline's stage 0 (its slowdown's sleep counts as its own work) spends most of its time computing
+    assert compute.name == "compute" and "pipeline 1 stage 0" in {rows[y] for y in compute.y}
     shown = {
         rows[y]
         for c in ("compute", "communication", "synchronization", "waiting", "eval")
