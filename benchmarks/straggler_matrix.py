@@ -19,7 +19,7 @@ whether the connectivity bound held.  The goals (issue 34): with a straggler, sd
 >= 0.97x allreduce.
 
 Results: ``benchmarks/results/straggler_matrix.md`` and ``.json``; every run's row is appended to
-``straggler_matrix.rows.jsonl`` as it ends (a long run that stops keeps what it measured).
+``straggler_matrix.rows.jsonl`` as it ends (a long run that stops keeps what it measured; `--resume` measures the rest).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=1, help="epochs between global syncs (TrainConfig.sync_every)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "straggler_matrix.md"))
     ap.add_argument("--report", action="store_true", help="only write the results from the rows file")
+    ap.add_argument("--resume", action="store_true", help="keep the rows file's runs and measure only the others")
     args = ap.parse_args(argv)
     rows_path = Path(args.out).with_suffix(".rows.jsonl")
     if args.report:
@@ -93,7 +94,10 @@ def main(argv=None) -> int:
     S, P = args.stages, 10
     policies = args.policies.split(",")
     factors = [float(x) for x in args.scenarios.split(",")]
-    rows = []
+    kept = rows_path.read_text().splitlines() if args.resume and rows_path.exists() else []
+    rows = [json.loads(line) for line in kept]
+    have = {(r["model"], r["D"], r["f"], r["policy"], r["repeat"]) for r in rows}
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # a new run starts the file afresh
     for name in args.models.split(","):
         for D in (int(x) for x in args.pipelines.split(",")):
             slow = D - 1
@@ -104,6 +108,8 @@ def main(argv=None) -> int:
                     for f in factors:
                         order = policies if rep % 2 == 0 else policies[::-1]
                         for policy in order:
+                            if (name, D, f, policy, rep) in have:
+                                continue
                             t = time.time()
                             result = train_workload(
                                 name,

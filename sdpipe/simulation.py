@@ -311,16 +311,17 @@ def _shown_heterogeneity(
     measured = {key: max(1.0, spent / base) for key, (spent, base) in shown.items() if base > 0}
     if measured:
         changes["compute_slowdown"] = measured
-    slowed = {(p, s) for p in range(pipelines) for s in range(stages) if hetero.slowdown_of(p, s) != 1.0}
-    plain = [p for p in range(pipelines) if all((p, s) not in slowed for s in range(stages))]
+    # the run's own keys: a pipeline's key stretches its stage 0 alone, in the runtime and the simulator alike
+    slowed = {key: (key if isinstance(key, int) else key[0]) for key, f in hetero.slowdown.items() if f != 1.0}
+    slowed = {key: p for key, p in slowed.items() if p < pipelines}
+    plain = [p for p in range(pipelines) if p not in slowed.values()]
     base = _step_intervals(by_kind, plain)
     if slowed and base:
         typical, steps = statistics.median(base), {}
-        for p, s in slowed:
-            if p not in steps:
-                mine = _step_intervals(by_kind, [p])
-                steps[p] = max(1.0, statistics.median(mine) / typical) if mine and typical > 0 else None
-        step = {key: steps[key[0]] for key in slowed if steps[key[0]] is not None}
+        for p in set(slowed.values()):
+            mine = _step_intervals(by_kind, [p])
+            steps[p] = max(1.0, statistics.median(mine) / typical) if mine and typical > 0 else None
+        step = {key: steps[p] for key, p in slowed.items() if steps[p] is not None}
         if step:
             changes["slowdown"] = step
     return dataclasses.replace(hetero, **changes) if changes else hetero
