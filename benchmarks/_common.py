@@ -28,6 +28,11 @@ def workload(name: str, stages: int = 2) -> dict:
 
         train, held = digits()
         return dict(model=digits_mlp(hidden=128), train_data=train, eval_data=held, text="digits MLP 64-128-128-10")
+    if name == "mlp768":  # compute-bound: a step is mostly the two 768-wide layers, not messages
+        from sdpipe.data import digits, digits_mlp
+
+        train, held = digits()
+        return dict(model=digits_mlp(hidden=768), train_data=train, eval_data=held, text="digits MLP 64-768-768-10")
     if name == "cnn":
         from sdpipe.data import digits, digits_cnn
 
@@ -51,7 +56,7 @@ def workload(name: str, stages: int = 2) -> dict:
             metric="perplexity",
             text="GPT example (221k parameters) on 100,000 characters of the standard library's text",
         )
-    raise ValueError(f"--models: {name!r} is not one of {', '.join(WORKLOAD_NAMES)}")
+    raise ValueError(f"--models: {name!r} is not one of {', '.join(WORKLOAD_NAMES + ('mlp768',))}")
 
 
 def train_workload(name: str, stages: int, timeout: float = 3600, **kwargs):

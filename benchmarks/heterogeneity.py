@@ -68,14 +68,22 @@ def slowdown_phases(result, slow: int) -> dict:
     for e in result.events:
         if e["kind"] == "optimizer" and e["stage"] == 0:
             opt.setdefault(e["pipeline"], []).append((e["step"], e.get("epoch"), e["end"]))
+    slept = {}  # (pipeline, step) -> the seconds stage 0 slept to stretch the step before it (recorded as ``step``)
+    for e in result.events:
+        if e["kind"] == "straggle" and e.get("what") == "slowdown" and e["stage"] == 0:
+            slept[(e["pipeline"], e["step"])] = slept.get((e["pipeline"], e["step"]), 0.0) + e["end"] - e["start"]
     intervals: dict = {}  # "pipeline,version" -> [seconds]
+    applied: dict = {}  # "pipeline,version" -> [interval / (interval - its sleep)]: the stretch the worker slept
     for p, v in opt.items():
         v.sort()
         for (k0, e0, t0), (k1, e1, t1) in zip(v, v[1:]):
             ver = version_of(p, k1)
             if k1 == k0 + 1 and e0 == e1 and ver is not None and version_of(p, k0) == ver:
                 intervals.setdefault(f"{p},{ver}", []).append(t1 - t0)
-    return {"intervals": intervals}
+                sleep = slept.get((p, k1), 0.0)
+                if 0 < sleep < t1 - t0:
+                    applied.setdefault(f"{p},{ver}", []).append((t1 - t0) / (t1 - t0 - sleep))
+    return {"intervals": intervals, "applied": applied}
 
 
 def straggle_effect(result, S: int) -> dict:
@@ -235,16 +243,19 @@ def report(rows: list, args, argv) -> int:
         "**Slowdown.** Per repeat and factor: the slowed pipeline's median step in the phase (its own time plus "
         "the sleep that stretches it) over its median step in the phases without a slowdown (*/ own*), and over "
         "the other pipelines' median step in the same phase (*/ others*); the median over the repeats, their range "
-        "in brackets.  *steps*: the slowed steps measured, over the repeats.",
+        "in brackets.  *steps*: the slowed steps measured, over the repeats.  *applied*: per slowed step, the step "
+        "over the step less the sleep that stretched it (the stretch the worker applied to what that step took; "
+        "*/ own* differs from it where the unslept part of a step took another time than in the phases without, "
+        "as when the machine's other workers hand it more or less of a core).",
         "",
-        "| model | f | / own | / others | steps | / own within 10% of f |",
-        "|---|---|---|---|---|---|",
+        "| model | f | / own | / others | applied | steps | / own within 10% of f |",
+        "|---|---|---|---|---|---|---|",
     ]
     verdicts = []
     for name in dict.fromkeys(r["model"] for r in rows):
         runs = [r for r in rows if r["model"] == name and r["run"] == "slowdown"]
         for f in factors:
-            own, others, n = [], [], 0
+            own, others, stretch, n = [], [], [], 0
             for r in runs:
                 intervals = {tuple(int(x) for x in k.split(",")): v for k, v in r["intervals"].items()}
                 versions = {int(k): v for k, v in r["versions"].items()}
@@ -258,9 +269,13 @@ def report(rows: list, args, argv) -> int:
                     own.append(mine / _median(plain))
                     rest = [x for (p, v2), v in intervals.items() if p != slow and v2 == ver for x in v]
                     others.append(mine / _median(rest))
+                    stretch.append(_median(r.get("applied", {}).get(f"{slow},{ver}", [])))
             ok = bool(own) and abs(statistics.median(own) / f - 1) <= 0.10
             verdicts.append(ok)
-            L.append(f"| {name} | {f:g} | {med_spread(own)} | {med_spread(others)} | {n} | {'yes' if ok else 'no'} |")
+            L.append(
+                f"| {name} | {f:g} | {med_spread(own)} | {med_spread(others)} | {med_spread(stretch)} | {n} "
+                f"| {'yes' if ok else 'no'} |"
+            )
     L += [
         "",
         f"**Transient straggles**, p = {p_straggle:g} of {d_straggle:g} s on every worker (S = {S}: a pipeline's "

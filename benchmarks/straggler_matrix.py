@@ -3,7 +3,8 @@
     python benchmarks/straggler_matrix.py [--models mlp,cnn,gpt] [--pipelines 4,8] [--scenarios 1,2,4]
                                           [--policies sdpipe,allreduce,ps,none] [--repeats 3] [--stages 2]
 
-For each model (notebook 01's digits MLP, the digits CNN, the GPT example; ``_common.workload``) and number of
+For each model (notebook 01's digits MLP, the digits CNN, the GPT example; ``_common.workload``, which also
+has ``mlp768``, a compute-bound MLP of 768 hidden units) and number of
 pipelines D, one LocalCluster of S x D single-threaded worker processes on 127.0.0.1 serves every run.  Per
 repeat and scenario (pipeline D-1 slowed f times, ``Heterogeneity(slowdown={D-1: f})``, or f = 1: homogeneous)
 the policies run one after the other, their order reversed every other repeat, so that the machine's drift
@@ -35,7 +36,7 @@ from _common import VARIANTS, WORKLOAD_NAMES, local_cluster, results_head, run_m
 
 #: epochs per run by model: enough steps after the first epoch for a median (an epoch of the digits is 45
 #: batches, of the GPT example's 100,000 characters 48)
-EPOCHS = {"mlp": 8, "cnn": 5, "gpt": 3}
+EPOCHS = {"mlp": 8, "mlp768": 5, "cnn": 5, "gpt": 3}
 
 
 def measure(result, slow: int, D: int, staleness: int) -> dict:
