@@ -68,12 +68,13 @@ def slowdown_phases(result, slow: int) -> dict:
     for e in result.events:
         if e["kind"] == "optimizer" and e["stage"] == 0:
             opt.setdefault(e["pipeline"], []).append((e["step"], e.get("epoch"), e["end"]))
-    slept = {}  # (pipeline, step) -> the seconds stage 0 slept to stretch the step before it (recorded as ``step``)
+    # (pipeline, step) -> the seconds stage 0 slept to stretch the step before it (recorded under ``step``)
+    slept: dict = {}
     for e in result.events:
         if e["kind"] == "straggle" and e.get("what") == "slowdown" and e["stage"] == 0:
             slept[(e["pipeline"], e["step"])] = slept.get((e["pipeline"], e["step"]), 0.0) + e["end"] - e["start"]
     intervals: dict = {}  # "pipeline,version" -> [seconds]
-    applied: dict = {}  # "pipeline,version" -> [interval / (interval - its sleep)]: the stretch the worker slept
+    stretched: dict = {}  # "pipeline,version" -> [interval / (interval - its sleep)]: the stretch slept
     for p, v in opt.items():
         v.sort()
         for (k0, e0, t0), (k1, e1, t1) in zip(v, v[1:]):
@@ -82,8 +83,8 @@ def slowdown_phases(result, slow: int) -> dict:
                 intervals.setdefault(f"{p},{ver}", []).append(t1 - t0)
                 sleep = slept.get((p, k1), 0.0)
                 if 0 < sleep < t1 - t0:
-                    applied.setdefault(f"{p},{ver}", []).append((t1 - t0) / (t1 - t0 - sleep))
-    return {"intervals": intervals, "applied": applied}
+                    stretched.setdefault(f"{p},{ver}", []).append((t1 - t0) / (t1 - t0 - sleep))
+    return {"intervals": intervals, "applied": stretched}
 
 
 def straggle_effect(result, S: int) -> dict:
@@ -173,7 +174,13 @@ def main(argv=None) -> int:
     ap.add_argument("--straggle", default="0.2,0.02", help="p,d of the transient straggles (every worker)")
     ap.add_argument("--link-delay", type=float, default=0.01, help="seconds of pipeline D-1's slow link")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "heterogeneity.md"))
+    ap.add_argument(
+        "--runs",
+        default="slowdown,straggles,link",
+        help="the runs to measure; the others' rows are kept from the results' .json file",
+    )
     args = ap.parse_args(argv)
+    runs = set(args.runs.split(","))
 
     import sdpipe
 
@@ -181,37 +188,42 @@ def main(argv=None) -> int:
     slow = D - 1
     factors = [float(x) for x in args.factors.split(",")]
     p_straggle, d_straggle = (float(x) for x in args.straggle.split(","))
-    rows = []
+    made = Path(args.out).with_suffix(".json")
+    rows = [r for r in json.loads(made.read_text())["rows"] if r["run"] not in runs] if made.exists() else []
     client, cluster = local_cluster(D * S)
     try:
         for name in args.models.split(","):
             text = workload(name, S)["text"]
             for rep in range(args.repeats):
-                order = factors if rep % 2 == 0 else factors[::-1]
-                r, versions = live_slowdowns(name, S, D, order, args.batch_size, client)
-                row = {"model": name, "text": text, "repeat": rep, "run": "slowdown", "versions": versions}
-                row.update(slowdown_phases(r, slow))
-                rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k in ("model", "repeat", "run", "versions")}))
                 common = dict(pipelines=D, epochs=args.epochs, batch_size=args.batch_size, cluster=client)
-                r = train_workload(
-                    name,
-                    S,
-                    policy="none",
-                    heterogeneity=sdpipe.Heterogeneity(straggle_prob=p_straggle, straggle_delay=d_straggle),
-                    **common,
-                )
-                rows.append({"model": name, "repeat": rep, "run": "straggles", "by_hits": straggle_effect(r, S)})
-                r = train_workload(
-                    name,
-                    S,
-                    policy="sdpipe",
-                    scheduler={"overlap": False},
-                    heterogeneity=sdpipe.Heterogeneity(link_delay={slow: args.link_delay}),
-                    **common,
-                )
-                rows.append({"model": name, "repeat": rep, "run": "link", "link": link_effect(r, slow)})
-                print(json.dumps(rows[-1]), flush=True)
+                if "slowdown" in runs:
+                    order = factors if rep % 2 == 0 else factors[::-1]
+                    r, versions = live_slowdowns(name, S, D, order, args.batch_size, client)
+                    row = {"model": name, "text": text, "repeat": rep, "run": "slowdown", "versions": versions}
+                    row.update(slowdown_phases(r, slow))
+                    rows.append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k in ("model", "repeat", "run", "versions")}))
+                if "straggles" in runs:
+                    r = train_workload(
+                        name,
+                        S,
+                        policy="none",
+                        heterogeneity=sdpipe.Heterogeneity(straggle_prob=p_straggle, straggle_delay=d_straggle),
+                        **common,
+                    )
+                    rows.append({"model": name, "repeat": rep, "run": "straggles", "by_hits": straggle_effect(r, S)})
+                if "link" in runs:
+                    r = train_workload(
+                        name,
+                        S,
+                        policy="sdpipe",
+                        scheduler={"overlap": False},
+                        heterogeneity=sdpipe.Heterogeneity(link_delay={slow: args.link_delay}),
+                        **common,
+                    )
+                    rows.append({"model": name, "repeat": rep, "run": "link", "link": link_effect(r, slow)})
+                if rows and rows[-1]["run"] != "slowdown":  # (a slowdown row's summary is printed above)
+                    print(json.dumps(rows[-1]), flush=True)
     finally:
         client.close()
         cluster.close()
@@ -229,7 +241,12 @@ def report(rows: list, args, argv) -> int:
         f"S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches; slowdowns of pipeline {slow} set live "
         f"in one run under none per repeat; straggles p={p_straggle:g} of {d_straggle:g} s on every worker and a "
         f"link delay of {args.link_delay:g} s on pipeline {slow} in runs of {args.epochs} epochs; gloo on CPU, "
-        f"{args.repeats} repeats; slept heterogeneity (sdpipe._pace)",
+        f"{args.repeats} repeats; slept heterogeneity (sdpipe._pace)"
+        + (
+            f"; measured by this command: {args.runs} (the other runs' rows kept from the results before it)"
+            if args.runs != "slowdown,straggles,link"
+            else ""
+        ),
     )
     Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out, L = results_head(args.out, "Emulated heterogeneity, measured", meta)
