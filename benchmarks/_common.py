@@ -23,16 +23,13 @@ WORKLOAD_NAMES = ("mlp", "cnn", "gpt")
 def workload(name: str, stages: int = 2) -> dict:
     """``sdpipe.train`` keywords of one of :data:`WORKLOAD_NAMES` (a fresh model each call: ``model``,
     ``train_data``, ``eval_data`` and what else it needs) and ``"text"``, its description."""
-    if name == "mlp":
+    if name in ("mlp", "mlp768"):  # mlp768: compute-bound, a step is mostly the two wide layers, not messages
         from sdpipe.data import digits, digits_mlp
 
+        hidden = 768 if name == "mlp768" else 128
         train, held = digits()
-        return dict(model=digits_mlp(hidden=128), train_data=train, eval_data=held, text="digits MLP 64-128-128-10")
-    if name == "mlp768":  # compute-bound: a step is mostly the two 768-wide layers, not messages
-        from sdpipe.data import digits, digits_mlp
-
-        train, held = digits()
-        return dict(model=digits_mlp(hidden=768), train_data=train, eval_data=held, text="digits MLP 64-768-768-10")
+        text = f"digits MLP 64-{hidden}-{hidden}-10"
+        return dict(model=digits_mlp(hidden=hidden), train_data=train, eval_data=held, text=text)
     if name == "cnn":
         from sdpipe.data import digits, digits_cnn
 

@@ -324,9 +324,10 @@ class RunWatcher:
             elif res.get("joined") is False:
                 run._left.setdefault(p, "the run ended before it joined")
             run._leaving.discard(p)
+        finished = {rank // S for rank in results}
         for p in range(run._ids):
             # a join still waiting for workers as the run ended: its thread may say so only after this point
-            if p not in run._lost and p not in run._left and not any(rank // S == p for rank in results):
+            if p not in finished and p not in run._lost and p not in run._left:
                 run._left.setdefault(p, "the run ended before it joined")
         return results
 

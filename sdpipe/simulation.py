@@ -312,8 +312,8 @@ def _shown_heterogeneity(
     if measured:
         changes["compute_slowdown"] = measured
     # the run's own keys: a pipeline's key stretches its stage 0 alone, in the runtime and the simulator alike
-    slowed = {key: (key if isinstance(key, int) else key[0]) for key, f in hetero.slowdown.items() if f != 1.0}
-    slowed = {key: p for key, p in slowed.items() if p < pipelines}
+    pipeline_of = {key: key if isinstance(key, int) else key[0] for key, f in hetero.slowdown.items() if f != 1.0}
+    slowed = {key: p for key, p in pipeline_of.items() if p < pipelines}
     plain = [p for p in range(pipelines) if p not in slowed.values()]
     base = _step_intervals(by_kind, plain)
     if slowed and base:
