@@ -51,6 +51,23 @@ graph sync with its first round after the token is free.  Holding workers of two
 once can deadlock: a held worker of stage 1 may be the one its pipeline's
 stage-0 worker needs to finish the step that stage 0's graph sync waits for.
 
+Rounds that wait on each other: a round without a deadline (a graph-sync round,
+or any round under the ``allreduce`` preset's infinite window) holds its members
+until the workers it waits for come.  The workers of one pipeline depend on each
+other: a stage's next step needs its neighbours' activations or gradients of that
+step, which a neighbour held at an earlier step's ready signal cannot send.  When
+the stages' rounds are formed from ready signals at different steps of the same
+pipelines (after a live switch from overlapped averaging, where workers went on
+without ready signals, to the ``allreduce`` preset), stage 0's round can wait
+for a worker blocked by its sibling in stage 1's round, which waits for a worker
+blocked by its sibling in stage 0's round: nobody would ever come.  A worker
+``w`` of a stage counts as blocked by another stage's round when its sibling is
+held there at a step ``w`` has already reached (its last ready signal's step is
+at least that one); a cycle of such waits closes its first-opened round at once
+with the members it holds ("preempted").  Ready signals that keep their steps in
+line never form one (the worker a round waits for is then still finishing the
+step its sibling waits at), so the ``allreduce`` preset's groups stay whole.
+
 Global sync: a worker may ask for the global group instead (at an epoch end).
 Such a worker takes part in no ordinary round; when every live worker of the
 stage asked, they form one group with reason "global".  A pending round is
@@ -991,6 +1008,31 @@ class StageScheduler:
         return s
 
 
+def _cycle(edges: dict) -> list:
+    """The nodes of one cycle of the directed graph ``edges`` (node -> successors), or [] when it has none."""
+    state: dict = {}  # node -> 1 on the current path, 2 done
+    for root in edges:
+        if root in state:
+            continue
+        path, stack = [], [(root, iter(edges.get(root, ())))]
+        state[root] = 1
+        path.append(root)
+        while stack:
+            node, succ = stack[-1]
+            nxt = next(succ, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                state[node] = 2
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt) :]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, iter(edges.get(nxt, ()))))
+    return []
+
+
 class GroupScheduler:
     """All stages of a run, with the one-graph-sync-at-a-time token (see the module docstring)."""
 
@@ -1047,8 +1089,32 @@ class GroupScheduler:
         r, holder = st.open, self.graph_holder
         graph = r is not None and r.graph
         if (holder is None and graph) or (holder == stage and not graph):
-            self._settle(now)
+            out = out + self._settle(now)  # with _unlock
+        elif r is not None and (graph or r.deadline == math.inf) and len(self.stages) > 1:
+            if self._may_lock(st, worker):
+                out = out + self._unlock(now)
         return out
+
+    def _may_lock(self, st: StageScheduler, w: int) -> bool:
+        """Whether ``w``'s ready signal into ``st``'s open round without a deadline may have closed a cycle of
+        rounds (:meth:`_unlock`): the round just opened (its waits are new), or a sibling of ``w`` that another
+        such round waits for has reached the step ``w`` waits at (a new wait for this round).  O(stages): a run
+        whose ready signals keep their steps in line never goes further."""
+        if len(st.open.members) == 1:
+            return True
+        k = st._last_step.get(w)
+        if k is None:
+            return False
+        for other in self.stages:
+            o = other.open
+            if other is st or o is None or not (o.graph or o.deadline == math.inf):
+                continue
+            if w in other.waiting or w in other.global_waiting or w not in other.live:
+                continue
+            last = other._last_step.get(w)
+            if last is not None and last >= k:
+                return True
+        return False
 
     def tick(self, now: float) -> list:
         return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Tick(now))])
@@ -1088,7 +1154,43 @@ class GroupScheduler:
         if holder != self.graph_holder:
             self.graph_holder = holder
             self._flags()
-        return []
+        return self._unlock(now) if len(self.stages) > 1 else []
+
+    def _unlock(self, now: float) -> list:
+        """Close a round that waits, across stages, on itself (see "Rounds that wait on each other" in the module
+        docstring): among the stages' open rounds without a deadline, a round waits for another when a worker it
+        waits for has a sibling (the same pipeline's worker of another stage) held in the other one at a step
+        the worker has already reached, which it must pass before the worker's next step can be made.  The
+        first-opened round of a cycle closes at once with the members it holds ("preempted")."""
+        held = [st for st in self.stages if st.open is not None and (st.open.graph or st.open.deadline == math.inf)]
+        if len(held) < 2:
+            return []
+        where: dict = {}  # pipeline -> [(stage, the step its worker there waits at)]
+        for st in held:
+            steps = st._last_step
+            for w in st.open.members:
+                k = steps.get(w)
+                if k is not None:
+                    where.setdefault(w, []).append((st.stage, k))
+        waits: dict = {}  # stage -> the stages whose rounds hold a worker that its round waits for
+        for st in held:
+            steps, out = st._last_step, set()
+            for w, holds in where.items():
+                if w in st.waiting or w not in st.live or w in st.global_waiting:
+                    continue
+                last = steps.get(w)
+                if last is None:
+                    continue
+                out.update(s for s, k in holds if s != st.stage and last >= k)
+            waits[st.stage] = out
+        cycle = _cycle(waits)
+        if not cycle:
+            return []
+        first = min(cycle, key=lambda s: (self.stages[s].open.opened, s))
+        st = self.stages[first]
+        self._deadline_ok = False
+        out = st._close(now, "preempted")
+        return out + self._settle(now)
 
     def next_deadline(self) -> Optional[float]:
         """The earliest of the stages' deadlines (``StageScheduler.next_deadline``, inlined: asked after every

@@ -564,3 +564,77 @@ def test_decided_groups_are_ordinary_frozen_groups():
         assert g == twin and hash(g) == hash(twin) and repr(g) == repr(twin) and g.to_dict() == twin.to_dict()
         with pytest.raises(dataclasses.FrozenInstanceError):
             g.reason = "changed"
+
+
+def _pipelines_model(sched, stages, pipelines, held, rng, steps):
+    """Blocking workers of real pipelines against ``sched``: a pipeline makes its next step only when none of
+    its workers waits in a round (a stage's step needs its neighbours' activations and gradients of that
+    step), then each of its workers (in a random order of stages) sends a ready signal at that step.  ``held``:
+    per stage, the pipelines whose ready signal at their current step waits in the stage's open round; the
+    others' was already grouped.  Returns every decided group; fails when no pipeline can move."""
+    step = {p: 10 for p in range(pipelines)}
+    decided = []
+    t = 0.0
+    for s in range(stages):  # the grouped ones' round, then the held ones' ready signals
+        for p in range(pipelines):
+            t += 0.001
+            decided += sched.ready(s, p, t, False, step[p] - (p in held[s]))
+        for p in sorted(held[s]):
+            t += 0.001
+            decided += sched.ready(s, p, t, False, step[p])
+    for _ in range(steps):
+        waiting = set().union(*(st_.waiting for st_ in sched.stages))
+        free = [p for p in range(pipelines) if p not in waiting]
+        assert free, [(st_.stage, sorted(st_.waiting)) for st_ in sched.stages]
+        p = rng.choice(free)
+        step[p] += 1
+        for s in rng.sample(range(stages), stages):
+            t += 0.001
+            decided += sched.ready(s, p, t, False, step[p])
+        check_open_rounds(sched)
+    return decided
+
+
+#: pipelines of 2 to 4 stages, 2 to 6 of them, a draw of which are held where, and a seed for their order
+PIPELINE_SHAPES = dict(
+    stages=st.integers(2, 4), pipelines=st.integers(2, 6), data=st.data(), seed=st.integers(0, 2**16)
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(**PIPELINE_SHAPES)
+def test_rounds_without_a_deadline_never_wait_on_each_other_across_stages(stages, pipelines, data, seed):
+    """Under the allreduce preset (rounds close only when full), stages whose rounds were formed from ready
+    signals at different steps of the same pipelines (a live switch from overlapped averaging) never deadlock:
+    a cycle of rounds that wait for workers blocked by their siblings in the other rounds is broken."""
+    held = [
+        data.draw(st.sets(st.integers(0, pipelines - 1), max_size=pipelines - 1), label=f"held {s}")
+        for s in range(stages)
+    ]
+    sched = GroupScheduler(stages, pipelines, POLICY_PRESETS["allreduce"])
+    _pipelines_model(sched, stages, pipelines, held, random.Random(seed), 30 * pipelines)
+
+
+@settings(max_examples=100, deadline=None)
+@given(**PIPELINE_SHAPES)
+def test_ready_signals_in_step_keep_the_allreduce_groups_whole(stages, pipelines, data, seed):
+    """The same pipelines whose stages' rounds hold the same pipelines (ready signals in line, as from the
+    start of a run): every group holds every worker; the cycle rule never closes one early."""
+    same = data.draw(st.sets(st.integers(0, pipelines - 1), max_size=pipelines - 1))
+    sched = GroupScheduler(stages, pipelines, POLICY_PRESETS["allreduce"])
+    decided = _pipelines_model(sched, stages, pipelines, [same] * stages, random.Random(seed), 30 * pipelines)
+    assert decided and all(g.reason == "full" and len(g.members) == pipelines for g in decided), decided
+
+
+def test_a_cycle_of_rounds_across_stages_closes_the_first_opened():
+    """Stage 0 waits for pipeline 1 (blocked by its stage-1 worker, held at step 2), stage 1 waits for
+    pipeline 0 (blocked by its stage-0 worker, held at step 6): stage 0's round, opened first, closes."""
+    sched = GroupScheduler(2, 2, POLICY_PRESETS["allreduce"])
+    sched.ready(0, 0, 0.0, False, 5)
+    sched.ready(0, 1, 0.1, False, 2)
+    sched.ready(1, 0, 0.2, False, 6)
+    sched.ready(1, 1, 0.3, False, 1)
+    assert sched.ready(0, 0, 0.4, False, 6) == []
+    (g,) = sched.ready(1, 1, 0.5, False, 2)
+    assert (g.stage, g.members, g.reason) == (0, (0,), "preempted")
+    assert sched.stages[1].waiting == {1} and sched.stages[0].open is None
