@@ -17,6 +17,8 @@ and assembles the :class:`~sdpipe.RunResult`.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import Optional
@@ -54,6 +56,12 @@ def stall_limit(timeout: float) -> float:
     """Seconds a running worker may send no event before it counts as stalled: longer than any of its waits
     (each is bounded by the run's ``timeout``) and a step or an evaluation on either side of one."""
     return 2 * timeout + 60.0
+
+
+def is_cancelled(exc) -> bool:
+    """The task was cancelled (Dask's ``FutureCancelledError`` is a ``concurrent.futures.CancelledError``), not
+    failed by an exception of its own."""
+    return isinstance(exc, (concurrent.futures.CancelledError, asyncio.CancelledError))
 
 
 def is_comm_failure(exc) -> bool:
@@ -184,6 +192,10 @@ class RunWatcher:
                 continue
             if is_worker_death(failure.__cause__):
                 error = self._on_lost(rank, "its worker process died")
+            elif failure.__cause__ is None or is_cancelled(failure.__cause__):
+                # the Dask scheduler dropped the task without an exception of its own: its worker left (a worker
+                # killed while its task was still being handed to it, on a cluster that allows failures)
+                error = self._dropped(rank, failure)
             elif is_comm_failure(failure.__cause__):
                 # a peer of its pipeline may have died: give that loss time to show
                 error = (
@@ -196,6 +208,23 @@ class RunWatcher:
             if error is not None:
                 return error
         return None
+
+    def _dropped(self, rank: int, failure: BaseException) -> Optional[BaseException]:
+        """A task that ended with no exception (cancelled, or erred without one, by the Dask scheduler): lost when
+        its Dask worker left the cluster, looked for during ``LOSS_GRACE`` seconds; else the run's error."""
+        try:
+            alive = set(self.run._client.scheduler_info(n_workers=-1)["workers"])
+        except Exception as e:
+            return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
+        if self.run._workers[rank] not in alive:
+            return self._on_lost(rank, "its Dask worker left the cluster")
+        if time.monotonic() - self._comm_seen.setdefault(rank, time.monotonic()) <= LOSS_GRACE:
+            return None
+        p, s = divmod(rank, self.config.stages)
+        return RunError(
+            f"worker pipeline {p} stage {s} (rank {rank}, {self.run._workers[rank]}): the Dask scheduler dropped "
+            "its task without an error of its own (cancelled, or its worker restarted)"
+        )
 
     def _departures(self) -> Optional[BaseException]:
         """A worker whose Dask worker left the cluster in two checks in a row (a second apart) is lost."""

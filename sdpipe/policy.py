@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 from . import sync_rules as rules
-from ._comm import CONNECT_TIMEOUT, allreduce_mean_, flatten, pipeline_lost, unflatten_
+from ._comm import CONNECT_TIMEOUT, RendezvousTimeout, allreduce_mean_, first_lost, flatten, pipeline_lost, unflatten_
 from .protocol import GroupServiceError, Keys
 
 __all__ = [
@@ -281,6 +281,28 @@ class AllReduce(SyncPolicy):
 def _state_tensors(worker) -> list:
     """What replicas of a stage keep in step: parameters and floating buffers."""
     return [p.data for p in worker.module.parameters()] + [b for b in worker.module.buffers() if b.is_floating_point()]
+
+
+def _stage_group(worker, name: str) -> tuple:
+    """A process group of this stage's workers of every pipeline not marked lost, and each member pipeline's rank
+    in it (``(None, ranks)`` for fewer than two).  A member lost during the rendezvous (a worker killed while the
+    run starts) ends it for every member; the survivors then form it again among themselves, under a name that
+    lists them, so they all meet in the same one whatever order they noticed the loss in."""
+    D = worker.pipelines
+    for _ in range(D):
+        members = [p for p in range(D) if not pipeline_lost(worker.store, p)]
+        if worker.pipeline not in members:
+            raise RendezvousTimeout(f"group {name}: gave up the rendezvous: pipeline {worker.pipeline} was lost")
+        ranks = {p: i for i, p in enumerate(members)}
+        if len(members) < 2:
+            return None, ranks
+        label = name if len(members) == D else f"{name}-of-" + "-".join(map(str, members))
+        try:
+            return worker.group(label, ranks[worker.pipeline], len(members), pipelines=members), ranks
+        except RendezvousTimeout:
+            if first_lost(worker.store, members) is None:
+                raise
+    raise RendezvousTimeout(f"group {name}: every other pipeline was lost while it formed")
 
 
 def _failure(e: BaseException) -> str:
@@ -755,9 +777,13 @@ class GossipPairs(_GroupPolicy):
         self.worker = worker
         self.device = worker.link_device
         self.active = worker.pipeline % 2 == 0
-        self.actives, self.passives = rules.gossip_roles(D)
         self.store = worker.store
-        self.pg = worker.group(f"adpsgd-stage{stage}", worker.pipeline, D) if D > 1 else None
+        # the stage's workers of the pipelines not lost (a loss while the run starts leaves the others pairing);
+        # ranks in the group by pipeline
+        self.pg, self.rank = _stage_group(worker, f"adpsgd-stage{stage}") if D > 1 else (None, {})
+        actives, passives = rules.gossip_roles(D)
+        self.actives = [p for p in actives if p in self.rank]
+        self.passives = [p for p in passives if p in self.rank]
         self.lock = threading.Lock()
         self.held = False  # whether the training thread holds the lock (from after_backward to after_step)
         self.pending = None  # sum of the deltas served but not yet applied
@@ -783,8 +809,8 @@ class GossipPairs(_GroupPolicy):
         w = self.worker
         pair = sorted((active, w.pipeline))
         try:
-            self.pg.recv([theirs], active, TAG_SERVE).wait()
-            self.pg.send([mine], active, TAG_SERVE).wait()
+            self.pg.recv([theirs], self.rank[active], TAG_SERVE).wait()
+            self.pg.send([mine], self.rank[active], TAG_SERVE).wait()
         except RuntimeError as e:  # the active worker died: nothing to fold in
             w.span("sync", None, None, start, time.time(), group=pair, reason="pair", served=True, failed=_failure(e))
             return
@@ -830,8 +856,8 @@ class GossipPairs(_GroupPolicy):
         theirs = torch.empty_like(mine)
         pair = sorted((worker.pipeline, peer))
         try:
-            work = self.pg.send([mine], peer, TAG_SERVE)
-            self.pg.recv([theirs], peer, TAG_SERVE).wait()
+            work = self.pg.send([mine], self.rank[peer], TAG_SERVE)
+            self.pg.recv([theirs], self.rank[peer], TAG_SERVE).wait()
             work.wait()
         except RuntimeError as e:  # the passive worker died mid-exchange: keep our weights, drop the peer
             self.passives.remove(peer)
