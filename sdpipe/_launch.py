@@ -20,7 +20,72 @@ from ._watch import RunWatcher
 from ._worker import worker_main
 from .protocol import GroupServiceClient, GroupServiceError, WorkerSpec, run_prefix
 
-__all__ = ["Launcher", "submit_rank"]
+__all__ = ["Launcher", "submit_rank", "check_loadable"]
+
+
+def _load_on_worker(blobs: list) -> list:
+    """(On a worker) unpickle each ``(what, bytes)``; ``(what, error type, message, missing module)`` of the ones
+    that fail."""
+    import pickle
+
+    failed = []
+    for what, blob in blobs:
+        try:
+            pickle.loads(blob)
+        except Exception as e:
+            failed.append((what, type(e).__name__, str(e), getattr(e, "name", None)))
+    return failed
+
+
+def check_loadable(client, workers: list, spec: WorkerSpec, timeout: float) -> None:
+    """Every host of ``workers`` can load what the driver sends its workers (the stage modules, ``loss_fn``,
+    ``metric``); else one line naming what, where, and the remedy (``ValueError``), before any rank starts.
+
+    Objects whose classes live in a module the driver imported are pickled by reference, so a worker that cannot
+    import that module fails while it receives its task; Dask would print its traceback several times and the
+    task would end without an error of its own.  One worker per host is asked: its environment is the host's.
+    """
+    import cloudpickle
+
+    parts = [(f"stage {s}'s module", m) for s, m in enumerate(spec.stage_modules)]
+    parts += [(name, obj) for name, obj in (("loss_fn", spec.loss_fn), ("metric", spec.metric)) if callable(obj)]
+    blobs = [(what, cloudpickle.dumps(obj)) for what, obj in parts]
+    hosts: dict = {}
+    for addr in workers:
+        hosts.setdefault(addr.rsplit(":", 1)[0], addr)
+    box: dict = {}
+
+    def ask():
+        try:
+            box["answers"] = client.run(_load_on_worker, blobs, workers=list(hosts.values()), on_error="return")
+        except Exception as e:  # the workers cannot even take this function
+            box["error"] = e
+
+    asker = threading.Thread(target=ask, name="sdpipe-check-loadable", daemon=True)
+    asker.start()
+    asker.join(timeout)
+    if asker.is_alive():
+        raise RuntimeError(f"cluster: the workers did not answer within {timeout:.0f}s (timeout)")
+    if "error" in box:
+        e = box["error"]
+        raise RuntimeError(f"cluster: the workers cannot run sdpipe's own code ({type(e).__name__}: {e})")
+    answers = box["answers"]
+    for addr, failed in answers.items():
+        if isinstance(failed, BaseException):
+            hint = " (install sdpipe, the same version, on the workers)" if "sdpipe" in str(failed) else ""
+            raise RuntimeError(
+                f"cluster: worker {addr} cannot run sdpipe's own code ({type(failed).__name__}: {failed}){hint}"
+            )
+        if failed:
+            what, kind, message, module = failed[0]
+            field = "model" if what.startswith("stage") else what
+            remedy = (
+                f"the workers need module {module!r}: install it there, send it with "
+                f"client.upload_file('{module.split('.')[0]}.py'), or define the classes in the notebook or script"
+                if module
+                else "define what it needs in the notebook or script, or install it on the workers"
+            )
+            raise ValueError(f"{field}: worker {addr} cannot load {what} ({kind}: {message}); {remedy}")
 
 
 def submit_rank(run, spec: WorkerSpec, rank: int, addr: str, placed: tuple, resume=None, join=None):
@@ -108,6 +173,8 @@ class Launcher:
             run._workers = workers
             run._hosts = host_cores(run._client, workers)
             run.cores = sum(c for _, c in run._hosts.values() if c) or None
+            run._startup = "checking that the workers can load the model"
+            check_loadable(run._client, workers, spec, cfg.timeout)
             run._startup = "submitting the workers' tasks"
             run._futures = self._submit(spec, workers, placed)
             run._data_futures = [f for f in placed if f is not None]

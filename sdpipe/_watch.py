@@ -380,8 +380,10 @@ class RunWatcher:
             exc = future.exception(timeout=5)
         except Exception as e:  # cancelled futures raise here
             exc = e
+        at = getattr(exc, "sdpipe_step", None)  # the worker's step and epoch when it failed
+        when = f" at step {at[0]} (epoch {at[1]})" if isinstance(at, tuple) and len(at) == 2 else ""
         err = RunError(
-            f"worker pipeline {p} stage {s} (rank {rank}, {self.run._workers[rank]}) failed: "
+            f"worker pipeline {p} stage {s} (rank {rank}, {self.run._workers[rank]}) failed{when}: "
             f"{type(exc).__name__}: {exc}"
         )
         err.__cause__ = exc if isinstance(exc, BaseException) else None

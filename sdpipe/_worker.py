@@ -447,6 +447,27 @@ class Worker:
             self._groups.clear()
 
 
+class NotFinite(FloatingPointError):
+    """A stage's gradients or weights hold NaN or infinite values: the run ends before they reach an average."""
+
+
+def check_finite(named: list, what: str, step: int, loss) -> None:
+    """Raise :class:`NotFinite` when a tensor of ``named`` (``(name, tensor)`` pairs) holds a NaN or an infinity
+    (one fused norm per tensor, one sync)."""
+    if not named:
+        return
+    norms = torch._foreach_norm([t for _, t in named])
+    if bool(torch.stack(norms).isfinite().all()):
+        return
+    bad = next(name for (name, _), n in zip(named, norms) if not bool(n.isfinite()))
+    said = "" if loss is None else f", the step's loss {loss:.4g}"
+    after = "backward pass" if what == "gradients" else "optimizer step"
+    raise NotFinite(
+        f"the {what} are not finite (NaN or infinite) after step {step}'s {after} (first: {bad}{said}); they "
+        "were kept out of every average: lower the learning rate, or check the data and the loss"
+    )
+
+
 class Training:
     """One worker's epochs: at each step boundary the pipeline agrees what comes next, then it acts on it.
 
@@ -471,7 +492,12 @@ class Training:
     def run(self) -> dict:
         w, cfg = self.w, self.w.cfg
         for epoch in range(self.start_epoch, cfg["epochs"]):
-            self._epoch(epoch)
+            try:
+                self._epoch(epoch)
+            except Exception as e:  # the driver's one line names the step (the attribute travels with the pickle)
+                if not hasattr(e, "sdpipe_step"):
+                    e.sdpipe_step = (self.step, epoch)
+                raise
             if self.stopped:
                 break
         w.ctl.wait_sent()
@@ -626,12 +652,17 @@ class Training:
         if w.first and w.policy.coupled:
             cmd = w.read_ctl(CTL_MAX_AGE)
             proposal = (cmd.stop, cmd.policy, cmd.pause, cmd.members)
+        if w.optimizer is not None:  # before any average: a gradient average (allreduce) would spread it
+            grads = [(n, p.grad) for n, p in w.module.named_parameters() if p.grad is not None]
+            check_finite(grads, "gradients", step, loss)
         with w.pace.waiting():  # the policy's collectives and groups wait for other pipelines
             self.agreed = w.policy.after_backward(w, step, *proposal)
         t = time.time()
         if w.optimizer is not None:
             w.optimizer.step()
             w.optimizer.zero_grad(set_to_none=False)
+            if not w.policy.coupled:  # before the weights' group average
+                check_finite([(n, p.detach()) for n, p in w.module.named_parameters()], "weights", step, loss)
         if loss is not None:
             fields["loss"] = loss
         w.span("optimizer", step, None, t, time.time(), epoch=epoch, **fields)

@@ -1,5 +1,7 @@
 """Training on a real Dask LocalCluster with torch.distributed (gloo) on the CPU."""
 
+import importlib
+import sys
 import time
 
 import pytest
@@ -187,25 +189,89 @@ def test_model_that_does_not_fit_the_data(data):
         sdpipe.train(digits_mlp(), (X, Y[:3]))
 
 
+class FailsMidRun(torch.nn.Module):
+    """Passes its input through, until its ``at``-th training forward (4 micro-batches a step: step ``at // 4``),
+    where it raises (``how="raise"``) or turns its output NaN (``how="nan"``)."""
+
+    def __init__(self, at: int, how: str):
+        super().__init__()
+        self.at, self.how, self.calls = at, how, 0
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls > self.at:
+                if self.how == "raise":
+                    raise RuntimeError("boom in stage 1")
+                return x * float("nan")
+        return x
+
+
 def test_worker_exception_ends_the_run_with_its_error(data, shared_cluster):
+    """A stage that raises on one batch mid-run: one line naming the stage, the pipeline, the step and the cause."""
     (X, Y), _ = data
-
-    class Boom(torch.nn.Module):
-        def forward(self, x):
-            if self.training and torch.is_grad_enabled() and x.shape[0] == 8 and getattr(self, "armed", False):
-                raise RuntimeError("boom in stage 1")
-            return x
-
-    boom = Boom()
     model = [
         torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()),
-        torch.nn.Sequential(boom, torch.nn.Linear(32, 10)),
+        torch.nn.Sequential(FailsMidRun(at=20, how="raise"), torch.nn.Linear(32, 10)),
     ]
-    boom.armed = True  # set after the driver's shape probe would also see it; the probe runs without grad
     run = sdpipe.train(model, (X, Y), stages=2, pipelines=2, epochs=1, cluster=shared_cluster)
     t = time.monotonic()
-    with pytest.raises(sdpipe.RunError, match="stage 1 .* failed: RuntimeError: boom in stage 1"):
+    with pytest.raises(
+        sdpipe.RunError, match=r"pipeline \d stage 1 .* failed at step 5 \(epoch 0\): RuntimeError: boom in stage 1"
+    ) as err:
         run.result(timeout=120)
+    assert "\n" not in str(err.value)
     assert time.monotonic() - t < 60
     assert run.status == "error"
     assert live_process_groups(shared_cluster) == 0
+
+
+@pytest.mark.parametrize("policy", ["allreduce", "sdpipe"])
+def test_a_nan_ends_the_run_before_it_reaches_an_average(data, shared_cluster, policy):
+    """Stage 1's output turns NaN at step 5: the gradients are found not finite before the policy averages them
+    (allreduce averages gradients, sdpipe weights), and the run ends with one line naming where and when."""
+    (X, Y), _ = data
+    model = [
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()),
+        torch.nn.Sequential(FailsMidRun(at=20, how="nan"), torch.nn.Linear(32, 10)),
+    ]
+    run = sdpipe.train(model, (X, Y), stages=2, pipelines=2, epochs=1, policy=policy, cluster=shared_cluster)
+    with pytest.raises(
+        sdpipe.RunError, match=r"stage \d .* failed at step 5 \(epoch 0\): NotFinite: the gradients"
+    ) as e:
+        run.result(timeout=120)
+    assert "\n" not in str(e.value) and "learning rate" in str(e.value)
+    # no sync span of step 5 or later completed: nothing not finite was averaged
+    assert not [
+        ev for ev in run.events_since(0)[0] if ev["kind"] == "sync" and ev["step"] is not None and ev["step"] >= 5
+    ]
+    assert live_process_groups(shared_cluster) == 0
+
+
+def test_a_model_whose_module_the_workers_cannot_import_ends_in_one_line_with_the_remedy(
+    data, shared_cluster, tmp_path, monkeypatch
+):
+    """A stage's class lives in a module the driver imported after the workers started (a user's models.py that
+    is not on the workers' path): the run ends before any rank starts, naming the module and the remedy."""
+    (X, Y), _ = data
+    name = f"usermodels_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n\n\nclass Scale(torch.nn.Module):\n    def forward(self, x):\n        return x * 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    user = importlib.import_module(name)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), user.Scale(), torch.nn.Linear(32, 10))
+        run = sdpipe.train(model, (X, Y), stages=2, pipelines=2, epochs=1, cluster=shared_cluster)
+        with pytest.raises(
+            ValueError,
+            match=(
+                rf"model: worker .* cannot load stage 1's module \(ModuleNotFoundError: No module named '{name}'\); "
+                rf".*client.upload_file\('{name}.py'\)"
+            ),
+        ) as err:
+            run.result(timeout=120)
+        assert "\n" not in str(err.value)
+        assert run._futures == []  # no rank was submitted
+    finally:
+        sys.modules.pop(name, None)
