@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
+from typing import Optional
 
 from .config import TrainConfig
 from .hosts import EmulatedHosts
@@ -296,20 +298,56 @@ def bound_store(host: str, timeout: float):
 
 
 class QuietRunFailures(logging.Filter):
-    """Drops Dask's "Compute Failed" record of a training rank's task (key ``sdpipe-...``).
+    """Drops Dask's "Compute Failed" record of a training rank's task (key ``sdpipe-...``, or ``sdpipe-<run>-...``
+    for one run's).
 
-    The run reports a failed rank itself, as one line naming the worker and its error (``RunError``); on the
-    embedded cluster Dask's record would add the rank's traceback to the user's terminal or notebook.
+    The run reports a failed rank itself, as one line naming the worker and its error (``RunError``), or as the
+    loss of its pipeline; Dask's record would add the rank's traceback to the user's terminal or notebook.
     """
+
+    def __init__(self, prefix: str = "sdpipe-"):
+        super().__init__()
+        self.prefix = prefix
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg, args = record.msg, record.args
         failed = isinstance(msg, str) and msg.startswith("Compute Failed") and isinstance(args, tuple) and args
-        return not (failed and str(args[0]).startswith("sdpipe-"))
+        return not (failed and str(args[0]).startswith(self.prefix))
 
 
-def quiet_run_failures() -> None:
-    """(In a worker process of the embedded cluster) install :class:`QuietRunFailures` once."""
+def quiet_run_failures(run_id: Optional[str] = None) -> None:
+    """(In a worker process) install :class:`QuietRunFailures` once: for every run's tasks (the embedded
+    cluster's workers), or for ``run_id``'s only (a user's cluster; :func:`unquiet_run_failures` removes it)."""
     log = logging.getLogger("distributed.worker")
-    if not any(isinstance(f, QuietRunFailures) for f in log.filters):
-        log.addFilter(QuietRunFailures())
+    prefix = "sdpipe-" if run_id is None else f"sdpipe-{run_id}-"
+    if not any(isinstance(f, QuietRunFailures) and prefix.startswith(f.prefix) for f in log.filters):
+        log.addFilter(QuietRunFailures(prefix))
+
+
+def unquiet_run_failures(run_id: str) -> None:
+    """(In a worker process) remove what :func:`quiet_run_failures` installed for ``run_id``."""
+    log = logging.getLogger("distributed.worker")
+    for f in [f for f in log.filters if isinstance(f, QuietRunFailures) and f.prefix == f"sdpipe-{run_id}-"]:
+        log.removeFilter(f)
+
+
+def run_bounded(client, function, *args, workers: list, timeout: float, what: str):
+    """``client.run(function, *args, workers=workers, on_error="return")``, given up on after ``timeout`` seconds
+    (``client.run`` has no bound of its own): its answers by worker, or a one-line ``RuntimeError``."""
+    box: dict = {}
+
+    def ask():
+        try:
+            box["answers"] = client.run(function, *args, workers=workers, on_error="return")
+        except Exception as e:  # the workers cannot even take the function
+            box["error"] = e
+
+    asker = threading.Thread(target=ask, name=f"sdpipe-{what}", daemon=True)
+    asker.start()
+    asker.join(timeout)
+    if asker.is_alive():
+        raise RuntimeError(f"cluster: the workers did not answer ({what}) within {timeout:.0f}s (timeout)")
+    if "error" in box:
+        e = box["error"]
+        raise RuntimeError(f"cluster: the workers cannot run sdpipe's own code ({type(e).__name__}: {e})")
+    return box["answers"]

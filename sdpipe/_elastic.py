@@ -29,7 +29,7 @@ import time
 from typing import Optional
 
 from . import events
-from ._cluster import free_workers, quiet_run_failures
+from ._cluster import free_workers, quiet_run_failures, run_bounded
 from .config import ASYNC_SCHEDULE_NAMES
 from .protocol import Keys
 
@@ -281,8 +281,15 @@ class Elastic:
 
         S = self.config.stages
         join = {"generation": g, "mode": self._control.mode, "policy": self._control.command.policy}
-        if self._cluster is not None:  # a worker process the nanny restarted has not run it yet
-            self._client.run(quiet_run_failures, workers=workers)
+        # a worker process the nanny restarted has not run it yet; on a user's cluster, for this run only
+        run_bounded(
+            self._client,
+            quiet_run_failures,
+            *(() if self._cluster is not None else (self.run_id,)),
+            workers=workers,
+            timeout=self.config.timeout,
+            what="quiet",
+        )
         futures = list(self._futures) + [NEVER_RAN] * max(0, (p + 1) * S - len(self._futures))
         addresses = list(self._workers) + [None] * max(0, (p + 1) * S - len(self._workers))
         for rank, addr in zip(ranks, workers):

@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 
-from ._cluster import bound_store, connect, host_cores, pick_workers, route_address
+from ._cluster import bound_store, connect, host_cores, pick_workers, quiet_run_failures, route_address, run_bounded
 from ._control import ControlPlane
 from ._result import RunError
 from ._service import ensure_service
@@ -53,23 +53,9 @@ def check_loadable(client, workers: list, spec: WorkerSpec, timeout: float) -> N
     hosts: dict = {}
     for addr in workers:
         hosts.setdefault(addr.rsplit(":", 1)[0], addr)
-    box: dict = {}
-
-    def ask():
-        try:
-            box["answers"] = client.run(_load_on_worker, blobs, workers=list(hosts.values()), on_error="return")
-        except Exception as e:  # the workers cannot even take this function
-            box["error"] = e
-
-    asker = threading.Thread(target=ask, name="sdpipe-check-loadable", daemon=True)
-    asker.start()
-    asker.join(timeout)
-    if asker.is_alive():
-        raise RuntimeError(f"cluster: the workers did not answer within {timeout:.0f}s (timeout)")
-    if "error" in box:
-        e = box["error"]
-        raise RuntimeError(f"cluster: the workers cannot run sdpipe's own code ({type(e).__name__}: {e})")
-    answers = box["answers"]
+    answers = run_bounded(
+        client, _load_on_worker, blobs, workers=list(hosts.values()), timeout=timeout, what="check-loadable"
+    )
     for addr, failed in answers.items():
         if isinstance(failed, BaseException):
             hint = " (install sdpipe, the same version, on the workers)" if "sdpipe" in str(failed) else ""
@@ -175,6 +161,9 @@ class Launcher:
             run.cores = sum(c for _, c in run._hosts.values() if c) or None
             run._startup = "checking that the workers can load the model"
             check_loadable(run._client, workers, spec, cfg.timeout)
+            if run._cluster is None:  # a user's cluster: Dask's records of this run's failed ranks, until it ends
+                quiet = dict(workers=workers, timeout=cfg.timeout, what="quiet")
+                run_bounded(run._client, quiet_run_failures, run.run_id, **quiet)
             run._startup = "submitting the workers' tasks"
             run._futures = self._submit(spec, workers, placed)
             run._data_futures = [f for f in placed if f is not None]

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Optional
 
-from ._cluster import connect, count_workers
+from ._cluster import connect, count_workers, run_bounded, unquiet_run_failures
 from ._control import Steering
 from ._elastic import Elastic
 from ._result import RunError, RunResult, history
@@ -304,6 +304,13 @@ class Run(Steering, Elastic):
                 client.unsubscribe_topic(self._topic)
             except Exception:
                 pass
+            if self._cluster is None and self._workers:  # a user's cluster: what the launch installed goes
+                try:
+                    there = set(client.scheduler_info(n_workers=-1)["workers"])  # not a lost one's old address
+                    alive = [a for a in self._workers if a in there]
+                    run_bounded(client, unquiet_run_failures, self.run_id, workers=alive, timeout=10, what="unquiet")
+                except Exception:
+                    pass
             for f in self._futures + self._data_futures:
                 if f is None:
                     continue

@@ -2,6 +2,9 @@
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import dask
@@ -226,6 +229,36 @@ def test_a_worker_killed_while_the_run_starts_leaves_the_others_training(data, c
     assert last == {1, 2, 3} if policy != "none" else last and last <= {1, 2, 3}
     assert port_closed(run.store_port)
     assert live_process_groups(cluster8) == 0
+
+
+def _terminal_lines(policy: str, kill: str) -> tuple:
+    """The lines a user's script (``tests/user_kill_script.py``, both streams as one terminal shows them) printed
+    until its run's result was in, and that result's line."""
+    script = os.path.join(os.path.dirname(__file__), "user_kill_script.py")
+    out = subprocess.run(
+        [sys.executable, script, policy, kill],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+        cwd=tempfile.gettempdir(),
+    )
+    lines = out.stdout.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith("RESULT")), None)
+    assert out.returncode == 0 and at is not None, "\n".join(lines[-40:])
+    return lines[:at], lines[at]
+
+
+def test_a_lost_worker_on_a_users_cluster_adds_at_most_ten_lines_to_the_terminal():
+    """One worker killed mid-run on the user's own LocalCluster (Dask's default logging, nannies): sdpipe's own
+    line, not Dask's tracebacks of sdpipe's failed tasks, which it already reported."""
+    quiet, result = _terminal_lines("sdpipe", "none")
+    assert result == "RESULT [] [0, 1, 2, 3]"
+    lost, result = _terminal_lines("sdpipe", "kill")
+    assert result == "RESULT [1] [0, 2, 3]"
+    assert sum("was lost" in line for line in lost) == 1
+    assert not [line for line in lost if "Compute Failed" in line or "sdpipe-" in line and "Traceback" in line]
+    assert len(lost) - len(quiet) <= 10, "\n".join(lost)
 
 
 def test_a_pipeline_whose_workers_stall_is_dropped_after_the_stall_limit(data, cluster8):
