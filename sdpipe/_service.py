@@ -357,6 +357,8 @@ class GroupService(SchedulerPlugin):
             "version": st.version,
             "stages": [s.snapshot() for s in st.core.stages],
             "waiting": sorted([list(k) for k in st.waiters]),
+            # [stage, pipeline] of the workers waiting for their stage's global group (an epoch's end, a stop)
+            "global": sorted([[s.stage, w] for s in st.core.stages for w in s.global_waiting]),
             "graph_holder": st.core.graph_holder,
             "paused": st.paused,
             "core": st.core.snapshot(),
