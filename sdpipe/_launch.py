@@ -74,13 +74,23 @@ def check_loadable(client, workers: list, spec: WorkerSpec, timeout: float) -> N
             raise ValueError(f"{field}: worker {addr} cannot load {what} ({kind}: {message}); {remedy}")
 
 
-def submit_rank(run, spec: WorkerSpec, rank: int, addr: str, placed: tuple, resume=None, join=None):
+def submit_rank(run, spec: WorkerSpec, rank: int, addr: str, placed: list, resume=None, join=None):
     """Submit rank ``rank``'s task, pinned to worker ``addr`` (never re-run elsewhere); stage 0 gets the inputs
-    of ``placed`` (the data's futures), the last stage the targets.  ``join``: a pipeline joining a running run
-    (its generation names the task)."""
+    of its pipeline's ``placed`` (the data's futures, per pipeline of the launch), the last stage the targets.
+    ``join``: a pipeline joining a running run (its generation names the task); it takes the copies of a live
+    pipeline of the launch (Dask copies them to its workers)."""
     S = run.config.stages
-    s = rank % S
-    fX, fY, fEX, fEY = placed
+    p, s = divmod(rank, S)
+    if join is not None:  # a live launch pipeline's copies that are still there (a lost worker's are gone)
+        p = next(
+            (
+                q
+                for q in range(len(placed))
+                if q not in run._lost and all(f is None or f.status == "finished" for f in placed[q])
+            ),
+            0,
+        )
+    fX, fY, fEX, fEY = placed[p]
     key = f"sdpipe-{run.run_id}-rank{rank}" + (f"-g{join['generation']}" if join else "")
     return run._client.submit(
         worker_main,
@@ -166,7 +176,7 @@ class Launcher:
                 run_bounded(run._client, quiet_run_failures, run.run_id, **quiet)
             run._startup = "submitting the workers' tasks"
             run._futures = self._submit(spec, workers, placed)
-            run._data_futures = [f for f in placed if f is not None]
+            run._data_futures = [f for four in placed for f in four if f is not None]
             run._spec, run._placed = spec, placed  # pipelines that join later start from them
         except BaseException:
             run._cleanup()
@@ -228,16 +238,20 @@ class Launcher:
         EX, EY = (None, None) if eval_source is None else (eval_source.part("inputs"), eval_source.part("targets"))
 
         def scatter(obj, where):
+            # one copy per worker, each its own key: a broadcast's replicas are dropped again by Dask's active
+            # memory manager (down to one, within seconds, before the tasks hold them), and the ranks would then
+            # fetch the data from that one worker, whose loss would lose the data for every rank
             if obj is None:
-                return None
-            return run._client.scatter(obj, workers=where, broadcast=True, hash=False)
+                return [None] * len(where)
+            return [run._client.scatter(obj, workers=[w], hash=False) for w in where]
 
         for attempt in range(3):
             workers = pick_workers(run._client, cfg)
             first = [workers[p * S] for p in range(cfg.pipelines)]
             last = [workers[p * S + S - 1] for p in range(cfg.pipelines)]
             try:
-                return workers, (scatter(X, first), scatter(Y, last), scatter(EX, first), scatter(EY, last))
+                # per pipeline: (inputs, targets, eval inputs, eval targets) on its first and last stages' workers
+                return workers, list(zip(scatter(X, first), scatter(Y, last), scatter(EX, first), scatter(EY, last)))
             except KeyError as e:  # the scheduler no longer knows a chosen worker
                 if attempt == 2:
                     raise RuntimeError(f"cluster: worker {e} left the cluster while the run started") from None
