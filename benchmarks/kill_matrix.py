@@ -4,11 +4,12 @@
 
 For each policy, one child process plays the user: its own ``LocalCluster`` of 10 nannied single-threaded
 workers with Dask's default logging (a killed worker is restarted by its nanny; failed tasks are allowed to be
-retried, as Dask's default), a 4 x 2 run of the digits MLP (3 epochs, batch 32, ``checkpoint_every=1``), first
-once without a kill (the terminal's reference), then ``--kills`` runs per moment, each killing a random rank (any
-pipeline, any stage) with SIGKILL at a random offset inside the moment:
+retried, as Dask's default), a 4 x 2 run of the digits MLP (3 epochs; 10 for mid-epoch, checkpoint and switch,
+30 for join; batch 32, ``checkpoint_every=1``), first once without a kill (the terminal's reference), then
+``--kills`` runs per moment, each killing a random rank (any pipeline, any stage) with SIGKILL at a random
+offset inside the moment:
 
-* ``starting``: 0-1.5 s after ``train()`` returned, while the run is still ``starting`` (ranks connecting);
+* ``starting``: 0-0.2 s after the ranks were placed (``run.workers``), while the run is ``starting``;
 * ``first-step``: 0-50 ms after the first forward span arrived;
 * ``mid-epoch``: 0-1 s after the first epoch record arrived;
 * ``global-sync``: the moment the group service holds the chosen worker waiting for its stage's global group
@@ -21,7 +22,7 @@ Recorded per run: whether the kill landed in its moment (the run's status or the
 how the run ended (``ok``: it finished with the killed pipeline lost and every other one finished; anything
 else is a miss), the seconds from the kill to the end, and the terminal lines the run printed (the child's
 stdout and stderr as one terminal shows them, between markers) against the reference run's.  Results:
-``benchmarks/results/kill_matrix.md`` and ``.json``.
+``benchmarks/results/kill_matrix.md``, ``.json`` and ``.jsonl`` (the rows as they came).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _one(client, policy, moment, rng, data, folder):
     from sdpipe.data import digits_mlp
 
     # global-sync: pipeline 3 is 4x slow, so the global syncs of every epoch's end last long enough to be caught
-    # (its workers, which take fewer batches, wait there longest).  join: a longer run, so the joiner can join.
+    # (its workers, which take fewer batches, wait there longest).  Longer runs where the kill comes after the
+    # first epoch (a kill after the run's end is not made), the longest for a joiner to join.
     rank = rng.randrange(8)
     other = {"sdpipe": "none", "none": "sdpipe"}.get(policy)
     run = sdpipe.train(
@@ -83,7 +85,7 @@ def _one(client, policy, moment, rng, data, folder):
         stages=2,
         pipelines=4,
         policy=policy,
-        epochs=8 if moment == "join" else 3,
+        epochs={"join": 30, "mid-epoch": 10, "checkpoint": 10, "switch": 10}.get(moment, 3),
         batch_size=32,
         cluster=client,
         timeout=60,
@@ -108,7 +110,7 @@ def _one(client, policy, moment, rng, data, folder):
         _wait(lambda: _events(run, "epoch"))
         time.sleep(rng.uniform(0, 1.0 if moment == "mid-epoch" else 0.2))
         landed = run.status == "running"
-        killed_at = _kill(client, run, rank)
+        killed_at = _kill(client, run, rank) if landed else None
     elif moment == "global-sync":
         p, s = divmod(rank, 2)
 
@@ -125,13 +127,13 @@ def _one(client, policy, moment, rng, data, folder):
         run.set_policy(other)
         time.sleep(rng.uniform(0, 0.3))
         landed = run.status == "running"
-        killed_at = _kill(client, run, rank)
+        killed_at = _kill(client, run, rank) if landed else None
     elif moment == "join":
         _wait(lambda: _events(run, "epoch"))
         run.add_pipelines(1)
         time.sleep(rng.uniform(0, 1.0))
         landed = run.status == "running" and 4 not in run.pipelines
-        killed_at = _kill(client, run, rank)
+        killed_at = _kill(client, run, rank) if run.status == "running" else None
     try:
         result = run.result(timeout=600)
         end = time.monotonic()
@@ -230,20 +232,29 @@ def main(argv=None) -> int:
 
     from _common import results_head, run_meta
 
-    meta = run_meta("kill_matrix.py", argv, "4 x 2 digits MLP, 3 epochs, batch 32, 10 workers")
-    rows = []
+    meta = run_meta("kill_matrix.py", argv, "4 x 2 digits MLP, 3-30 epochs (see the docstring), batch 32, 10 workers")
+    rows: list = []
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).with_suffix(".jsonl").write_text("")
     for k, policy in enumerate(args.policies.split(",")):
         mine = [m for m in moments if policy in APPLIES.get(m, (policy,))]
         cmd = [sys.executable, __file__, "--child", policy, "--moments", ",".join(mine)]
         cmd += ["--kills", str(args.kills), "--seed", str(args.seed + k)]
-        out = subprocess.run(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=5400, cwd=tempfile.gettempdir()
+        # read as it comes: each run's row is kept (in the .jsonl beside the results) as soon as it ends
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir()
         )
-        got = parse(out.stdout)
-        if out.returncode != 0:
-            print(out.stdout[-3000:], file=sys.stderr)
-        rows += got
-        print(f"{policy}: {len(got)} runs", flush=True)
+        seen: list = []
+        for line in proc.stdout:
+            seen.append(line.rstrip("\n"))
+            if line.startswith(END):
+                (row,) = parse("\n".join(seen[max(i for i, x in enumerate(seen) if x.startswith(BEGIN)) :]))
+                rows.append(row)
+                with Path(args.out).with_suffix(".jsonl").open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(row, flush=True)
+        if proc.wait() != 0:
+            print("\n".join(seen[-60:]), file=sys.stderr)
     path, head = results_head(args.out, "A worker killed at every moment, on a user's cluster", meta)
     Path(path).with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = head + [
