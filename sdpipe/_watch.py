@@ -209,13 +209,19 @@ class RunWatcher:
                 return error
         return None
 
+    def _alive(self):
+        """The addresses of the cluster's workers now, or the run's error when the Dask scheduler is gone."""
+        try:
+            return set(self.run._client.scheduler_info(n_workers=-1)["workers"])
+        except Exception as e:
+            return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
+
     def _dropped(self, rank: int, failure: BaseException) -> Optional[BaseException]:
         """A task that ended with no exception (cancelled, or erred without one, by the Dask scheduler): lost when
         its Dask worker left the cluster, looked for during ``LOSS_GRACE`` seconds; else the run's error."""
-        try:
-            alive = set(self.run._client.scheduler_info(n_workers=-1)["workers"])
-        except Exception as e:
-            return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
+        alive = self._alive()
+        if isinstance(alive, RunError):
+            return alive
         if self.run._workers[rank] not in alive:
             return self._on_lost(rank, "its Dask worker left the cluster")
         if time.monotonic() - self._comm_seen.setdefault(rank, time.monotonic()) <= LOSS_GRACE:
@@ -229,10 +235,9 @@ class RunWatcher:
     def _departures(self) -> Optional[BaseException]:
         """A worker whose Dask worker left the cluster in two checks in a row (a second apart) is lost."""
         run = self.run
-        try:
-            alive = set(run._client.scheduler_info(n_workers=-1)["workers"])
-        except Exception as e:
-            return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
+        alive = self._alive()
+        if isinstance(alive, RunError):
+            return alive
         missing = {
             r
             for r, addr in enumerate(run._workers)
