@@ -18,11 +18,16 @@ offset inside the moment:
 * ``join``: 0-1 s after ``run.add_pipelines(1)``, which joins on the two free workers (``sdpipe``, ``none``);
 * ``checkpoint``: 0-0.2 s after the first epoch record (the workers write epoch 1's checkpoint then).
 
+``allreduce`` (not loss-tolerant) is tried at ``starting`` alone: a worker lost before the stages' first groups
+formed is replaced (a new pipeline under the same id joins once the killed worker's nanny restarted it), so its
+runs train 30 epochs and ``ok`` means every pipeline finished, the replacement included.
+
 Recorded per run: whether the kill landed in its moment (the run's status or the service's state at the kill),
 how the run ended (``ok``: it finished with the killed pipeline lost and every other one finished; anything
 else is a miss), the seconds from the kill to the end, and the terminal lines the run printed (the child's
 stdout and stderr as one terminal shows them, between markers) against the reference run's.  Results:
-``benchmarks/results/kill_matrix.md``, ``.json`` and ``.jsonl`` (the rows as they came).
+``benchmarks/results/kill_matrix.md``, ``.json``, ``.jsonl`` (the rows as they came) and ``.terminal.txt`` (what
+each run printed).
 """
 
 from __future__ import annotations
@@ -44,7 +49,11 @@ APPLIES = {
     "global-sync": ("sdpipe", "adpsgd"),  # under none there is no global sync
     "switch": ("sdpipe", "none"),  # adpsgd keeps its servers for the whole run
     "join": ("sdpipe", "none"),  # adpsgd's pairs are fixed at the start
+    "first-step": ("sdpipe", "adpsgd", "none"),
+    "mid-epoch": ("sdpipe", "adpsgd", "none"),
+    "checkpoint": ("sdpipe", "adpsgd", "none"),
 }
+#: allreduce is not loss-tolerant: only its start-up kill (a replacement joins) is tried
 BEGIN, END = "=== kill-matrix begin", "=== kill-matrix end"
 
 
@@ -85,7 +94,9 @@ def _one(client, policy, moment, rng, data, folder):
         stages=2,
         pipelines=4,
         policy=policy,
-        epochs={"join": 30, "mid-epoch": 10, "checkpoint": 10, "switch": 10}.get(moment, 3),
+        epochs=30
+        if policy == "allreduce"
+        else {"join": 30, "mid-epoch": 10, "checkpoint": 10, "switch": 10}.get(moment, 3),
         batch_size=32,
         cluster=client,
         timeout=60,
@@ -139,7 +150,7 @@ def _one(client, policy, moment, rng, data, folder):
         end = time.monotonic()
         lost, finished = sorted(result.lost), result.finished_pipelines
         want = [q for q in range(4) if q != rank // 2]
-        if killed_at is None:
+        if killed_at is None or policy == "allreduce":  # allreduce: the killed pipeline's replacement finished
             ok = not lost and finished == [0, 1, 2, 3]
         else:  # a joiner (pipeline 4) may also have joined and finished, or have been left out: said apart
             ok = lost == [rank // 2] and [q for q in finished if q < 4] == want
@@ -216,7 +227,7 @@ def parse(output: str) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=5, help="kills per policy and moment")
-    ap.add_argument("--policies", default="sdpipe,adpsgd,none")
+    ap.add_argument("--policies", default="sdpipe,adpsgd,none,allreduce")
     ap.add_argument("--moments", default=",".join(MOMENTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kill_matrix.md"))
@@ -236,6 +247,7 @@ def main(argv=None) -> int:
     rows: list = []
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).with_suffix(".jsonl").write_text("")
+    Path(args.out).with_suffix(".terminal.txt").write_text("")
     for k, policy in enumerate(args.policies.split(",")):
         mine = [m for m in moments if policy in APPLIES.get(m, (policy,))]
         cmd = [sys.executable, __file__, "--child", policy, "--moments", ",".join(mine)]
@@ -248,10 +260,14 @@ def main(argv=None) -> int:
         for line in proc.stdout:
             seen.append(line.rstrip("\n"))
             if line.startswith(END):
-                (row,) = parse("\n".join(seen[max(i for i, x in enumerate(seen) if x.startswith(BEGIN)) :]))
+                block = seen[max(i for i, x in enumerate(seen) if x.startswith(BEGIN)) :]
+                (row,) = parse("\n".join(block))
                 rows.append(row)
                 with Path(args.out).with_suffix(".jsonl").open("a") as f:
                     f.write(json.dumps(row) + "\n")
+                with Path(args.out).with_suffix(".terminal.txt").open("a") as f:  # what each run printed
+                    f.write(f"### {row['policy']} / {row['moment']} / rank {row['rank']}: {row['lines']} lines\n")
+                    f.write("".join(x + "\n" for x in block[1:-1]))
                 print(row, flush=True)
         if proc.wait() != 0:
             print("\n".join(seen[-60:]), file=sys.stderr)

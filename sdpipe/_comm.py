@@ -57,17 +57,59 @@ def make_group(
         opts._timeout = td
         return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
     seconds = min(timeout, connect_timeout or timeout)
+    # Every member first says it is here, in Python: gloo's rendezvous waits in C++ on the store for each peer's
+    # address, and a peer that died before it came (a worker lost while the run starts) leaves that wait blocked
+    # until the store closes (a thread given up on then prints torch's connection warnings at the run's end).
+    deadline = time.monotonic() + seconds
+    _meet(prefixed, size, deadline, name, give_up)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=seconds)
     # Bind gloo's listener to the configured address (loopback by default).
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return _bounded(
-        lambda: dist.ProcessGroupGloo(prefixed, rank, size, opts), seconds + RENDEZVOUS_MARGIN, name, give_up
+        lambda: dist.ProcessGroupGloo(prefixed, rank, size, opts),
+        max(1.0, deadline - time.monotonic()) + RENDEZVOUS_MARGIN,
+        name,
+        give_up,
     )
 
 
 #: seconds past its own timeout that a gloo rendezvous may take before the caller gives up on it
 RENDEZVOUS_MARGIN = 5.0
+
+
+#: keys under a group's prefix: the count of its members who came to its rendezvous, and their verdict
+ARRIVED, VERDICT = "sdpipe-arrived", "sdpipe-verdict"
+
+
+def _meet(store, size: int, deadline: float, name: str, give_up=None) -> None:
+    """Count this member in at the group's rendezvous and wait, polling (never blocked in a store wait), for the
+    members' one verdict: "go" once all ``size`` came, "skip" once one of them saw ``give_up()`` give a reason or
+    its ``deadline`` pass, whichever was set first (one compare-and-set), so no member goes into a rendezvous
+    another skipped.  "skip" raises :class:`RendezvousTimeout`."""
+    came = store.add(ARRIVED, 1)
+    pause = 0.002
+    while True:
+        if came >= size:
+            proposal, why = "go", ""
+        else:
+            why = give_up() if give_up is not None else None
+            if not why and time.monotonic() >= deadline:
+                why = f"{came} of {size} members came in time"
+            proposal = "skip" if why else None
+        if proposal is not None:  # the first proposal set is the verdict
+            verdict = store.compare_set(VERDICT, "", proposal).decode()
+        elif store.check([VERDICT]):  # another member decided
+            verdict = store.get(VERDICT).decode()
+        else:
+            verdict = None
+        if verdict == "go":
+            return
+        if verdict is not None:
+            raise RendezvousTimeout(f"group {name}: gave up the rendezvous: {why or 'another member gave it up'}")
+        time.sleep(pause)
+        pause = min(0.05, pause * 1.5)
+        came = store.add(ARRIVED, 0)
 
 
 class RendezvousTimeout(RuntimeError):
@@ -160,6 +202,7 @@ class Link:
 def mark_lost(store, pipeline: int, why: str) -> None:
     """(Driver) mark ``pipeline`` lost in the run's store."""
     store.set(Keys.lost(pipeline), why)
+    store.set(Keys.ever_lost(pipeline), why)
     store.add(Keys.LOST_COUNT, 1)
 
 

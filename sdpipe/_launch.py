@@ -155,6 +155,7 @@ class Launcher:
             if run._client is None:
                 run._startup = f"starting an embedded Dask cluster of {cfg.world_size} worker processes"
                 run._client, run._cluster, run._own_client = connect(cluster, cfg, self._security)
+            run._scheduler = run._client.scheduler.address
             run._startup = "opening the rendezvous store and the group service"
             run.store_host = cfg.host or route_address(run._client.scheduler.address)
             run._store = bound_store(run.store_host, cfg.timeout)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Optional
 
 from ._cluster import connect, count_workers, run_bounded, unquiet_run_failures
@@ -30,6 +31,10 @@ from .protocol import WorkerSpec
 __all__ = ["Run", "RunResult", "RunError", "EventInbox"]
 
 log = logging.getLogger("sdpipe")
+
+#: the runs this process started (each forgotten once its handle is dropped): a run that trains beside another
+#: says so (:attr:`Run.concurrent`)
+_RUNS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class EventInbox:
@@ -116,6 +121,8 @@ class Run(Steering, Elastic):
         )
         #: Name of the metric the evaluation reports (its key in the epoch records), or None: the loss alone.
         self.metric = spec.metric_name
+        #: Whether each epoch ends with an evaluation on held-out data (``eval_data`` given).
+        self.held_out = bool(spec.eval_size)
         self.policy = config.policy
         self.scheduler_policy = config.scheduler_policy()
         self.heterogeneity = config.heterogeneity or Heterogeneity()
@@ -143,6 +150,9 @@ class Run(Steering, Elastic):
         self._own_client = False
         self._monitor_thread: Optional[threading.Thread] = None
         self._startup = "connecting to the Dask cluster"
+        self._began, self._ended = time.monotonic(), None
+        self._scheduler: Optional[str] = None  # the Dask scheduler's address, once connected
+        _RUNS.add(self)
         self._init_membership()
         if cluster is not None:
             # an existing cluster: reached (bounded) and checked here, so a wrong address or too few workers
@@ -191,6 +201,24 @@ class Run(Steering, Elastic):
                 raise TimeoutError(
                     f"{what}: run {self.run_id} still starting after {self.config.timeout:.0f}s ({self.startup})"
                 )
+
+    @property
+    def concurrent(self) -> Optional[str]:
+        """One line when another run of this process trained while this one did (None otherwise): they took the
+        same cores (on one cluster, or on an embedded cluster each), so neither's speed is what it would be alone."""
+        end = self._ended or time.monotonic()
+        others = [
+            r for r in list(_RUNS) if r is not self and r._began < end and (r._ended or time.monotonic()) > self._began
+        ]
+        if not others:
+            return None
+        shared = [r for r in others if r._scheduler is not None and r._scheduler == self._scheduler]
+        where = "on the same Dask cluster" if shared else "on its own cluster, on this machine's cores"
+        names = ", ".join(r.run_id for r in others[:3]) + (" and more" if len(others) > 3 else "")
+        return (
+            f"run {names} trained {where} while this one did: they shared the cores, so this run's samples/s and "
+            f"step times are lower than alone"
+        )
 
     @property
     def contention(self) -> Optional[str]:
@@ -283,7 +311,7 @@ class Run(Steering, Elastic):
         c = self.config
         status = self.status
         startup = self.startup if status == "starting" else None
-        note = self.contention
+        note = "; ".join(x for x in (self.concurrent, self.contention) if x)
         return (
             f"<sdpipe.Run {self.run_id} {c.stages}x{c.pipelines} policy={self.policy} {status}"
             + (f" ({startup})" if startup else "")
@@ -293,6 +321,7 @@ class Run(Steering, Elastic):
 
     def _cleanup(self) -> None:
         """Close everything this run opened; safe to call more than once."""
+        self._ended = self._ended or time.monotonic()
         client, control = self._client, self._control
         if client is not None and control is not None and self._store is not None:
             try:

@@ -316,8 +316,11 @@ class RunWatcher:
         run, cfg = self.run, self.config
         p, s = divmod(rank, cfg.stages)
         what = f"worker pipeline {p} stage {s} (rank {rank}, {run._workers[rank]})"
+        replace = False
         if run._control.mode not in LOSS_TOLERANT:
-            return LostWorker(f"{what} was lost ({why}); policy {run.policy!r} cannot go on without it")
+            replace = self._replaceable(p, why)
+            if not replace:
+                return LostWorker(f"{what} was lost ({why}); policy {run.policy!r} cannot go on without it")
         run._lost[p] = f"{what} was lost ({why})"
         run._leaving.discard(p)
         run._give_up_join(p)  # lost while joining: its other workers stop waiting for a state
@@ -326,12 +329,16 @@ class RunWatcher:
             # another worker, where it could only wait for a pipeline that is no more
             run._futures[rank].cancel()
         run._inbox.add(events.worker_lost(p, s, time.time() - run.t0, run._workers[rank], why))
-        rejoin = cfg.rejoin and not run._stop_requested
+        rejoin = (cfg.rejoin or replace) and not run._stop_requested
         log.warning(
             "sdpipe: %s; the run goes on with %d pipeline(s)%s",
             run._lost[p],
             len(run.pipelines),
-            " and takes it back once workers are free (rejoin)" if rejoin else "",
+            " and a replacement that joins once workers are free (it was lost before the first step)"
+            if replace
+            else " and takes it back once workers are free (rejoin)"
+            if rejoin
+            else "",
         )
         if not run.pipelines and not run._joins_pending():
             return RunError(f"every pipeline was lost; last: {run._lost[p]}")
@@ -343,6 +350,33 @@ class RunWatcher:
         if rejoin:
             run._rejoin_later(p)
         return None
+
+    def _replaceable(self, p: int, why: str) -> bool:
+        """Under ``allreduce``, whether lost pipeline ``p`` can be replaced: it was lost before any stage's first
+        group formed (then the others form it without ``p``, and a replacement joins them like an added pipeline).
+
+        ``p`` is marked lost first, then each stage's first group is closed to it: one compare-and-set on that
+        group's verdict (:func:`sdpipe._comm.make_group`), so either the group formed already (the run cannot go
+        on) or it never forms with ``p``, whatever the members saw first."""
+        from ._comm import VERDICT
+        from .config import ASYNC_SCHEDULE_NAMES
+
+        run, cfg = self.run, self.config
+        if run._control.mode != "allreduce" or cfg.pipelines < 2 or run._ids != cfg.pipelines or run._stop_requested:
+            return False
+        if cfg.schedule in ASYNC_SCHEDULE_NAMES or (run._spec is not None and run._spec.streamed):
+            return False  # a pipeline cannot join such a run (Run.add_pipelines says why)
+        import torch.distributed as dist
+
+        try:
+            mark_lost(run._run_store, p, why)
+            closed = [
+                dist.PrefixStore(Keys.group(f"stage{s}"), run._run_store).compare_set(VERDICT, "", "skip")
+                for s in range(cfg.stages)
+            ]
+        except Exception:  # the store is gone: the run is ending
+            return False
+        return all(v == b"skip" for v in closed)
 
     def _collect(self) -> dict:
         run, S = self.run, self.config.stages

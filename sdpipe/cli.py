@@ -11,6 +11,7 @@ per-stage costs and prints the throughput.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 import typing
@@ -32,17 +33,29 @@ def _flag_fields(cls) -> dict[str, type]:
 def _add_fields(group, cls, names=None) -> None:
     """``--field-name`` flags for ``cls``'s fields ``names`` (default: all that make sense), written from the
     dataclass: its type, its default, its docstring as the help."""
-    kinds, docs = _flag_fields(cls), field_docs(cls)
+    kinds, docs = _flag_fields(cls), {k: _plain(v) for k, v in field_docs(cls).items()}
     defaults = {f.name: f.default for f in fields(cls)}
     for name in names or kinds:
         # a yes/no field is a pair of flags: --drop-last / --no-drop-last
         kind = {"action": argparse.BooleanOptionalAction} if kinds[name] is bool else {"type": kinds[name]}
+        choices = re.search(r"one of ([a-z0-9\-]+(?:, [a-z0-9\-]+)+)", docs[name])
+        if choices:  # the usage line lists them (the values are still checked by TrainConfig, in its words)
+            kind = dict(kind, metavar="{" + choices.group(1).replace(", ", ",") + "}")
         group.add_argument(
             f"--{name.replace('_', '-')}",
             default=defaults[name],
             help=docs[name].replace("%", "%%") or name.replace("_", " "),
             **kind,
         )
+
+
+def _plain(doc: str) -> str:
+    """A field's docstring as command-line help: a named tuple of values written out as the values alone
+    ("one of POLICIES (sdpipe, ...)" reads "one of sdpipe, ..."), no reStructuredText markup, and "none" for
+    None as the defaults read."""
+    doc = re.sub(r"\b[A-Z][A-Z_]+ \(([^)]*)\)", r"\1", doc)
+    doc = re.sub(r"``([^`]*)``", r"\1", doc)
+    return re.sub(r"\bNone\b", "none", doc)
 
 
 def _slowdown(text: str):
@@ -289,7 +302,7 @@ def _progress(run, epochs: int, pipelines: int, stages: int, per_epoch: int, fir
             loss = sum(m["loss"] for m in done) / len(done)
             name = next((m["metric"] for m in done if "metric" in m), None)
             held = [m[name] for m in done if name in m]
-            shown = {name[:4]: f"{(min if name == 'accuracy' else max)(held):.3f}"} if held else {}
+            shown = {name: f"{(min if name == 'accuracy' else max)(held):.3f}"} if held else {}
             bar.set_postfix(loss=f"{loss:.3f}", **shown)
             bar.close()
             bar, current = None, current + 1

@@ -66,16 +66,14 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
-import datetime
 import threading
 import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 from . import sync_rules as rules
-from ._comm import CONNECT_TIMEOUT, RendezvousTimeout, allreduce_mean_, first_lost, flatten, pipeline_lost, unflatten_
+from ._comm import CONNECT_TIMEOUT, RendezvousTimeout, allreduce_mean_, flatten, pipeline_lost, unflatten_
 from .protocol import GroupServiceError, Keys
 
 __all__ = [
@@ -208,8 +206,16 @@ class AllReduce(SyncPolicy):
         self.connect(worker, version)
 
     def connect(self, worker, version: int) -> None:
-        """Form the group of the current members (named after the membership version that made them)."""
+        """Form the group of the current members (named after the membership version that made them).
+
+        The first group is formed among the pipelines not marked lost: a worker lost before it formed (while
+        the run starts) takes its pipeline out (the driver starts a replacement, which joins like an added
+        pipeline); once it formed, a lost member ends the run."""
         self.group = None
+        if version == 0 and self.members == list(range(worker.pipelines)) and worker.pipelines > 1:
+            self.group, ranks = _stage_group(worker, f"stage{worker.stage}")
+            self.members = sorted(ranks)
+            return
         if len(self.members) > 1 and worker.pipeline in self.members:
             name = f"stage{worker.stage}" + (f".m{version}" if version else "")
             rank, size = self.members.index(worker.pipeline), len(self.members)
@@ -289,8 +295,9 @@ def _stage_group(worker, name: str) -> tuple:
     run starts) ends it for every member; the survivors then form it again among themselves, under a name that
     lists them, so they all meet in the same one whatever order they noticed the loss in."""
     D = worker.pipelines
+    gone = lambda p: worker.store.check([Keys.ever_lost(p)])  # noqa: E731  (lost, even if back since)
     for _ in range(D):
-        members = [p for p in range(D) if not pipeline_lost(worker.store, p)]
+        members = [p for p in range(D) if not gone(p)]
         if worker.pipeline not in members:
             raise RendezvousTimeout(f"group {name}: gave up the rendezvous: pipeline {worker.pipeline} was lost")
         ranks = {p: i for i, p in enumerate(members)}
@@ -300,7 +307,7 @@ def _stage_group(worker, name: str) -> tuple:
         try:
             return worker.group(label, ranks[worker.pipeline], len(members), pipelines=members), ranks
         except RendezvousTimeout:
-            if first_lost(worker.store, members) is None:
+            if not any(gone(p) for p in members):
                 raise
     raise RendezvousTimeout(f"group {name}: every other pipeline was lost while it formed")
 
@@ -613,12 +620,19 @@ class _Mailbox:
         return self.store.add(Keys.mailbox_count(self.prefix), 0)
 
     def get(self, i: int, timeout: float):
-        """Slot ``i``'s request once it is filled (waiting at most ``timeout`` seconds), or None."""
+        """Slot ``i``'s request once it is filled (waiting at most ``timeout`` seconds), or None.
+
+        It looks every ``MAILBOX_POLL`` seconds at most rather than waiting in the store: a store wait that
+        expires makes torch print a warning on the terminal (once per connection, on every worker that
+        serves), and an idle server's waits expire."""
         key = Keys.mailbox_slot(self.prefix, i)
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=timeout))
-        except dist.DistStoreError:  # not there yet (a closed store raises DistNetworkError: the run is over)
-            return None
+        deadline = time.monotonic() + timeout
+        pause = MAILBOX_POLL / 8
+        while not self.store.check([key]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(pause)
+            pause = min(MAILBOX_POLL, pause * 2)
         return self._pop(key)
 
     def take(self, i: int):
@@ -632,6 +646,8 @@ class _Mailbox:
         return text
 
 
+#: seconds between looks at an idle server's next slot, at most (see :meth:`_Mailbox.get`)
+MAILBOX_POLL = 0.001
 #: seconds between looks at the slots past a hole (see :class:`_Server`)
 HOLE_POLL = 0.002
 #: a request that only wakes a server waiting for its next slot (:meth:`_Server.settle` puts one)

@@ -244,8 +244,14 @@ class Keys:
 
     @staticmethod
     def lost(pipeline: int) -> str:
-        """The driver, when ``pipeline`` was lost (its value says why)."""
+        """The driver, when ``pipeline`` was lost (its value says why); deleted when it rejoins."""
         return f"lost/{pipeline}"
+
+    @staticmethod
+    def ever_lost(pipeline: int) -> str:
+        """The driver, when ``pipeline`` was lost; kept when it rejoins: the stages' first groups never take it
+        (its replacement joins them by a membership change)."""
+        return f"lost-ever/{pipeline}"
 
     @staticmethod
     def checkpoint_count(epoch: int) -> str:

@@ -77,7 +77,7 @@ LIVE_JS = """() => {
 
 
 HEADER_RUNNING = """() => Array.from(document.querySelectorAll('.widget-html'))
-    .some(e => /status running \\(live/.test(e.textContent))"""
+    .some(e => /status running, t = /.test(e.textContent))"""
 
 
 def rgb(hex_color: str) -> str:
@@ -185,6 +185,66 @@ def press(page, name: str, test: str, what: str, wait: float = 20.0):
     return state
 
 
+# Every subplot of the live dashboard as drawn: its title (the text drawn, and the one the figure holds), whether
+# the title's box lies inside the figure and clear of the other titles, and how many of its traces hold data.
+PANELS_JS = """() => {
+    const outs = Array.from(document.querySelectorAll('.jp-OutputArea-output'));
+    const out = outs.find(o => o.querySelector('.js-plotly-plot')
+        && Array.from(o.querySelectorAll('button')).some(b => b.textContent.trim() === 'pause'));
+    if (!out) return null;
+    const gd = out.querySelector('.js-plotly-plot');
+    const svg = gd.querySelector('svg.main-svg').getBoundingClientRect();
+    const drawn = Array.from(gd.querySelectorAll('g.annotation')).map(g => {
+        const r = g.getBoundingClientRect();
+        const lines = Array.from(g.querySelectorAll('text.annotation-text tspan.line'));
+        const text = (lines.length ? lines.map(t => t.textContent) : [g.textContent]).join(' ');
+        return {text: text.replace(/\\s+/g, ' ').trim(), left: r.left, right: r.right, top: r.top, bottom: r.bottom};
+    });
+    const full = (gd.layout.annotations || []).map(a => a.text.replace(/<br>/g, ' '));
+    const inside = drawn.every(d => d.left >= svg.left - 1 && d.right <= svg.right + 1);
+    const overlaps = [];
+    for (let i = 0; i < drawn.length; i++) for (let j = i + 1; j < drawn.length; j++) {
+        const a = drawn[i], b = drawn[j];
+        if (a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1)
+            overlaps.push([a.text, b.text]);
+    }
+    // traces by subplot (their axes); a subplot with data has a trace with points (x, or z for the strips)
+    const panels = {};
+    for (const t of gd.data) {
+        const key = (t.xaxis || 'x') + (t.yaxis || 'y');
+        const n = (t.x || []).length * (t.type === 'heatmap' ? ((t.z || []).flat().some(v => v > 0) ? 1 : 0) : 1);
+        panels[key] = (panels[key] || 0) + n;
+    }
+    return {drawn: drawn.map(d => d.text), full: full, inside: inside, overlaps: overlaps,
+            empty: Object.entries(panels).filter(([k, n]) => n === 0).map(([k]) => k),
+            width: svg.width};
+}"""
+
+# The control panel as the page shows it: each slider's value, and which buttons and inputs are enabled.
+CONTROLS_JS = """() => {
+    const root = document.querySelector('.sdpipe-controls');
+    if (!root) return null;
+    const sliders = {};
+    for (const row of root.querySelectorAll('label')) {
+        const input = row.querySelector('input[type=range]');
+        if (input) sliders[row.querySelector('span').textContent.trim()] = Number(input.value);
+    }
+    const enabled = Array.from(root.querySelectorAll('button')).filter(b => !b.disabled).map(b => b.textContent.trim());
+    const inputs = Array.from(root.querySelectorAll('input, select')).filter(e => !e.disabled).length;
+    return {sliders: sliders, enabled: enabled, inputs: inputs, status: root.dataset.status};
+}"""
+
+
+def check_panels(page, where: str) -> dict:
+    """Every subplot title drawn whole, inside the figure, clear of the others; no subplot without data."""
+    state = page.evaluate(PANELS_JS)
+    assert state is not None, f"{where}: no live dashboard in the page"
+    assert state["drawn"] == state["full"], (where, state["drawn"], state["full"])
+    assert state["inside"] and not state["overlaps"], (where, state)
+    assert not state["empty"], (where, state)
+    return state
+
+
 def screenshot(page, name: str) -> Path:
     path = ARTIFACTS / name
     page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first.screenshot(path=str(path))
@@ -289,6 +349,10 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         assert state["rows"] == [f"pipeline {p} stage {s}" for p in range(3) for s in range(2)], state["rows"]
         shots.append(screenshot(page, "live-removed.png"))
         finish(page)
+        # the run ended: no button applies any more, every panel has data, titles whole at both widths
+        controls = page.evaluate(CONTROLS_JS)
+        assert controls["enabled"] == [] and controls["inputs"] == 0, controls
+        shots += views_after_the_end(page, "01")
         (ARTIFACTS / "live.json").write_text(
             json.dumps({**{k: v for k, v in state.items() if k != "bars"}, "shown_after_s": SHOWN_AFTER}, indent=1)
         )
@@ -312,3 +376,83 @@ def test_a_page_opened_after_the_run_finished_still_draws_the_live_figure(tmp_pa
             check_drawn(state)
             assert state["points"] > 10 and "status finished" in state["text"]
             screenshot(page, "live-after-reload.png")
+
+
+def controls(page) -> dict:
+    return page.evaluate(CONTROLS_JS)
+
+
+def views_after_the_end(page, notebook: str) -> list:
+    """At 1440 and 1000 px: the figure fitted, every panel drawn whole with data (check_panels); screenshots."""
+    shots = []
+    for width in (1440, 1000):
+        page.set_viewport_size({"width": width, "height": 3000})
+        wait_live(page, "s.svg_width <= s.area_width + 1 && s.svg_width >= s.area_width - 40", 30, f"{width} px")
+        check_panels(page, f"notebook {notebook} at {width} px")
+        shots.append(screenshot(page, f"nb{notebook}-{width}.png"))
+    return shots
+
+
+def test_steering_notebook_controls_follow_the_run_and_a_press_changes_only_what_was_touched(tmp_path, no_leaks):
+    """Notebook 03 with Run All: its plan slows pipeline 3 down from code; the page's slider shows it, and a press
+    after moving pipeline 1's slider keeps pipeline 3's slowdown.  After the end nothing can be pressed; every panel
+    has data (no held-out data: the per-epoch panel shows the training loss) and every title is whole."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    name = "03_steering.ipynb"
+    copy_notebooks(ROOT / "notebooks", tmp_path, [name])
+    nb = tmp_path / name
+    assert "PHASE = 8.0" in nb.read_text()
+    nb.write_text(nb.read_text().replace("PHASE = 8.0", "PHASE = 15.0"))  # time for the presses in one phase
+    with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
+        run_notebook(page, url, token, name)
+        wait_js(page, HEADER_RUNNING, 240, "the live dashboard's header saying the run is running", poll=0.25)
+        # before the plan's change: running, resume the only button that does not apply
+        state = wait_js(
+            page,
+            f"() => {{ const c = ({CONTROLS_JS})(); return c && c.status === 'running' ? c : null; }}",
+            30,
+            "the controls of a running run",
+        )
+        assert "resume" not in state["enabled"] and {"pause", "stop", "slowdowns"} <= set(state["enabled"]), state
+        # the plan sets pipeline 3 to 4x from code: the slider shows it
+        state = wait_js(
+            page,
+            f"() => {{ const c = ({CONTROLS_JS})(); return c && c.sliders['pipeline 3'] === 4 ? c : null; }}",
+            90,
+            "pipeline 3's slider showing the slowdown the plan set from code",
+        )
+        assert state["sliders"]["pipeline 1"] == 1, state
+        slide(page, "pipeline 1", 3.0)
+        press(
+            page,
+            "slowdowns",
+            "/slowdowns applied at t = [0-9.]+ s: pipeline 1 x3, pipeline 3 x4, /.test(s.text)",
+            "pipeline 1 slowed from the page, pipeline 3 still 4x",
+        )
+        slide(page, "pipeline 1", 1.0)
+        press(
+            page,
+            "slowdowns",
+            "/slowdowns applied at t = [0-9.]+ s: pipeline 3 x4, /.test(s.text)",
+            "pipeline 1 back to full speed, pipeline 3 still 4x",
+        )
+        finish(page)
+        state = controls(page)
+        assert state["enabled"] == [] and state["inputs"] == 0 and state["status"] == "stopped", state
+        shots = views_after_the_end(page, "03")
+    for shot in shots:
+        assert shot.stat().st_size > 20_000, shot
+
+
+def test_transformer_notebook_after_run_all_fits_with_every_panel_drawn(tmp_path, no_leaks):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    name = "05_transformer.ipynb"
+    copy_notebooks(ROOT / "notebooks", tmp_path, [name])
+    with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
+        run_notebook(page, url, token, name)
+        finish(page, timeout=900)
+        state = controls(page)
+        assert state["enabled"] == [] and state["status"] == "finished", state
+        shots = views_after_the_end(page, "03")
+    for shot in shots:
+        assert shot.stat().st_size > 20_000, shot

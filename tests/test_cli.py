@@ -1,6 +1,7 @@
 """The command line, run as a user would."""
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -86,7 +87,7 @@ def test_cli_train_flags_are_the_train_config_fields():
     the flags given reach TrainConfig (and so train) under the field's name."""
     from dataclasses import fields
 
-    from sdpipe.cli import _check, build_parser
+    from sdpipe.cli import _check, _plain, build_parser
     from sdpipe.config import TrainConfig, field_docs
 
     parser = build_parser()
@@ -99,11 +100,14 @@ def test_cli_train_flags_are_the_train_config_fields():
         if f.type == "bool":  # a pair of flags
             assert isinstance(action, argparse.BooleanOptionalAction), f.name
             assert action.option_strings == [flag, f"--no-{flag[2:]}"] and action.default == f.default, f.name
-            assert action.help == docs[f.name], f.name
+            assert action.help == _plain(docs[f.name]), f.name
             continue
         assert action.option_strings == [flag] and action.default == f.default, f.name
         kind = {"int": int, "Optional[int]": int, "float": float}.get(f.type, str)
-        assert action.type is kind and action.help == docs[f.name], f.name
+        assert action.type is kind and action.help == _plain(docs[f.name]), f.name
+        # help as a reader wants it: values written out, no internal names or markup, "none" as defaults read
+        assert not re.search(r"[A-Z]{3,}_?[A-Z]* \(|``|\bNone\b", action.help), (f.name, action.help)
+    assert flags["policy"].metavar == "{sdpipe,allreduce,ps,adpsgd,none}"
     args = parser.parse_args(
         [
             "train",

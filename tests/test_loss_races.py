@@ -135,3 +135,54 @@ def test_a_rendezvous_gives_up_once_a_member_pipeline_is_marked_lost(store):
             give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost",
         )
     assert time.monotonic() - start < 5.0  # not the 60 s timeout
+
+
+def _rendezvous_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("sdpipe-rendezvous-") and t.is_alive()]
+
+
+def test_a_rendezvous_given_up_before_a_member_came_leaves_no_wait_behind(store):
+    # gloo's rendezvous waits in C++ on the store for each member's address; a member killed before it came
+    # would leave that wait blocked until the store closes (torch then prints its connection warnings)
+    before = _rendezvous_threads()
+    threading.Timer(0.3, mark_lost, args=(store, 1, "its worker process died")).start()
+    with pytest.raises(RendezvousTimeout, match="pipeline 1 was lost"):
+        make_group(
+            store.clone(),
+            "pipe1-early",
+            0,
+            2,
+            backend="gloo",
+            timeout=60.0,
+            host="127.0.0.1",
+            give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost",
+        )
+    assert _rendezvous_threads() == before
+
+
+def test_the_members_of_a_rendezvous_take_one_verdict(store):
+    # member 0 gives up (it saw a loss) while members 1 and 2 came: whichever verdict was set first, all three
+    # take it; here member 0 decided first, so the two who came skip too instead of waiting in gloo for it
+    lost = threading.Event()
+    out = {}
+
+    def member(rank, give_up):
+        try:
+            make_group(
+                store.clone(), "avg/verdict", rank, 3, backend="gloo", timeout=10.0, host="127.0.0.1", give_up=give_up
+            )
+            out[rank] = "go"
+        except RendezvousTimeout as e:
+            out[rank] = "skip" if "gave up" in str(e) else str(e)
+
+    first = threading.Thread(target=member, args=(0, lambda: "pipeline 2 was lost" if lost.is_set() else None))
+    first.start()
+    time.sleep(0.2)
+    lost.set()
+    first.join(5)
+    others = [threading.Thread(target=member, args=(r, None)) for r in (1, 2)]
+    for t in others:
+        t.start()
+    for t in others:
+        t.join(15)
+    assert out == {0: "skip", 1: "skip", 2: "skip"}

@@ -271,10 +271,23 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
         assert time.monotonic() - t < 1.0
         time.sleep(3.0)
         assert dash.redraw_rate(3.0) >= 2.0
-        dash.panel.press("slowdowns", slowdown=[1.0, 3.0])
+        # a change made from code shows in the panel at the next redraw
+        run.set_heterogeneity(slowdown={0: 2.0}, straggle_prob=0.1, straggle_delay=0.02)
+        run.set_policy("sdpipe", staleness=7)
+        dash.refresh()
+        p = dash.panel
+        assert (p.slowdown, p.straggle_prob, p.straggle_delay, p.staleness) == ([2.0, 1.0], 0.1, 0.02, 7)
+        assert p.status == "running"
+        # a press changes only what was touched (a page sends None for an untouched slider)
+        dash.panel.press("slowdowns", slowdown=[None, 3.0])
         assert "slowdowns applied at t = " in dash.message.value and "pipeline 1 x3," in dash.message.value
+        assert run.heterogeneity.slowdown == {0: 2.0, 1: 3.0} and run.heterogeneity.straggle_prob == 0.1
+        dash.panel.press("slowdowns", slowdown=[1.0, None], straggle_prob=0.0)
+        assert run.heterogeneity.slowdown == {1: 3.0} and run.heterogeneity.straggle_prob == 0.0
         dash.panel.press("pause")
         assert run.status == "paused"
+        dash.refresh()
+        assert dash.panel.status == "paused"  # the page enables resume, not pause
         dash.panel.press("stop")
         assert dash.wait(60)
         result = run.result(timeout=60)
@@ -283,10 +296,15 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
         dash.stop()
     assert result.stopped
     ctl = [e for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"]
-    assert [e["what"] for e in ctl] == ["heterogeneity", "pause", "stop"]
-    assert ctl[0]["heterogeneity"]["slowdown"] == {"1": 3.0}
+    assert [e["what"] for e in ctl] == ["heterogeneity", "policy", "heterogeneity", "heterogeneity", "pause", "stop"]
+    assert [e["heterogeneity"]["slowdown"] for e in ctl if e["what"] == "heterogeneity"] == [
+        {"0": 2.0},
+        {"0": 2.0, "1": 3.0},
+        {"1": 3.0},
+    ]
     assert any("pause" in label for _, label in dash.view.controls)
     assert "stopped" in dash.header.value
+    assert dash.panel.status == "stopped"  # the page disables every button
     dash.panel.press("stop")  # a finished run answers like the other controls
     assert "stop not applied" in dash.message.value and "had already ended (stopped)" in dash.message.value
 
@@ -328,3 +346,27 @@ def test_live_dashboard_adds_and_removes_pipelines_and_its_rows_follow(data, sha
         run.stop()
         dash.stop()
     assert result.finished_pipelines == [1, 2] and list(result.left) == [0]
+
+
+@pytest.mark.cluster
+def test_a_run_started_beside_another_says_so_in_its_repr_and_dashboard(data, shared_cluster):
+    from sdpipe.widgets import Dashboard
+
+    train_data, _ = data
+    kw = dict(stages=1, pipelines=2, policy="none", epochs=2, batch_size=64, cluster=shared_cluster)
+    first = sdpipe.train(digits_mlp(), train_data, **kw)
+    second = sdpipe.train(digits_mlp(), train_data, **kw)
+    dash = Dashboard(second, start=False)
+    try:
+        second.result(timeout=300)
+        first.result(timeout=300)
+    finally:
+        first.stop()
+        second.stop()
+    for run, other in ((first, second), (second, first)):
+        assert f"run {other.run_id} trained on the same Dask cluster while this one did" in repr(run)
+    dash.refresh()
+    assert first.run_id in dash.note.value and "samples/s" in dash.note.value
+    alone = sdpipe.train(digits_mlp(), train_data, **kw)
+    alone.result(timeout=300)
+    assert alone.concurrent is None and "trained on" not in repr(alone)

@@ -1,6 +1,7 @@
 """The live dashboard's control panel: one widget whose buttons carry the values they apply.
 
-A press sends every input's current value with it, as one custom message.
+A press sends the values of the inputs the user touched since the last press, as one custom message; the
+others keep what the kernel shows (the run's own values, which the dashboard keeps the panel following).
 ipywidgets' inputs would sync each value as a state update instead, and the
 front end sends those one at a time, each after the kernel reported itself
 idle for the last one; a kernel that handles widget messages while a cell
@@ -58,17 +59,28 @@ class ControlPanel(anywidget.AnyWidget):
         const button = (action, style = "") =>
           el_("button", { textContent: action, className: `sdpipe-button ${style}`, onclick: () => press(action) });
 
+        // what the user changed in the page since the last press: a press sends only those (the kernel keeps
+        // the run's own values for the others), and the run's values never overwrite an input being edited
+        const touched = new Set();
+        const touch = (key, e) => e.addEventListener("input", () => touched.add(key));
+
         // policy
         const select = el_("select");
         for (const name of model.get("policies")) select.append(el_("option", { value: name, textContent: name }));
-        const staleness = el_("input", { type: "number", min: 1, max: 1000, step: 1 });
+        touch("policy", select);
+        const staleness = el_("input", { type: "number", min: 1, max: 1000, step: 1,
+          title: "staleness bound P: every P x D updates, a graph sync mixes every pipeline with every other" });
+        touch("staleness", staleness);
         const maxGroup = el_("input", { type: "number", min: 0, max: model.get("pipelines"), step: 1,
-                                        title: "0: all pipelines" });
+                                        title: "the largest partial-reduce group; 0: all pipelines" });
+        touch("max_group", maxGroup);
         const policyButton = button("policy");
         const policyBox = el_("div", { className: "sdpipe-col sdpipe-policy" }, el_("b", { textContent: "policy" }),
           el_("label", { className: "sdpipe-row" }, el_("span", { textContent: "policy" }), select),
-          el_("label", { className: "sdpipe-row" }, el_("span", { textContent: "P" }), staleness),
-          el_("label", { className: "sdpipe-row" }, el_("span", { textContent: "max group" }), maxGroup),
+          el_("label", { className: "sdpipe-row", title: staleness.title },
+            el_("span", { textContent: "staleness P" }), staleness),
+          el_("label", { className: "sdpipe-row", title: maxGroup.title },
+            el_("span", { textContent: "max group" }), maxGroup, el_("small", { textContent: "0: all" })),
           policyButton);
 
         // heterogeneity
@@ -78,14 +90,20 @@ class ControlPanel(anywidget.AnyWidget):
         const n = model.get("pipelines");
         for (let p = 0; p < n; p++) hetBox.append(slider(`slowdown/${p}`, `pipeline ${p}`, 1, 8, 0.5));
         hetBox.append(slider("straggle_prob", "straggle p", 0, 0.5, 0.05),
-                      slider("straggle_delay", "delay (s)", 0, 0.5, 0.01),
-                      button("slowdowns"));
+                      slider("straggle_delay", "delay (s)", 0, 0.5, 0.01));
+        for (const key of [...Array.from({ length: n }, (_, p) => `slowdown/${p}`), "straggle_prob", "straggle_delay"])
+          touch(key, inputs[key].input);
+        const slowButton = button("slowdowns");
+        hetBox.append(slowButton);
 
+        const pauseButton = button("pause"), resumeButton = button("resume");
+        const stopButton = button("stop", "sdpipe-danger");
         const runBox = el_("div", { className: "sdpipe-col sdpipe-run" }, el_("b", { textContent: "run" }),
-          button("pause"), button("resume"), button("stop", "sdpipe-danger"));
+          pauseButton, resumeButton, stopButton);
 
         // pipelines joining and leaving
         const removeInput = el_("input", { type: "number", min: 0, step: 1, title: "the pipeline to remove" });
+        touch("remove", removeInput);
         const addButton = button("add pipeline");
         const removeButton = button("remove pipeline");
         const memberBox = el_("div", { className: "sdpipe-col sdpipe-members" }, el_("b", { textContent: "pipelines" }),
@@ -94,29 +112,46 @@ class ControlPanel(anywidget.AnyWidget):
           removeButton);
         el.append(el_("div", { className: "sdpipe-panel" }, policyBox, hetBox, runBox, memberBox));
 
-        const values = () => ({
-          policy: select.value,
-          staleness: Number(staleness.value),
-          max_group: Number(maxGroup.value),
-          slowdown: Array.from({ length: n }, (_, p) => Number(inputs[`slowdown/${p}`].input.value)),
-          straggle_prob: Number(inputs.straggle_prob.input.value),
-          straggle_delay: Number(inputs.straggle_delay.input.value),
-          remove: Number(removeInput.value),
-        });
-        // one custom message with every value: state updates would wait in the page while a cell awaits
-        const press = (action) => model.send({ action, values: values() });
+        // the values the user touched; an untouched slowdown travels as null (the kernel keeps the run's)
+        const values = () => {
+          const all = {
+            policy: select.value,
+            staleness: Number(staleness.value),
+            max_group: Number(maxGroup.value),
+            straggle_prob: Number(inputs.straggle_prob.input.value),
+            straggle_delay: Number(inputs.straggle_delay.input.value),
+            remove: Number(removeInput.value),
+          };
+          const out = Object.fromEntries(Object.entries(all).filter(([k]) => touched.has(k)));
+          const slow = Array.from({ length: n }, (_, p) =>
+            touched.has(`slowdown/${p}`) ? Number(inputs[`slowdown/${p}`].input.value) : null);
+          if (slow.some((v) => v !== null)) out.slowdown = slow;
+          return out;
+        };
+        // one custom message with the values: state updates would wait in the page while a cell awaits
+        const press = (action) => { model.send({ action, values: values() }); touched.clear(); };
 
         const show = () => {
-          select.value = model.get("policy");
-          const enabled = model.get("policy_enabled");
+          const status = model.get("status");
+          const live = status === "running" || status === "paused";
+          const set = (key, apply) => { if (!touched.has(key)) apply(); };
+          set("policy", () => { select.value = model.get("policy"); });
+          const enabled = model.get("policy_enabled") && live;
           for (const e of [select, staleness, maxGroup, policyButton]) e.disabled = !enabled;
-          staleness.value = model.get("staleness");
-          maxGroup.value = model.get("max_group");
-          model.get("slowdown").forEach((v, p) => inputs[`slowdown/${p}`] && inputs[`slowdown/${p}`].set(v));
-          inputs.straggle_prob.set(model.get("straggle_prob"));
-          inputs.straggle_delay.set(model.get("straggle_delay"));
-          removeInput.value = model.get("remove");
-          for (const e of [addButton, removeButton, removeInput]) e.disabled = !model.get("elastic");
+          set("staleness", () => { staleness.value = model.get("staleness"); });
+          set("max_group", () => { maxGroup.value = model.get("max_group"); });
+          model.get("slowdown").forEach((v, p) =>
+            inputs[`slowdown/${p}`] && set(`slowdown/${p}`, () => inputs[`slowdown/${p}`].set(v)));
+          set("straggle_prob", () => inputs.straggle_prob.set(model.get("straggle_prob")));
+          set("straggle_delay", () => inputs.straggle_delay.set(model.get("straggle_delay")));
+          for (const [key, { input }] of Object.entries(inputs)) input.disabled = !live;
+          slowButton.disabled = !live;
+          set("remove", () => { removeInput.value = model.get("remove"); });
+          pauseButton.disabled = status !== "running";
+          resumeButton.disabled = status !== "paused";
+          stopButton.disabled = !(live || status === "starting");
+          for (const e of [addButton, removeButton, removeInput]) e.disabled = !(model.get("elastic") && live);
+          el.dataset.status = status;
         };
         show();
         model.on("change", show);
@@ -159,6 +194,9 @@ class ControlPanel(anywidget.AnyWidget):
     remove = traitlets.Int(0).tag(sync=True)
     #: whether pipelines can be added and removed (the run's policy lets them)
     elastic = traitlets.Bool(False).tag(sync=True)
+    #: the run's status: the buttons that do not apply to it are disabled ("running": all but resume, "paused":
+    #: all but pause, "starting": stop alone, ended: none)
+    status = traitlets.Unicode("running").tag(sync=True)
 
     def __init__(self, on_press, **kwargs):
         super().__init__(**kwargs)
@@ -197,11 +235,14 @@ class ControlPanel(anywidget.AnyWidget):
             checked["staleness"] = _number("P (staleness)", values["staleness"], 1, MAX_STALENESS, whole=True)
         if "max_group" in values:
             checked["max_group"] = _number("max group", values["max_group"], 0, self.pipelines, whole=True)
-        if "slowdown" in values:
+        if "slowdown" in values:  # None: that pipeline's slowdown as it is (a page sends only what was touched)
             s = values["slowdown"]
             if not isinstance(s, (list, tuple)) or len(s) != self.pipelines:
                 raise ValueError(f"slowdown: must be {self.pipelines} numbers (one per pipeline), got {s!r}")
-            checked["slowdown"] = [_number(f"slowdown of pipeline {p}", x, *SLOWDOWN[:2]) for p, x in enumerate(s)]
+            checked["slowdown"] = [
+                self.slowdown[p] if x is None else _number(f"slowdown of pipeline {p}", x, *SLOWDOWN[:2])
+                for p, x in enumerate(s)
+            ]
         if "straggle_prob" in values:
             checked["straggle_prob"] = _number("straggle p", values["straggle_prob"], *STRAGGLE_PROB[:2])
         if "straggle_delay" in values:

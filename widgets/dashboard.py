@@ -46,6 +46,22 @@ ATTACHED = 30.0
 RESYNC = 10.0
 
 
+#: pixels per character of a subplot title (13 px Open Sans averages about 7; a little more to be safe)
+TITLE_CHAR_PX = 7.5
+
+
+def wrap_text(text: str, width: int) -> str:
+    """``text`` broken at spaces into lines of at most ``width`` characters (plotly's ``<br>``); a word longer than
+    a line keeps its own line."""
+    lines: list = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= max(width, 1):
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return "<br>".join(lines)
+
+
 def r_list(xs):
     """Numbers rounded for the wire (figure updates travel as JSON)."""
     return [round(x, 5) for x in xs]
@@ -96,6 +112,9 @@ TEMPLATE = {
         },
     }
 }
+#: line dashes and marker symbols of the per-epoch curves, by pipeline
+DASHES = ["solid", "dot", "dash", "dashdot", "longdash", "longdashdot"]
+SYMBOLS = ["circle", "square", "diamond", "triangle-up", "x", "star", "cross", "triangle-down"]
 PIPELINE_COLORS = [
     "#4C78A8",
     "#F58518",
@@ -221,6 +240,13 @@ class _Width(anywidget.AnyWidget):
         const drawn = () => { const n = model.get("seq"); requestAnimationFrame(() => requestAnimationFrame(
             () => model.send({ drawn: n }))); };
         model.on("change:seq", drawn);
+        // a live run's dashboard comes into view once, when first shown: after Run All the notebook shows its
+        // last cell, and the dashboard, cells above, would train unseen
+        if (model.get("reveal")) requestAnimationFrame(() => {
+          const box = el.closest(".jp-OutputArea-output") || el.parentElement;
+          if (box && box.scrollIntoView) box.scrollIntoView({ block: "start" });
+          model.send({ revealed: true });
+        });
         return () => { observer.disconnect(); model.off("change:seq", drawn); };
       }
     };
@@ -228,6 +254,8 @@ class _Width(anywidget.AnyWidget):
     width = traitlets.Int(0)
     #: the number of the dashboard's last redraw (the page answers it when drawn)
     seq = traitlets.Int(0).tag(sync=True)
+    #: bring the dashboard into view when a page first shows it (a live run's; cleared once a page did)
+    reveal = traitlets.Bool(False).tag(sync=True)
 
     def __init__(self, on_drawn=None, **kwargs):
         super().__init__(**kwargs)
@@ -239,6 +267,8 @@ class _Width(anywidget.AnyWidget):
             return
         if isinstance(content.get("width"), int):
             self.width = content["width"]
+        if content.get("revealed"):
+            self.reveal = False
         if isinstance(content.get("drawn"), int) and self._on_drawn is not None:
             self._on_drawn(content["drawn"])
 
@@ -267,8 +297,12 @@ class Dashboard:
         self.result = source if isinstance(source, RunResult) else None
         cfg = source.config
         self.config = cfg
-        #: the key of the held-out metric the epoch records carry ("accuracy", "perplexity", ...), else the loss
-        self.metric = source.metric or "eval_loss"
+        #: whether the epochs end with an evaluation on held-out data (else the per-epoch panel shows the
+        #: epochs' training loss: a panel never stays empty for want of data it cannot get)
+        self.held_out = source.held_out if isinstance(source, Run) else any("eval_loss" in h for h in source.history)
+        #: the key of the per-epoch panel's value in the epoch records: the held-out metric ("accuracy",
+        #: "perplexity", ...) or loss, else the training loss
+        self.metric = (source.metric or "eval_loss") if self.held_out else "loss"
         self.interval = interval
         self.view = RunView(cfg.stages, cfg.pipelines, cfg.batch_size, window=window)
         #: pipelines with their own loss and metric curves: the run's and up to SPARE_PIPELINES that join it
@@ -300,9 +334,11 @@ class Dashboard:
         S = cfg.stages
         titles = {
             "timeline": "Stage timeline (recent seconds)",
-            "stragglers": "Stragglers: compute per step (red: above 2x the median; p: pipeline, s: stage)",
+            "stragglers": "Stragglers: compute per step (red: above 2x the median)",
             "loss": "training loss per step",
-            "accuracy": f"held-out {self.metric.replace('eval_loss', 'loss')} per epoch",
+            "accuracy": f"held-out {self.metric.replace('eval_loss', 'loss')} per epoch"
+            if self.held_out
+            else "training loss per epoch (no held-out data given)",
             "shares": "Whole run: seconds by kind",
         }
         for s in range(S):
@@ -355,7 +391,21 @@ class Dashboard:
             horizontal_spacing=0.07 if cols > 1 else 0.0,
             figure=go.Figure(layout={"template": TEMPLATE}),
         )
+        self._titles, self._title_keys = titles, ordered
         return fig, pos, height
+
+    def _wrap_titles(self, width: float) -> None:
+        """Break each subplot title into lines that fit its subplot at a figure ``width`` pixels wide (a title
+        wider than its subplot runs into its neighbour's, or out of the figure)."""
+        margin = self.figure.layout.margin
+        plot = max(100.0, width - (margin.l or 0) - (margin.r or 0))
+        wrapped = []
+        for key, a in zip(self._title_keys, self.figure.layout.annotations):
+            lo, hi = self.figure.layout[self._axes[key][0]].domain
+            wrapped.append(wrap_text(self._titles[key], int((hi - lo) * plot / TITLE_CHAR_PX)))
+        if [a.text for a in self.figure.layout.annotations] != wrapped:
+            for a, text in zip(self.figure.layout.annotations, wrapped):
+                a.text = text
 
     def _build(self, controls: bool) -> None:
         """One FigureWidget with every view as a subplot (the browser loads and draws one plot), plus widgets."""
@@ -461,7 +511,9 @@ class Dashboard:
             ),
             "stragglers",
         )
-        axes("stragglers", y_title_text="seconds", x_tickangle=0, x_automargin=True)
+        axes(
+            "stragglers", y_title_text="seconds", x_title_text="p: pipeline, s: stage", x_tickangle=0, x_automargin=True
+        )
         for p in range(self._slots):  # the run's pipelines, and room for pipelines that join it
             color = PIPELINE_COLORS[p % len(PIPELINE_COLORS)]
             add(
@@ -471,19 +523,20 @@ class Dashboard:
             )
             add(
                 f"accuracy/{p}",
-                go.Scatter(
+                go.Scatter(  # pipelines with the same value each epoch (after a global sync) stay told apart
                     name=f"pipeline {p}",
                     x=[],
                     y=[],
                     mode="lines+markers",
-                    line_color=color,
+                    line=dict(color=color, dash=DASHES[p % len(DASHES)]),
+                    marker=dict(symbol=SYMBOLS[p % len(SYMBOLS)], size=7),
                     legendgroup=str(p),
                     showlegend=False,
                 ),
                 "accuracy",
             )
         axes("loss", x_title_text="step")
-        axes("accuracy", x_title_text="epoch")
+        axes("accuracy", x_title_text="epoch", x_tick0=0, x_dtick=1)
         for c in CATEGORIES:
             add(
                 f"shares/{c}",
@@ -505,7 +558,7 @@ class Dashboard:
         self._shares_xaxis = self._axes["shares"][0]
         self.figure = _Figure(fig, self._lock)
         self.figure._first_drawn = self.resync
-        self._width = _Width(on_drawn=self._page_drew)
+        self._width = _Width(on_drawn=self._page_drew, reveal=self.run is not None and not self.run.done())
         self._width.observe(lambda change: self.fit(change["new"]), "width")
         # The header is one line (cut with an ellipsis where the output is narrow) and the lines whose length
         # changes come after the controls, so the controls never move while the run goes on.
@@ -542,6 +595,7 @@ class Dashboard:
                 self.figure.layout.height = height
                 self.narrow = narrow
             self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
+            self._wrap_titles(width - 16)
 
     def _page_drew(self, seq: int) -> None:
         """A page answered the redraw numbered ``seq`` (it has drawn everything sent before it)."""
@@ -575,22 +629,41 @@ class Dashboard:
         return self.figure.data[self._idx[key]]
 
     def _controls(self) -> ControlPanel:
-        run, cfg = self.run, self.config
-        sp, h = run.scheduler_policy, run.heterogeneity
-        switchable = run.policy in LIVE_POLICIES
+        self._panel_state = self._run_state()
         return ControlPanel(
-            self._press,
-            policies=list(LIVE_POLICIES),
+            self._press, policies=list(LIVE_POLICIES), pipelines=self.config.pipelines, **self._panel_state
+        )
+
+    def _run_state(self) -> dict:
+        """What the control panel shows: the run's policy, heterogeneity and status as they are now (set from code
+        or by a press alike)."""
+        run = self.run
+        sp, h = run.scheduler_policy, run.heterogeneity
+        switchable = run.policy in LIVE_POLICIES and run.config.policy in LIVE_POLICIES
+        return dict(
             policy=run.policy if switchable else "",
             policy_enabled=switchable,
-            staleness=min(sp.staleness, MAX_STALENESS),
+            staleness=int(min(sp.staleness, MAX_STALENESS)),
             max_group=sp.max_group or 0,
-            pipelines=cfg.pipelines,
-            slowdown=[h.slowdown_of(p, 0) for p in range(cfg.pipelines)],
-            straggle_prob=h.straggle_prob,
-            straggle_delay=h.straggle_delay,
-            elastic=run.policy in ("sdpipe", "allreduce", "none"),  # pipelines can join and leave
+            slowdown=[float(h.slowdown_of(p, 0)) for p in range(self.config.pipelines)],
+            straggle_prob=float(h.straggle_prob),
+            straggle_delay=float(h.straggle_delay),
+            elastic=run.config.policy in ("sdpipe", "allreduce", "none"),  # pipelines can join and leave
+            status=run.status,
         )
+
+    def _follow_run(self) -> None:
+        """The control panel shows what the run has now: what changed since the last redraw (a change made from
+        code, a plan's, or a press) is set on it; the page keeps the inputs the user is editing."""
+        if self.panel is None:
+            return
+        now = self._run_state()
+        changed = {k: v for k, v in now.items() if self._panel_state.get(k) != v}
+        if changed:
+            with self.panel.hold_sync():
+                for k, v in changed.items():
+                    setattr(self.panel, k, v)
+            self._panel_state = now
 
     def _press(self, action: str, error: Exception = None) -> None:
         """A control panel button was pressed (its values are the panel's now)."""
@@ -607,7 +680,12 @@ class Dashboard:
                 lambda: run.set_policy(panel.policy, staleness=panel.staleness, max_group=panel.max_group or None),
             )
         elif action == "slowdowns":
-            slow = {p: x for p, x in enumerate(panel.slowdown) if x > 1.0}
+            # the run's slowdowns, with those of the pipelines whose slider now shows another value replaced (a
+            # per-stage slowdown set from code stays unless its pipeline's slider was moved)
+            h = run.heterogeneity
+            moved = {p: x for p, x in enumerate(panel.slowdown) if x != h.slowdown_of(p, 0)}
+            slow = {k: x for k, x in h.slowdown.items() if (k[0] if isinstance(k, tuple) else k) not in moved}
+            slow.update({p: x for p, x in moved.items() if x > 1.0})
             self._act(
                 "slowdowns",
                 lambda: run.set_heterogeneity(
@@ -653,6 +731,10 @@ class Dashboard:
         except Exception as e:  # shown to the user, the run goes on
             text = f"{clock} {what} not applied: {type(e).__name__}: {e}"
             self.message.value = f"<span style='color:#b00; overflow-wrap:anywhere'>{html.escape(text)}</span>"
+        if self.panel is not None:  # the panel shows the run's values again (what a refused press sent is gone)
+            with self._lock:
+                self._panel_state = {}
+                self._follow_run()
         self._poke.set()  # the header and the timeline show what the press did at the next redraw, now
 
     def _applied(self, what: str) -> str:
@@ -752,6 +834,10 @@ class Dashboard:
                 T(f"loss/{p}").update(x=[s for s, _ in losses], y=r_list([x for _, x in losses]))
                 ep = [m for m in v.epochs.get(p, []) if self.metric in m]
                 T(f"accuracy/{p}").update(x=[m["epoch"] for m in ep], y=[m[self.metric] for m in ep])
+        last = max((m["epoch"] for ms in v.epochs.values() for m in ms), default=0)
+        dtick = max(1, -(-(last + 1) // 8))  # whole epochs, eight ticks at most
+        if self.figure.layout[self._axes["accuracy"][0]].dtick != dtick:
+            self.figure.layout[self._axes["accuracy"][0]].dtick = dtick
         with self.figure.batch_update():  # x, y, marker colours
             T("stragglers").update(
                 x=short,
@@ -784,20 +870,22 @@ class Dashboard:
 
     def _draw_header(self) -> None:
         v, cfg, run = self.view, self.config, self.run
+        if run is not None:
+            self._follow_run()
         source = "live" if run is not None else "replay"
         policy = run.policy if run is not None else cfg.policy
         status = v.status or "-"
         startup = run.startup if run is not None and status == "starting" else None
-        if startup:
-            status = f"{status}</b>: {html.escape(startup)}<b>"
+        # what changes first (a narrow output cuts the end of the line)
         text = (
-            f"<b>sdpipe</b> {cfg.stages} stages x {len(v.active)} pipelines, policy <b>{policy}</b>, "
-            f"status <b>{status}</b> ({source}, {v.count} events, t = {v.now:.1f} s)"
+            f"<b>sdpipe</b> status <b>{status}</b>, t = {v.now:.1f} s, policy <b>{policy}</b>, {cfg.stages} stages x "
+            f"{len(v.active)} pipelines ({source}, {v.count} events)" + (f"; {html.escape(startup)}" if startup else "")
         )
         self.header.value = f"<div style='white-space:nowrap; overflow:hidden; text-overflow:ellipsis'>{text}</div>"
-        note = run.contention if run is not None else None
-        if note and not self.note.value:
-            self.note.value = f"<span style='color:#666'>note: {html.escape(note)}</span>"
+        note = "; ".join(x for x in (run.concurrent, run.contention) if x) if run is not None else None
+        value = f"<span style='color:#666'>note: {html.escape(note)}</span>" if note else ""
+        if value != self.note.value:
+            self.note.value = value
 
     # ------------------------------------------------------------ thread
     def start(self) -> None:
