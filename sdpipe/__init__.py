@@ -5,6 +5,7 @@ in ``sdpipe.widgets``.
 """
 
 from . import profiles
+from ._cluster import close as close_cluster
 from ._runtime import Run, RunError, RunResult
 from ._train import train
 from .checkpoint import Checkpoint, load_checkpoint
@@ -28,5 +29,6 @@ __all__ = [
     "Checkpoint",
     "load_checkpoint",
     "profiles",
+    "close_cluster",
 ]
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ __all__ = [
     "host_cores",
     "route_address",
     "bound_store",
+    "close",
 ]
 
 #: Seconds to reach an existing Dask scheduler before giving up.
@@ -329,6 +330,37 @@ def unquiet_run_failures(run_id: str) -> None:
     log = logging.getLogger("distributed.worker")
     for f in [f for f in log.filters if isinstance(f, QuietRunFailures) and f.prefix == f"sdpipe-{run_id}-"]:
         log.removeFilter(f)
+
+
+class QuietClosing(logging.Filter):
+    """Drops a worker's report that its heartbeat found the scheduler's connection closed: while a cluster closes,
+    the scheduler drops each worker's connections while that worker's last heartbeat may still be on its way (a
+    race Dask's own comments call common), and the worker logs it with a traceback."""
+
+    def filter(self, record) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        return not msg.startswith(("Failed to communicate with scheduler during heartbeat", "Heartbeat to scheduler"))
+
+
+def _closing_quietly() -> None:
+    """(In a worker process that is about to close) install :class:`QuietClosing`."""
+    log = logging.getLogger("distributed.worker")
+    if not any(isinstance(f, QuietClosing) for f in log.filters):
+        log.addFilter(QuietClosing())
+
+
+def close(client, cluster=None, timeout: float = 30.0) -> None:
+    """Close a Dask ``client`` and the ``cluster`` it was made for (a ``LocalCluster``), printing nothing that is
+    not about a problem: the workers, which close first, no longer report a heartbeat that raced the scheduler's
+    closing of their connections (a Dask race, harmless then, that prints a traceback now and then)."""
+    try:
+        if client.status == "running":
+            run_bounded(client, _closing_quietly, workers=None, timeout=min(timeout, 10.0), what="close")
+    except Exception:  # a cluster that no longer answers closes all the same
+        pass
+    client.close(timeout=timeout)
+    if cluster is not None:
+        cluster.close(timeout=timeout)
 
 
 def run_bounded(client, function, *args, workers: list, timeout: float, what: str):

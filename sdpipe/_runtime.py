@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import Optional
 
-from ._cluster import connect, count_workers, run_bounded, unquiet_run_failures
+from ._cluster import _closing_quietly, connect, count_workers, run_bounded, unquiet_run_failures
 from ._control import Steering
 from ._elastic import Elastic
 from ._result import RunError, RunResult, history
@@ -345,6 +345,11 @@ class Run(Steering, Elastic):
                     continue
                 try:
                     f.release()
+                except Exception:
+                    pass
+            if self._cluster is not None:  # the embedded cluster closes next: its workers quietly (see close)
+                try:
+                    run_bounded(client, _closing_quietly, workers=None, timeout=5, what="close")
                 except Exception:
                     pass
             if self._own_client:
