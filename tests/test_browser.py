@@ -453,6 +453,6 @@ def test_transformer_notebook_after_run_all_fits_with_every_panel_drawn(tmp_path
         finish(page, timeout=900)
         state = controls(page)
         assert state["enabled"] == [] and state["status"] == "finished", state
-        shots = views_after_the_end(page, "03")
+        shots = views_after_the_end(page, "05")
     for shot in shots:
         assert shot.stat().st_size > 20_000, shot

@@ -241,6 +241,20 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     assert dash.figure._drawn_at is not None and not dash.figure._drawn.is_set()  # a page attached, still behind
     dash._width._on_width(None, {"drawn": last}, [])
     assert dash.figure._drawn.is_set()
+    # titles broken into lines that fit their panel at the figure's width, in both layouts; the words all kept
+    from sdpipe.widgets.dashboard import TITLE_CHAR_PX
+
+    for width, narrow in ((1400, False), (1000, False), (700, True)):
+        dash.fit(width)
+        assert dash.narrow is narrow
+        plot = width - 16 - dash.figure.layout.margin.l - dash.figure.layout.margin.r
+        for key, a in zip(dash._title_keys, dash.figure.layout.annotations):
+            lo, hi = dash.figure.layout[dash._axes[key][0]].domain
+            lines = a.text.split("<br>")
+            assert " ".join(lines) == dash._titles[key]
+            assert all(len(line) * TITLE_CHAR_PX <= (hi - lo) * plot for line in lines), (width, a.text)
+    assert "<br>" in dash.figure.layout.annotations[dash._title_keys.index("groups/0")].text  # long, at 700 px
+    assert dash._titles["accuracy"] == "held-out accuracy per epoch"  # (without eval_data: the training loss)
 
 
 def await_events(dash, count: int, timeout: float = 60) -> float:
@@ -367,6 +381,9 @@ def test_a_run_started_beside_another_says_so_in_its_repr_and_dashboard(data, sh
         assert f"run {other.run_id} trained on the same Dask cluster while this one did" in repr(run)
     dash.refresh()
     assert first.run_id in dash.note.value and "samples/s" in dash.note.value
+    # no eval_data: the per-epoch panel shows each epoch's training loss, and its title says so
+    assert dash._titles["accuracy"] == "training loss per epoch (no held-out data given)"
+    assert list(dash.trace("accuracy/0").x) == [0, 1] and all(y > 0 for y in dash.trace("accuracy/0").y)
     alone = sdpipe.train(digits_mlp(), train_data, **kw)
     alone.result(timeout=300)
     assert alone.concurrent is None and "trained on" not in repr(alone)

@@ -595,6 +595,7 @@ class Dashboard:
                 self.figure.layout.height = height
                 self.narrow = narrow
             self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
+        with self._lock:  # after the batch: inside it the layout still reads as before (the domains above)
             self._wrap_titles(width - 16)
 
     def _page_drew(self, seq: int) -> None:
