@@ -173,15 +173,20 @@ def _one(client, policy, moment, rng, data, folder):
     }
 
 
-def _workers_back(client, n):
-    """The cluster back at ``n`` running workers with torch imported (a killed one's nanny restarts it)."""
-    deadline = time.monotonic() + 180
+def _workers_back(client, n, cluster=None):
+    """The cluster back at ``n`` running workers with torch imported (a killed one's nanny restarts it; now and
+    then a nanny's restart never completes, and the cluster is topped up with a new worker after 30 s)."""
+    deadline, topped = time.monotonic() + 180, False
     while time.monotonic() < deadline:
         try:
-            client.wait_for_workers(n, timeout=60)
+            client.wait_for_workers(n, timeout=30)
             answered = client.run(lambda: __import__("sdpipe._worker") and None)
             if len(answered) >= n:
                 return
+        except TimeoutError:
+            if cluster is not None and not topped:
+                cluster.scale(len(cluster.worker_spec) + 1)
+                topped = True
         except Exception:
             pass
         time.sleep(1.0)
@@ -198,7 +203,7 @@ def child(policy: str, moments: list, kills: int, seed: int) -> None:
     client = Client(cluster)
     plan = ["none"] + [m for _ in range(kills) for m in moments]
     for i, moment in enumerate(plan):
-        _workers_back(client, 10)
+        _workers_back(client, 10, cluster)
         with tempfile.TemporaryDirectory() as folder:
             print(f"{BEGIN} {i}", flush=True)
             row = _one(client, policy, moment, rng, data, folder)

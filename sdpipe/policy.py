@@ -290,10 +290,11 @@ def _state_tensors(worker) -> list:
 
 
 def _stage_group(worker, name: str) -> tuple:
-    """A process group of this stage's workers of every pipeline not marked lost, and each member pipeline's rank
-    in it (``(None, ranks)`` for fewer than two).  A member lost during the rendezvous (a worker killed while the
-    run starts) ends it for every member; the survivors then form it again among themselves, under a name that
-    lists them, so they all meet in the same one whatever order they noticed the loss in."""
+    """The stage's first process group: of this stage's workers of every pipeline never marked lost (one that was
+    lost and came back joins later, by a membership change), and each member pipeline's rank in it (``(None,
+    ranks)`` for fewer than two).  A member lost during the rendezvous (a worker killed while the run starts) ends
+    it for every member; the survivors then form it again among themselves, under a name that lists them, so they
+    all meet in the same one whatever order they noticed the loss in."""
     D = worker.pipelines
     gone = lambda p: worker.store.check([Keys.ever_lost(p)])  # noqa: E731  (lost, even if back since)
     for _ in range(D):

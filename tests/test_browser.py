@@ -406,6 +406,14 @@ def test_steering_notebook_controls_follow_the_run_and_a_press_changes_only_what
     with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
         run_notebook(page, url, token, name)
         wait_js(page, HEADER_RUNNING, 240, "the live dashboard's header saying the run is running", poll=0.25)
+        # Run All shows the notebook's last cell; the live dashboard brought itself into view when it was shown
+        in_view = page.evaluate("""() => {
+            const b = Array.from(document.querySelectorAll('button.sdpipe-button'))
+                .find(b => b.textContent === 'pause');
+            const r = b.closest('.jp-OutputArea-output').getBoundingClientRect();
+            return r.top < window.innerHeight && r.bottom > 0;
+        }""")
+        assert in_view, "the live dashboard is not in view after Run All"
         # before the plan's change: running, resume the only button that does not apply
         state = wait_js(
             page,
