@@ -50,12 +50,15 @@ def make_group(
     pipeline was lost). It must not use ``store``'s connection, which the
     rendezvous holds while it waits.
     """
-    prefixed = dist.PrefixStore(Keys.group(name), store)
     td = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
-        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        return dist.ProcessGroupNCCL(dist.PrefixStore(Keys.group(name), store), rank, size, opts)
+    # gloo waits on the store for each member's address: through an AbortableStore, a rendezvous given up on ends
+    # that wait (its helper thread ends) instead of leaving it blocked in C++ until the run's store closes
+    abortable = AbortableStore(store)
+    prefixed = dist.PrefixStore(Keys.group(name), abortable)
     seconds = min(timeout, connect_timeout or timeout)
     # Every member first says it is here, in Python: gloo's rendezvous waits in C++ on the store for each peer's
     # address, and a peer that died before it came (a worker lost while the run starts) leaves that wait blocked
@@ -71,7 +74,54 @@ def make_group(
         max(1.0, deadline - time.monotonic()) + RENDEZVOUS_MARGIN,
         name,
         give_up,
+        abortable.abort,
     )
+
+
+class AbortableStore(dist.Store):
+    """The run's store for one group's rendezvous, with waits that poll (every 2 ms) and end at once when
+    :attr:`abort` is set: torch's own store waits block in C++, and a wait for a member that died (killed while
+    the run started) would last until the store closes, when torch prints its connection warnings."""
+
+    POLL = 0.002
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.abort = inner, threading.Event()
+
+    def wait(self, keys, timeout=None):
+        deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None else 300.0)
+        while not self.inner.check(keys):
+            if self.abort.is_set():
+                raise RuntimeError("the rendezvous was given up")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"waited {keys} longer than the rendezvous's timeout")
+            time.sleep(self.POLL)
+
+    def get(self, key):
+        self.wait([key])
+        return self.inner.get(key)
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        self.inner.set_timeout(timeout)
 
 
 #: seconds past its own timeout that a gloo rendezvous may take before the caller gives up on it
@@ -116,8 +166,9 @@ class RendezvousTimeout(RuntimeError):
     """A group's rendezvous did not end (neither connected nor failed) within its timeout, or was given up on."""
 
 
-def _bounded(build, seconds: float, name: str, give_up=None):
-    """``build()`` in a helper thread, given up on after ``seconds``.
+def _bounded(build, seconds: float, name: str, give_up=None, abort: Optional[threading.Event] = None):
+    """``build()`` in a helper thread, given up on after ``seconds`` or once ``give_up()`` gives a reason; then
+    ``abort`` is set (an :class:`AbortableStore`'s: the helper's wait on the store ends).
 
     gloo's rendezvous has its own timeout, but a peer that dies during the
     connection handshake can leave it waiting past that (seen: a stage's
@@ -141,12 +192,21 @@ def _bounded(build, seconds: float, name: str, give_up=None):
         t.join(min(0.1, max(0.0, deadline - time.monotonic())))
         reason = give_up() if give_up is not None and t.is_alive() else None
         if reason:
+            _abort(abort, t)
             raise RendezvousTimeout(f"group {name}: gave up the rendezvous: {reason}")
     if t.is_alive():
+        _abort(abort, t)
         raise RendezvousTimeout(f"group {name}: the rendezvous neither connected nor failed within {seconds:.0f}s")
     if "error" in box:
         raise box.pop("error")
     return box.pop("group")
+
+
+def _abort(abort: Optional[threading.Event], helper: threading.Thread) -> None:
+    """End a given-up rendezvous's waits on the store, and give its helper thread a moment to end."""
+    if abort is not None:
+        abort.set()
+        helper.join(1.0)
 
 
 class Link:

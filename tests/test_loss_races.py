@@ -186,3 +186,27 @@ def test_the_members_of_a_rendezvous_take_one_verdict(store):
     for t in others:
         t.join(15)
     assert out == {0: "skip", 1: "skip", 2: "skip"}
+
+
+def test_a_rendezvous_given_up_inside_gloo_ends_its_wait(store):
+    # member 1 came to the meeting (its count is in) and died before gloo's rendezvous: member 0 is in gloo's C++
+    # wait for member 1's address when the loss is marked; giving up ends that wait too (no helper thread left
+    # blocked until the store closes)
+    from sdpipe._comm import ARRIVED
+    from sdpipe.protocol import Keys
+
+    before = _rendezvous_threads()
+    dist.PrefixStore(Keys.group("pipe7"), store).add(ARRIVED, 1)
+    threading.Timer(0.5, mark_lost, args=(store, 1, "its worker process died")).start()
+    with pytest.raises(RendezvousTimeout, match="pipeline 1 was lost"):
+        make_group(
+            store.clone(),
+            "pipe7",
+            0,
+            2,
+            backend="gloo",
+            timeout=60.0,
+            host="127.0.0.1",
+            give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost",
+        )
+    assert _rendezvous_threads() == before
