@@ -53,6 +53,8 @@ logged to the run's event topic, which the driver subscribes to.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import time
 
@@ -65,6 +67,32 @@ from .scheduler import GroupScheduler, Join, Ready, SchedulerPolicy
 log = logging.getLogger("sdpipe.service")
 
 SERVICE_NAME = "sdpipe-groups"
+
+
+def _refusal_answered(route):
+    """A route whose refusal (``GroupServiceError``: a run that ended, a value it does not take) goes back as
+    ``{"error": reason}``, which the caller raises in one line: raised in the Dask scheduler, Dask would log it
+    with its traceback on the scheduler's terminal (a user's own LocalCluster: the notebook's)."""
+
+    if inspect.iscoroutinefunction(route):  # Dask awaits a route by its kind
+
+        @functools.wraps(route)
+        async def answered_async(*args, **kwargs):
+            try:
+                return await route(*args, **kwargs)
+            except GroupServiceError as e:
+                return {"error": str(e)}
+
+        return answered_async
+
+    @functools.wraps(route)
+    def answered(*args, **kwargs):
+        try:
+            return route(*args, **kwargs)
+        except GroupServiceError as e:
+            return {"error": str(e)}
+
+    return answered
 
 
 class _RunState:
@@ -98,21 +126,20 @@ class GroupService(SchedulerPlugin):
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
         await self._listen(scheduler)
-        scheduler.handlers.update(
-            {
-                "sdpipe_open": self.open,
-                "sdpipe_ready": self.ready,
-                "sdpipe_leave": self.leave,
-                "sdpipe_hurry": self.hurry,
-                "sdpipe_join": self.join,
-                "sdpipe_set_policy": self.set_policy,
-                "sdpipe_pause": self.pause,
-                "sdpipe_stop": self.stop,
-                "sdpipe_state": self.state,
-                "sdpipe_close": self.close_run,
-                "sdpipe_endpoint": self.endpoint_route,
-            }
-        )
+        routes = {
+            "sdpipe_open": self.open,
+            "sdpipe_ready": self.ready,
+            "sdpipe_leave": self.leave,
+            "sdpipe_hurry": self.hurry,
+            "sdpipe_join": self.join,
+            "sdpipe_set_policy": self.set_policy,
+            "sdpipe_pause": self.pause,
+            "sdpipe_stop": self.stop,
+            "sdpipe_state": self.state,
+            "sdpipe_close": self.close_run,
+            "sdpipe_endpoint": self.endpoint_route,
+        }
+        scheduler.handlers.update({name: _refusal_answered(fn) for name, fn in routes.items()})
 
     async def _listen(self, scheduler) -> None:
         """The service's own socket, on the host of a ``tcp://`` scheduler (an ephemeral port)."""

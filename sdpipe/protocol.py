@@ -344,11 +344,15 @@ class GroupServiceClient:
         try:
             if self._client is not None:
                 c = self._client
-                return c.sync(getattr(c.scheduler, route), run_id=self.run_id, callback_timeout=timeout, **kwargs)
-            from distributed.utils import sync
+                out = c.sync(getattr(c.scheduler, route), run_id=self.run_id, callback_timeout=timeout, **kwargs)
+            else:
+                from distributed.utils import sync
 
-            w = self._worker
-            return sync(w.loop, getattr(w.scheduler, route), run_id=self.run_id, callback_timeout=timeout, **kwargs)
+                w = self._worker
+                out = sync(w.loop, getattr(w.scheduler, route), run_id=self.run_id, callback_timeout=timeout, **kwargs)
+            if isinstance(out, dict) and "error" in out:  # the route's refusal, answered (see the service)
+                raise GroupServiceError(out["error"])
+            return out
         except (GroupServiceError, PermissionError) as e:  # the route's own refusal, one line
             raise GroupServiceError(f"group service: {e}") from None
         except Exception as e:  # the call itself failed: timed out, or the scheduler is gone

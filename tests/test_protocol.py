@@ -1,6 +1,7 @@
 """The messages between driver, group service and workers: encodings, store keys, the handle, event records."""
 
 import concurrent.futures
+import logging
 import socket
 import sys
 
@@ -126,8 +127,18 @@ def test_the_service_handle_answers_and_fails_with_one_exception_type(scheduler)
     with pytest.raises(GroupServiceError, match="state: not a scheduler snapshot"):
         handle.open(stages=1, pipelines=2, policy={}, policy_name="sdpipe", topic="t", t0=0.0, state={"nope": 1})
     assert handle.close()["ok"]
-    with pytest.raises(GroupServiceError, match="no sdpipe run 'r-handle' is scheduled here"):
-        handle.state()
+    # a run that ended: one line for the caller, and no traceback in the scheduler's log (the user's terminal,
+    # for a LocalCluster in a notebook)
+    logged = []
+    catch = logging.Handler(logging.ERROR)
+    catch.emit = logged.append
+    logging.getLogger("distributed.core").addHandler(catch)
+    try:
+        with pytest.raises(GroupServiceError, match="no sdpipe run 'r-handle' is scheduled here"):
+            handle.state()
+    finally:
+        logging.getLogger("distributed.core").removeHandler(catch)
+    assert not logged, [r.getMessage() for r in logged]
 
 
 def _call_socket(sock, message: dict) -> dict:
