@@ -209,12 +209,19 @@ class Worker:
         self.dispenser = Dispenser(self.store, self.pipeline, self.pipelines, spec.batches_per_epoch)
         self.reader = None  # stage 0 on a stream: its pipeline's shard (set with the data, in Training)
         self.ctl = PipelineControl(self, connect_store(spec, self.timeout) if self.first else None)
-        # a joiner takes the policy in force (a live switch may have changed it since the start)
-        self.policy = make_policy(join["mode"] if join else cfg["policy"])
-        if join:
-            self.policy_version = join["policy"]
-        if not (join and self.policy.coupled):  # a coupled joiner forms its group once it holds its state
-            self.policy.setup(self)
+        try:
+            # a joiner takes the policy in force (a live switch may have changed it since the start)
+            self.policy = make_policy(join["mode"] if join else cfg["policy"])
+            if join:
+                self.policy_version = join["policy"]
+            if not (join and self.policy.coupled):  # a coupled joiner forms its group once it holds its state
+                self.policy.setup(self)
+        except BaseException:
+            # (a stage's first group given up: its pipeline was lost while the run started) the command watcher
+            # thread would otherwise read the store until the run's store closes, and torch would print its
+            # connection warning then
+            self.ctl.close()
+            raise
         self.store.add(Keys.join(self.pipeline, self.generation, "ready") if join else Keys.RANKS_READY, 1)
 
     # ----------------------------------------------------------- set-up
