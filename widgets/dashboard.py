@@ -593,6 +593,9 @@ class Dashboard:
                     dict(a.to_plotly_json(), font_size=13) for a in fig.layout.annotations
                 ]
                 self.figure.layout.height = height
+                # the legend (above the figure, in one row when wide) wraps into up to three rows in one column:
+                # room for them above the first title
+                self.figure.layout.margin.t = 100 if narrow else 40
                 self.narrow = narrow
             self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
         with self._lock:  # after the batch: inside it the layout still reads as before (the domains above)
