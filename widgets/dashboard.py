@@ -593,9 +593,11 @@ class Dashboard:
                     dict(a.to_plotly_json(), font_size=13) for a in fig.layout.annotations
                 ]
                 self.figure.layout.height = height
-                # the legend (above the figure, in one row when wide) wraps into up to three rows in one column:
-                # room for them above the first title
-                self.figure.layout.margin.t = 100 if narrow else 40
+                # one column: the legend (above the plots) would sit on the first title, centred above it: it goes
+                # above that title, with room in the top margin for its rows
+                top = 130 if narrow else 40
+                self.figure.layout.margin.t = top
+                self.figure.layout.legend.y = 1 + 36 / max(1, height - top - 40) if narrow else 1.0
                 self.narrow = narrow
             self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
         with self._lock:  # after the batch: inside it the layout still reads as before (the domains above)
