@@ -118,22 +118,28 @@ def test_members_that_all_arrive_go_together(store):
     assert out2 == {0: True}
 
 
+def _member_0_of_2(store, rendezvous, name: str):
+    """Member 0 of group ``name`` (2 members; its rendezvous on ``rendezvous``), given up on once pipeline 1, the
+    other member's, is marked lost in ``store``."""
+    return make_group(
+        rendezvous,
+        name,
+        0,
+        2,
+        backend="gloo",
+        timeout=60.0,
+        host="127.0.0.1",
+        give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost",
+    )
+
+
 def test_a_rendezvous_gives_up_once_a_member_pipeline_is_marked_lost(store):
     # the rendezvous waits on its own connection; the loss is watched on another
     rendezvous = dist.TCPStore("127.0.0.1", store.port, 1, False, timeout=datetime.timedelta(seconds=30))
     threading.Timer(0.5, mark_lost, args=(store, 1, "its worker process died")).start()
     start = time.monotonic()
     with pytest.raises(RendezvousTimeout, match="pipeline 1 was lost"):
-        make_group(
-            rendezvous,
-            "pipe1",
-            0,
-            2,
-            backend="gloo",
-            timeout=60.0,
-            host="127.0.0.1",
-            give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost",
-        )
+        _member_0_of_2(store, rendezvous, "pipe1")
     assert time.monotonic() - start < 5.0  # not the 60 s timeout
 
 
@@ -147,16 +153,7 @@ def test_a_rendezvous_given_up_before_a_member_came_leaves_no_wait_behind(store)
     before = _rendezvous_threads()
     threading.Timer(0.3, mark_lost, args=(store, 1, "its worker process died")).start()
     with pytest.raises(RendezvousTimeout, match="pipeline 1 was lost"):
-        make_group(
-            store.clone(),
-            "pipe1-early",
-            0,
-            2,
-            backend="gloo",
-            timeout=60.0,
-            host="127.0.0.1",
-            give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost",
-        )
+        _member_0_of_2(store, store.clone(), "pipe1-early")
     assert _rendezvous_threads() == before
 
 
@@ -199,14 +196,5 @@ def test_a_rendezvous_given_up_inside_gloo_ends_its_wait(store):
     dist.PrefixStore(Keys.group("pipe7"), store).add(ARRIVED, 1)
     threading.Timer(0.5, mark_lost, args=(store, 1, "its worker process died")).start()
     with pytest.raises(RendezvousTimeout, match="pipeline 1 was lost"):
-        make_group(
-            store.clone(),
-            "pipe7",
-            0,
-            2,
-            backend="gloo",
-            timeout=60.0,
-            host="127.0.0.1",
-            give_up=lambda: None if first_lost(store, [1]) is None else "pipeline 1 was lost",
-        )
+        _member_0_of_2(store, store.clone(), "pipe7")
     assert _rendezvous_threads() == before
