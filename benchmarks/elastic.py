@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import sdpipe
+    from sdpipe._cluster import workers_now
     from sdpipe.data import digits, digits_mlp
 
     train_data, eval_data = digits()
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
             first_training(run)
             delay = rng.uniform(0.5, max(1.0, length / 2))
             time.sleep(delay)
-            before = set(client.scheduler_info()["workers"])
+            before = set(workers_now(client))
             if run.done():  # the kill would come after the run: not a kill mid-run, said in the results
                 rows.append({"run": k, "pipeline": rank // 2, "stage": rank % 2, "delay": round(delay, 2)})
                 rows[-1].update(outcome="error", error="the run ended before the kill")
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
             killed = time.monotonic()
             available = joined_at = None
             while not run.done():
-                if available is None and set(client.scheduler_info()["workers"]) - before:
+                if available is None and set(workers_now(client)) - before:
                     available = time.monotonic()
                 if joined_at is None and any(e.get("what") == "joined" for e in list(run.events)):
                     joined_at = time.monotonic()

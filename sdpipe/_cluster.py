@@ -141,10 +141,19 @@ def _close_half_built(error: BaseException) -> None:
         tb = tb.tb_next
 
 
+def workers_now(client) -> dict:
+    """The cluster's workers as the Dask scheduler knows them now (address -> its identity), asked anew.
+
+    Not ``client.scheduler_info()``: that returns the client's shared cache, which the client's own periodic
+    refresh (every few seconds, without per-worker entries) may overwrite between the fetch and the return, so
+    it now and then reads as a cluster of no workers."""
+    return dict(client.sync(client.scheduler.identity, n_workers=-1).get("workers", {}))
+
+
 def count_workers(client, config: TrainConfig) -> list:
     """The addresses of the cluster's workers a rank can run on (with a "GPU" resource for device="cuda"),
     sorted; a one-line error when there are too few for the run (one call to the scheduler)."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = workers_now(client)
     addrs = sorted(info)
     if config.device == "cuda":
         addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]
@@ -221,7 +230,7 @@ def free_workers(client, n: int, config: TrainConfig, embedded=None, more: int =
     deadline = time.monotonic() + config.timeout
     scaled = False
     while True:
-        info = client.scheduler_info(n_workers=-1)["workers"]
+        info = workers_now(client)
         addrs = sorted(info)
         if config.device == "cuda":
             addrs = [a for a in addrs if info[a].get("resources", {}).get("GPU", 0) >= 1]

@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import Optional
 
-from ._cluster import _closing_quietly, connect, count_workers, run_bounded, unquiet_run_failures
+from ._cluster import _closing_quietly, connect, count_workers, run_bounded, unquiet_run_failures, workers_now
 from ._control import Steering
 from ._elastic import Elastic
 from ._result import RunError, RunResult, history
@@ -335,7 +335,7 @@ class Run(Steering, Elastic):
                 pass
             if self._cluster is None and self._workers:  # a user's cluster: what the launch installed goes
                 try:
-                    there = set(client.scheduler_info(n_workers=-1)["workers"])  # not a lost one's old address
+                    there = set(workers_now(client))  # not a lost one's old address
                     alive = [a for a in self._workers if a in there]
                     run_bounded(client, unquiet_run_failures, self.run_id, workers=alive, timeout=10, what="unquiet")
                 except Exception:

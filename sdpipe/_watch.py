@@ -24,6 +24,7 @@ import time
 from typing import Optional
 
 from . import events
+from ._cluster import workers_now
 from ._comm import mark_lost
 from ._result import RunError, assemble, plain_config
 from .checkpoint import finish
@@ -212,7 +213,7 @@ class RunWatcher:
     def _alive(self):
         """The addresses of the cluster's workers now, or the run's error when the Dask scheduler is gone."""
         try:
-            return set(self.run._client.scheduler_info(n_workers=-1)["workers"])
+            return set(workers_now(self.run._client))
         except Exception as e:
             return RunError(f"lost the Dask scheduler: {type(e).__name__}: {e}")
 

@@ -10,6 +10,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import sdpipe
+from sdpipe._cluster import workers_now
 from sdpipe.data import digits, digits_mlp
 
 from helpers import assert_records_valid, live_process_groups, port_closed, wait_for_epoch
@@ -140,7 +141,7 @@ def test_a_killed_worker_rejoins_once_its_nanny_restarted_it(data, no_leaks):
     wait_until(lambda: controls(run.events, "joined"), 180, "rejoin")
     assert run.add_pipelines(1) == [3]
     wait_until(lambda: run.pipelines == [0, 1, 2, 3], 180, "pipeline 3 on workers the embedded cluster started")
-    assert len(run._client.scheduler_info()["workers"]) == 8
+    assert len(workers_now(run._client)) == 8
     wait_for_epoch(run, max(h["epoch"] for h in run.history()) + 2)
     store_port = run.store_port
     run.stop()

@@ -13,6 +13,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import sdpipe
+from sdpipe._cluster import workers_now
 from sdpipe.data import digits, digits_mlp
 
 from helpers import assert_records_valid, live_process_groups, port_closed, wait_for_epoch
@@ -59,9 +60,7 @@ def all_workers_ready(client):
     deadline = time.monotonic() + 180
     topped_up = False
     while True:
-        assert time.monotonic() < deadline, (
-            f"the cluster did not get back to 8 workers: {len(client.scheduler_info()['workers'])}"
-        )
+        assert time.monotonic() < deadline, f"the cluster did not get back to 8 workers: {len(workers_now(client))}"
         try:
             client.wait_for_workers(8, timeout=60)
         except TimeoutError:
@@ -75,7 +74,7 @@ def all_workers_ready(client):
         except (OSError, KeyError):  # a worker left while it ran: look again
             continue
         time.sleep(1.0)
-        if len(answered) >= 8 and set(client.scheduler_info()["workers"]) == set(answered):
+        if len(answered) >= 8 and set(workers_now(client)) == set(answered):
             return
 
 
