@@ -53,7 +53,7 @@ def workload(name: str, stages: int = 2) -> dict:
             metric="perplexity",
             text="GPT example (221k parameters) on 100,000 characters of the standard library's text",
         )
-    raise ValueError(f"--models: {name!r} is not one of {', '.join(WORKLOAD_NAMES + ('mlp768',))}")
+    raise ValueError(f"--models: {name!r} is not one of {', '.join((*WORKLOAD_NAMES, 'mlp768'))}")
 
 
 def train_workload(name: str, stages: int, timeout: float = 3600, **kwargs):
@@ -133,7 +133,7 @@ def results_head(out, title: str, meta: dict):
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return out, [f"# {title}", ""] + meta_lines(meta)
+    return out, [f"# {title}", "", *meta_lines(meta)]
 
 
 def save_figure(fig, path, width: int = 900, height: int = 520) -> list:

@@ -269,7 +269,7 @@ def main(argv=None) -> int:
 
 
 def write(meta, rows, M, out: Path, memory=None) -> None:
-    lines = ["# Flush (1F1B) against the asynchronous schedules", ""] + meta_lines(meta)
+    lines = ["# Flush (1F1B) against the asynchronous schedules", "", *meta_lines(meta)]
     lines += [
         "",
         "Samples/s of all pipelines, median over the repeats [min-max]; x 1F1B: the ratio of the medians; "

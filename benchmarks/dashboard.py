@@ -117,24 +117,23 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     c = summary["cell_latency_s"]
-    L = (
-        ["# Dashboard redraw rate and notebook responsiveness during a 4x2 run", ""]
-        + meta_lines(meta)
-        + [
-            "",
-            "| measure | value | target |",
-            "|---|---|---|",
-            f"| dashboard redraws per second | {summary['redraws_per_s']:.2f} | >= 2 |",
-            f"| longest gap between redraws | {summary['longest_gap_between_redraws_s']:.2f} s | |",
-            f"| cell round trip, median | {c['median'] * 1000:.0f} ms | |",
-            f"| cell round trip, 95th percentile | {c['p95'] * 1000:.0f} ms | |",
-            f"| cell round trip, slowest of {c['n']} | {c['max'] * 1000:.0f} ms | < 1000 ms |",
-            "",
-            f"Events the dashboard had taken in: {summary['events_seen']}. The kernel had no browser attached, so this "
-            "measures the kernel side (event intake, aggregation, figure updates sent as widget messages); the browser "
-            "test (`tests/test_browser.py`) checks that JupyterLab draws them.",
-        ]
-    )
+    L = [
+        "# Dashboard redraw rate and notebook responsiveness during a 4x2 run",
+        "",
+        *meta_lines(meta),
+        "",
+        "| measure | value | target |",
+        "|---|---|---|",
+        f"| dashboard redraws per second | {summary['redraws_per_s']:.2f} | >= 2 |",
+        f"| longest gap between redraws | {summary['longest_gap_between_redraws_s']:.2f} s | |",
+        f"| cell round trip, median | {c['median'] * 1000:.0f} ms | |",
+        f"| cell round trip, 95th percentile | {c['p95'] * 1000:.0f} ms | |",
+        f"| cell round trip, slowest of {c['n']} | {c['max'] * 1000:.0f} ms | < 1000 ms |",
+        "",
+        f"Events the dashboard had taken in: {summary['events_seen']}. The kernel had no browser attached, so this "
+        "measures the kernel side (event intake, aggregation, figure updates sent as widget messages); the browser "
+        "test (`tests/test_browser.py`) checks that JupyterLab draws them.",
+    ]
     out.write_text("\n".join(L) + "\n")
     out.with_suffix(".json").write_text(
         json.dumps({"meta": meta, "summary": summary, "latencies_s": latencies}, indent=2) + "\n"

@@ -29,6 +29,7 @@ Results: ``benchmarks/results/heterogeneity.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -77,7 +78,7 @@ def slowdown_phases(result, slow: int) -> dict:
     stretched: dict = {}  # "pipeline,version" -> [interval / (interval - its sleep)]: the stretch slept
     for p, v in opt.items():
         v.sort()
-        for (k0, e0, t0), (k1, e1, t1) in zip(v, v[1:]):
+        for (k0, e0, t0), (k1, e1, t1) in itertools.pairwise(v):
             ver = version_of(p, k1)
             if k1 == k0 + 1 and e0 == e1 and ver is not None and version_of(p, k0) == ver:
                 intervals.setdefault(f"{p},{ver}", []).append(t1 - t0)
@@ -100,7 +101,7 @@ def straggle_effect(result, S: int) -> dict:
     by_k: dict = {}
     for p, v in opt.items():
         v.sort()
-        for (k0, e0, t0), (k1, e1, t1) in zip(v, v[1:]):
+        for (k0, e0, t0), (k1, e1, t1) in itertools.pairwise(v):
             if k1 == k0 + 1 and e0 == e1:
                 by_k.setdefault(hits.get((p, k1), 0), []).append(t1 - t0)
     return by_k

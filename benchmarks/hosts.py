@@ -36,6 +36,7 @@ time between the ends of its last stage's consecutive optimizer spans).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -66,7 +67,7 @@ def own_speeds(result, pipelines: int, stages: int, batch: int) -> dict:
             for e in result.events
             if e["kind"] == "optimizer" and e["pipeline"] == p and e["stage"] == stages - 1
         )
-        gaps = [b - a for a, b in zip(ends, ends[1:]) if b > a]
+        gaps = [b - a for a, b in itertools.pairwise(ends) if b > a]
         speeds[p] = batch / statistics.median(gaps) if gaps else 0.0
     return speeds
 
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
         "",
     ]
     L += ["| policy | " + " | ".join(scenarios) + " |", "|---" * (len(scenarios) + 1) + "|"]
-    for p in ["ideal"] + policies:
+    for p in ["ideal", *policies]:
         cells = []
         for s in scenarios:
             x = summary[s][p]

@@ -119,7 +119,7 @@ def _one(client, policy, moment, rng, data, folder):
     if moment == "none":
         pass
     elif moment == "starting":
-        run.workers  # placed: the ranks start and connect now
+        _ = run.workers  # placed: the ranks start and connect now
         time.sleep(rng.uniform(0, 0.2))
         landed = run.status == "starting"
         killed_at = _kill(client, run, rank)
@@ -289,7 +289,8 @@ def main(argv=None) -> int:
             print("\n".join(seen[-60:]), file=sys.stderr)
     path, head = results_head(args.out, "A worker killed at every moment, on a user's cluster", meta)
     Path(path).with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    lines = head + [
+    lines = [
+        *head,
         "",
         "A random rank (any pipeline, any stage) SIGKILLed at a random offset inside each moment (see the",
         "script's docstring). ok: the run finished with the killed pipeline lost and every other one finished.",

@@ -19,6 +19,7 @@ It uses only what every revision since the straggler notebook has, so the same c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -37,7 +38,7 @@ def measure(result, slow: int, D: int) -> dict:
     steps: dict = {}
     for (p, _), v in ends.items():
         v.sort()
-        steps.setdefault(p, []).extend(b - a for a, b in zip(v, v[1:]))
+        steps.setdefault(p, []).extend(b - a for a, b in itertools.pairwise(v))
     med = {p: statistics.median(v) for p, v in steps.items() if v}
     fast = statistics.median(v for p, v in med.items() if p != slow)
     row = {"samples_per_s": round(sps), "share": share, "slow_step_ratio": round(med.get(slow, float("nan")) / fast, 2)}

@@ -81,15 +81,14 @@ def main(argv=None) -> int:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    L = (
-        ["# Cost of one scheduler decision (per ready signal or window end)", ""]
-        + meta_lines(meta)
-        + [
-            "",
-            "| workers per stage | calls | groups decided | mean (us) | median (us) | 99th percentile (us) |",
-            "|---|---|---|---|---|---|",
-        ]
-    )
+    L = [
+        "# Cost of one scheduler decision (per ready signal or window end)",
+        "",
+        *meta_lines(meta),
+        "",
+        "| workers per stage | calls | groups decided | mean (us) | median (us) | 99th percentile (us) |",
+        "|---|---|---|---|---|---|",
+    ]
     L += [
         f"| {r['workers']} | {r['calls']} | {r['groups']} | "
         f"{r['mean_us']:.1f} | {r['median_us']:.1f} | {r['p99_us']:.1f} |"

@@ -169,7 +169,9 @@ def main(argv=None) -> int:
         row["self_costs"] = [c for _, c in selfs]
         if label == "straggler":  # the homogeneous run of the same repeat, with the nominal slowdown
             homog = kept[(S, D, policy, "homogeneous")]
-            row["cross_each"] = [simulated(h, S, D, policy, hetero)[0] for (h, _), (_, hetero) in zip(homog, reps)]
+            row["cross_each"] = [
+                simulated(h, S, D, policy, hetero)[0] for (h, _), (_, hetero) in zip(homog, reps, strict=False)
+            ]
             row["cross"] = statistics.median(row["cross_each"])
             row["cross_error"] = row["cross"] / row["real"] - 1.0
         row["self_error"] = row["self"] / row["real"] - 1.0

@@ -112,36 +112,35 @@ def main(argv=None) -> int:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    L = (
-        ["# How long `sdpipe.train` and `Dashboard(run)` hold the caller while 8 workers train", ""]
-        + meta_lines(meta)
-        + [
-            "",
-            "| call (in the caller's thread) | median (min, max) | target |",
-            "|---|---|---|",
-            f"| `Dashboard(run)` of the training run | {spread(rows['dashboard'])} | < 1 s |",
-            "| `from sdpipe.widgets import Dashboard`, once, before the load (after `import sdpipe`) "
-            f"| {import_s * 1000:.0f} ms | - |",
-            f"| `sdpipe.train(...)`, embedded cluster (2 x 1) | {spread(rows['train_embedded'])} | < 1 s |",
-            f"| `sdpipe.train(...)`, the busy cluster's client (1 x 1) | {spread(rows['train_cluster'])} | < 1 s |",
-            "",
-            "What followed the return (the run's status `starting`, in the background, until every rank joined):",
-            "",
-            "| run | seconds to start, median (min, max) |",
-            "|---|---|",
-            f"| embedded cluster (2 x 1) | {statistics.median(rows['started_embedded']):.1f} "
-            f"({min(rows['started_embedded']):.1f}, "
-            f"{max(rows['started_embedded']):.1f}) |",
-            f"| the busy cluster (1 x 1) | {statistics.median(rows['started_cluster']):.1f} "
-            f"({min(rows['started_cluster']):.1f}, "
-            f"{max(rows['started_cluster']):.1f}) |",
-            "",
-            "Start-up steps the embedded run showed (`run.startup`): "
-            + "; ".join(f"`{x}`" for x in steps_seen.get("embedded", [])),
-            "",
-            f"Note from the loaded run: {contention}" if contention else "",
-        ]
-    )
+    L = [
+        "# How long `sdpipe.train` and `Dashboard(run)` hold the caller while 8 workers train",
+        "",
+        *meta_lines(meta),
+        "",
+        "| call (in the caller's thread) | median (min, max) | target |",
+        "|---|---|---|",
+        f"| `Dashboard(run)` of the training run | {spread(rows['dashboard'])} | < 1 s |",
+        "| `from sdpipe.widgets import Dashboard`, once, before the load (after `import sdpipe`) "
+        f"| {import_s * 1000:.0f} ms | - |",
+        f"| `sdpipe.train(...)`, embedded cluster (2 x 1) | {spread(rows['train_embedded'])} | < 1 s |",
+        f"| `sdpipe.train(...)`, the busy cluster's client (1 x 1) | {spread(rows['train_cluster'])} | < 1 s |",
+        "",
+        "What followed the return (the run's status `starting`, in the background, until every rank joined):",
+        "",
+        "| run | seconds to start, median (min, max) |",
+        "|---|---|",
+        f"| embedded cluster (2 x 1) | {statistics.median(rows['started_embedded']):.1f} "
+        f"({min(rows['started_embedded']):.1f}, "
+        f"{max(rows['started_embedded']):.1f}) |",
+        f"| the busy cluster (1 x 1) | {statistics.median(rows['started_cluster']):.1f} "
+        f"({min(rows['started_cluster']):.1f}, "
+        f"{max(rows['started_cluster']):.1f}) |",
+        "",
+        "Start-up steps the embedded run showed (`run.startup`): "
+        + "; ".join(f"`{x}`" for x in steps_seen.get("embedded", [])),
+        "",
+        f"Note from the loaded run: {contention}" if contention else "",
+    ]
     out.write_text("\n".join(L) + "\n")
     out.with_suffix(".json").write_text(
         json.dumps({"meta": meta, "seconds": rows, "import_widgets_s": import_s, "startup_steps": steps_seen}, indent=2)

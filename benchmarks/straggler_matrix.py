@@ -173,7 +173,7 @@ def report(rows: list, args, argv, meta=None) -> int:
                 if not cell["sdpipe"]:
                     continue
 
-                def txt(p):
+                def txt(p, cell=cell):
                     rs = cell[p]
                     if not rs:
                         return "-"
@@ -210,7 +210,7 @@ def report(rows: list, args, argv, meta=None) -> int:
                 held = all(r["bound_held"] for r in cell["sdpipe"])
                 verdicts[(name, D, f)] = goals
                 gtxt = ", ".join(("met: " if ok else "MISSED: ") + g for g, ok in goals)
-                ratio = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+                ratio = lambda x: "-" if x is None else f"{x:.2f}"
                 L.append(
                     f"| {name} | {D} | {f:g} | {txt('sdpipe')} | {txt('allreduce')} | {txt('ps')} | {txt('none')} | "
                     f"{ratio(to_ar)} | {ratio(ceiling)} | {ratio(to_none)} | {share_txt} | {rounds_txt} | {graphs} | "

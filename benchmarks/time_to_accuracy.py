@@ -146,8 +146,8 @@ def figure(summary: dict, scenarios: list, policies: list, target: float):
                     error_y=dict(
                         type="data",
                         symmetric=False,
-                        array=[h - m if m is not None else 0 for h, m in zip(hi, med)],
-                        arrayminus=[m - low if m is not None else 0 for low, m in zip(lo, med)],
+                        array=[h - m if m is not None else 0 for h, m in zip(hi, med, strict=True)],
+                        arrayminus=[m - low if m is not None else 0 for low, m in zip(lo, med, strict=True)],
                     ),
                 ),
                 row=1,

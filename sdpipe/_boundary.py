@@ -27,7 +27,7 @@ from .config import Heterogeneity
 from .data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
 from .protocol import Command, ControlMessage, Keys, Op
 
-__all__ = ["CTL_INTERVAL", "CTL_MAX_AGE", "CommandWatcher", "PipelineControl", "Dispenser", "membership"]
+__all__ = ["CTL_INTERVAL", "CTL_MAX_AGE", "CommandWatcher", "Dispenser", "PipelineControl", "membership"]
 
 CTL_INTERVAL = 0.1  # seconds: how often a pipeline's stage 0 looks for the driver's commands
 CTL_MAX_AGE = 2.5 * CTL_INTERVAL  # the oldest reading a step acts on

@@ -18,14 +18,14 @@ from .hosts import EmulatedHosts
 
 __all__ = [
     "CONNECT_TIMEOUT",
-    "connect",
-    "count_workers",
-    "pick_workers",
-    "free_workers",
-    "host_cores",
-    "route_address",
     "bound_store",
     "close",
+    "connect",
+    "count_workers",
+    "free_workers",
+    "host_cores",
+    "pick_workers",
+    "route_address",
 ]
 
 #: Seconds to reach an existing Dask scheduler before giving up.

@@ -19,9 +19,10 @@ import time
 from typing import Optional
 
 from . import events
-from .config import LIVE_POLICIES, POLICIES, Heterogeneity
+from .checks import is_integer
+from .config import LIVE_POLICIES, Heterogeneity
+from .policies import SWITCHED_MODE, record
 from .protocol import Command, GroupServiceClient, Keys
-from .scheduler import POLICY_PRESETS
 
 __all__ = ["ControlPlane", "Steering"]
 
@@ -29,8 +30,8 @@ __all__ = ["ControlPlane", "Steering"]
 class ControlPlane:
     """The driver's writes to the run's store and its control calls to the group service, one at a time.
 
-    ``mode`` is the workers' policy implementation ("scheduled" for ``sdpipe``, else the policy's name); a
-    live switch moves a static one ("allreduce", "none") to "scheduled" for the rest of the run.
+    ``mode`` is the workers' policy implementation (:attr:`sdpipe.policies.PolicyRecord.mode`); a live switch
+    moves a run to :data:`sdpipe.policies.SWITCHED_MODE` for the rest of the run.
     """
 
     def __init__(self, store, service: GroupServiceClient, mode: str, policy_name: str, heterogeneity: Heterogeneity):
@@ -81,11 +82,11 @@ class ControlPlane:
         """The group service takes the new parameters; a static mode moves to scheduled groups."""
         with self.lock:
             self.service.set_policy(params, name)
-            if self.mode != "scheduled":
+            if self.mode != SWITCHED_MODE:
                 version = self.command.policy + 1
-                self._store.set(Keys.policy(version), json.dumps({"mode": "scheduled", "name": name}))
+                self._store.set(Keys.policy(version), json.dumps({"mode": SWITCHED_MODE, "name": name}))
                 self._write(policy=version)
-                self.mode = "scheduled"
+                self.mode = SWITCHED_MODE
 
     def pause(self, paused: bool) -> None:
         with self.lock:
@@ -160,7 +161,7 @@ class Steering:
         for rank, addr in enumerate(self._workers):
             on.setdefault(hosts.host_of(addr), set()).add(rank // self.config.stages)
         if pipeline is not None:
-            if isinstance(pipeline, bool) or not isinstance(pipeline, int) or not 0 <= pipeline < self.config.pipelines:
+            if not is_integer(pipeline) or not 0 <= pipeline < self.config.pipelines:
                 raise ValueError(f"pipeline: must be 0..{self.config.pipelines - 1}, got {pipeline!r}")
             where = sorted(h for h, ps in on.items() if pipeline in ps)
             if len(where) != 1:
@@ -192,15 +193,13 @@ class Steering:
         "allreduce" means every replica averages with all others after every step.
         """
         name = policy or self.policy
-        if name not in POLICIES:
-            raise ValueError(f"policy: {name!r} is not one of {', '.join(POLICIES)}")
-        if name not in LIVE_POLICIES or self.config.policy not in LIVE_POLICIES:
-            which = name if name not in LIVE_POLICIES else self.config.policy
+        if not record(name).live or not record(self.config.policy).live:
+            which = name if not record(name).live else self.config.policy
             raise ValueError(
                 f"policy: {which!r} cannot be switched to or from while training; live switches are "
                 f"between {', '.join(LIVE_POLICIES)}"
             )
-        base = self.scheduler_policy if policy is None or policy == self.policy else POLICY_PRESETS[name]
+        base = self.scheduler_policy if policy is None or policy == self.policy else record(name).scheduler
         new = base.updated(**params)
         D = self._ids  # the pipeline ids handed out, added ones included
         if new.max_group is not None and new.max_group > D:

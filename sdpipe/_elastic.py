@@ -15,7 +15,7 @@ A **leave** (``Run.remove_pipeline``): publish it; the pipeline's stage 0 reads 
 and each of its stages finishes the step, lands an averaging in flight and leaves the group service (so no
 round waits for it); the shared batch counter hands its batches to the others.
 
-Both work under ``sdpipe``, ``none`` and ``allreduce`` (:data:`ELASTIC_MODES`); under ``allreduce`` the
+Both work under the elastic policies (:attr:`sdpipe.policies.PolicyRecord.elastic`); under ``allreduce`` the
 replicas agree on the step of the change in their gradient collective and form their group anew there
 (:class:`~sdpipe.policy.AllReduce`).  ``ps`` and ``adpsgd`` keep groups fixed at the start.
 """
@@ -30,15 +30,20 @@ from typing import Optional
 
 from . import events
 from ._cluster import free_workers, quiet_run_failures, run_bounded
+from .checks import integer, is_integer
 from .config import ASYNC_SCHEDULE_NAMES
+from .policies import names, of_mode
 from .protocol import Keys
 
-__all__ = ["Elastic", "ELASTIC_MODES"]
+__all__ = ["Elastic"]
 
 log = logging.getLogger("sdpipe")
 
-#: Workers' policy modes whose pipelines can join and leave a running run.
-ELASTIC_MODES = ("scheduled", "none", "allreduce")
+
+def _listed(policies) -> str:
+    """'a', 'b' and 'c'."""
+    quoted = [repr(p) for p in policies]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
 
 
 class _RunEnded(Exception):
@@ -89,8 +94,7 @@ class Elastic:
         of a live replica of each stage at that replica's next step boundary, and trains from its next step. A
         ``control`` record ``what="joined"`` marks the moment; :attr:`pipelines` lists it from then on.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n: must be a positive int, got {n!r}")
+        integer("n", n)
         self._check_elastic("add_pipelines")
         if self._spec is not None and self._spec.streamed:
             raise ValueError(
@@ -111,8 +115,7 @@ class Elastic:
     def scale(self, pipelines: int) -> list:
         """Grow (or shrink) the run to ``pipelines`` pipelines: :meth:`add_pipelines` for the missing ones, or
         :meth:`remove_pipeline` for the newest ones beyond it.  Returns the pipelines added or removed."""
-        if isinstance(pipelines, bool) or not isinstance(pipelines, int) or pipelines < 1:
-            raise ValueError(f"pipelines: must be a positive int, got {pipelines!r}")
+        integer("pipelines", pipelines)
         self._check_elastic("scale")
         now = len(self.pipelines) + len(self._joining) + len(self._queued)
         if pipelines > now:
@@ -131,7 +134,7 @@ class Elastic:
         ``RunResult.left`` says when it left.
         """
         self._check_elastic("remove_pipeline")
-        if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline not in self.pipelines:
+        if not is_integer(pipeline) or pipeline not in self.pipelines:
             raise ValueError(f"pipeline: {pipeline!r} is not taking part in the run; it has {self.pipelines}")
         if len(self.pipelines) == 1:
             raise ValueError(f"pipeline: {pipeline} is the run's last pipeline; stop the run instead (run.stop())")
@@ -142,20 +145,22 @@ class Elastic:
     # ------------------------------------------------------------ checks
     def _check_elastic(self, what: str) -> None:
         self._require_running(what)
-        if self._control.mode not in ELASTIC_MODES:
+        mode = of_mode(self._control.mode)
+        if not mode.elastic:
             raise ValueError(
                 f"{what}: policy {self.policy!r} keeps a group of the pipelines fixed at the start; pipelines "
-                f"join and leave a running run under 'sdpipe', 'allreduce' and 'none'"
+                f"join and leave a running run under {_listed(names(elastic=True))}"
             )
-        if self._control.mode == "allreduce" and self.config.schedule in ASYNC_SCHEDULE_NAMES:
+        if mode.coupled and self.config.schedule in ASYNC_SCHEDULE_NAMES:
             raise ValueError(
-                f"{what}: under 'allreduce' with the asynchronous schedule {self.config.schedule!r} micro-batches "
-                f"cross the step where the members would change; use '1f1b' or 'gpipe', or 'sdpipe'"
+                f"{what}: under {mode.name!r} with the asynchronous schedule {self.config.schedule!r} micro-batches "
+                f"cross the step where the members would change; use '1f1b' or 'gpipe', or "
+                f"{_listed(names(elastic=True, coupled=False))}"
             )
-        if self._control.mode == "allreduce" and self._spec is not None and self._spec.streamed:
+        if mode.coupled and self._spec is not None and self._spec.streamed:
             raise ValueError(
-                f"{what}: under 'allreduce' the pipelines read fixed shards of the IterableDataset in lock step; "
-                f"its pipelines cannot change (under 'sdpipe' and 'none' they can leave)"
+                f"{what}: under {mode.name!r} the pipelines read fixed shards of the IterableDataset in lock step; "
+                f"its pipelines cannot change (under {_listed(names(elastic=True, coupled=False))} they can leave)"
             )
 
     # ------------------------------------------------------------ the watcher's calls
@@ -235,7 +240,7 @@ class Elastic:
             self._await_old_tasks(ranks)
             self._generation[p] += 1
         g = self._generation[p]
-        ended = lambda: self._ending or self._stop_requested or self._done.is_set()  # noqa: E731
+        ended = lambda: self._ending or self._stop_requested or self._done.is_set()
         try:
             workers = free_workers(self._client, S, cfg, self._cluster, S * len(self._queued - {p}), give_up=ended)
         except InterruptedError:
@@ -292,7 +297,7 @@ class Elastic:
         )
         futures = list(self._futures) + [NEVER_RAN] * max(0, (p + 1) * S - len(self._futures))
         addresses = list(self._workers) + [None] * max(0, (p + 1) * S - len(self._workers))
-        for rank, addr in zip(ranks, workers):
+        for rank, addr in zip(ranks, workers, strict=False):
             futures[rank] = submit_rank(self, self._spec, rank, addr, self._placed, join=join)
             addresses[rank] = addr
         self._workers, self._futures = addresses, futures  # the monitor reads them: whole lists at once

@@ -18,9 +18,10 @@ from ._result import RunError
 from ._service import ensure_service
 from ._watch import RunWatcher
 from ._worker import worker_main
+from .policies import record
 from .protocol import GroupServiceClient, GroupServiceError, WorkerSpec, run_prefix
 
-__all__ = ["Launcher", "submit_rank", "check_loadable"]
+__all__ = ["Launcher", "check_loadable", "submit_rank"]
 
 
 def _load_on_worker(blobs: list) -> list:
@@ -207,8 +208,7 @@ class Launcher:
             if state is None:
                 raise
             raise ValueError(f"resume_from: the group service rejected the checkpoint's scheduler ({e})") from None
-        mode = "scheduled" if cfg.policy == "sdpipe" else cfg.policy
-        run._control = ControlPlane(run._run_store, service, mode, cfg.policy, run.heterogeneity)
+        run._control = ControlPlane(run._run_store, service, record(cfg.policy).mode, cfg.policy, run.heterogeneity)
         run._control.set_pipeline_ids(cfg.pipelines)
 
     def _submit(self, spec: WorkerSpec, workers: list, placed: tuple) -> list:
@@ -252,7 +252,9 @@ class Launcher:
             last = [workers[p * S + S - 1] for p in range(cfg.pipelines)]
             try:
                 # per pipeline: (inputs, targets, eval inputs, eval targets) on its first and last stages' workers
-                return workers, list(zip(scatter(X, first), scatter(Y, last), scatter(EX, first), scatter(EY, last)))
+                return workers, list(
+                    zip(scatter(X, first), scatter(Y, last), scatter(EX, first), scatter(EY, last), strict=True)
+                )
             except KeyError as e:  # the scheduler no longer knows a chosen worker
                 if attempt == 2:
                     raise RuntimeError(f"cluster: worker {e} left the cluster while the run started") from None

@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .config import TrainConfig
 
-__all__ = ["RunResult", "RunError", "history", "assemble", "plain_config"]
+__all__ = ["RunError", "RunResult", "assemble", "history", "plain_config"]
 
 
 class RunError(RuntimeError):
@@ -81,8 +82,8 @@ def assemble(
     lost: dict,
     events: list,
     from_sequential: bool,
-    left: dict = None,
-    pipelines: int = None,
+    left: Optional[dict] = None,
+    pipelines: Optional[int] = None,
 ) -> RunResult:
     """The run's :class:`RunResult` from each finished rank's result (its weights, steps, whether it stopped).
 

@@ -26,9 +26,10 @@ from ._elastic import Elastic
 from ._result import RunError, RunResult, history
 from .config import Heterogeneity, TrainConfig
 from .hosts import EmulatedHosts
+from .policies import record
 from .protocol import WorkerSpec
 
-__all__ = ["Run", "RunResult", "RunError", "EventInbox"]
+__all__ = ["EventInbox", "Run", "RunError", "RunResult"]
 
 log = logging.getLogger("sdpipe")
 
@@ -117,7 +118,7 @@ class Run(Steering, Elastic):
         self.steps_per_epoch = spec.steps_per_epoch
         #: Steps of all pipelines together in one epoch.
         self.updates_per_epoch = (
-            spec.steps_per_epoch * config.pipelines if config.policy == "allreduce" else spec.batches_per_epoch
+            spec.steps_per_epoch * config.pipelines if record(config.policy).coupled else spec.batches_per_epoch
         )
         #: Name of the metric the evaluation reports (its key in the epoch records), or None: the loss alone.
         self.metric = spec.metric_name

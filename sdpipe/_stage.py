@@ -23,7 +23,7 @@ from ._comm import TAG_ACT, TAG_GRAD
 from ._tree import flatten, rows, split, to_device
 from .schedule import async_drain, async_step, stage_communication
 
-__all__ = ["train_step", "evaluate", "AsyncStream"]
+__all__ = ["AsyncStream", "evaluate", "train_step"]
 
 
 def train_step(w, step: int, xb, yb) -> Optional[float]:
@@ -108,7 +108,7 @@ def _send_input_grads(w, grads: list) -> list:
 def _outputs_with_grads(out, grads: list) -> tuple:
     """``(tensors, their gradients)``: the floating-point tensors of a stage's output that need a gradient, and
     the received gradients that go with them (``grads`` follows :func:`differentiable`'s order)."""
-    pairs = [(t, g) for t, g in zip(differentiable(out), grads) if t.requires_grad]
+    pairs = [(t, g) for t, g in zip(differentiable(out), grads, strict=False) if t.requires_grad]
     return [t for t, _ in pairs], [g for _, g in pairs]
 
 
@@ -256,14 +256,14 @@ class AsyncStream:
         got = (
             torch.autograd.grad(outs, wants, grad_outputs=grad_outs, allow_unused=True) if outs else [None] * len(wants)
         )
-        for (_, p), gp in zip(self.named, got):
+        for (_, p), gp in zip(self.named, got, strict=False):
             if gp is None:
                 continue
             if p.grad is None:
                 p.grad = gp.detach().clone()
             else:
                 p.grad.add_(gp)
-        return [gx if gx is not None else torch.zeros_like(x) for x, gx in zip(xs, got[len(stash) :])]
+        return [gx if gx is not None else torch.zeros_like(x) for x, gx in zip(xs, got[len(stash) :], strict=False)]
 
     def _release(self) -> None:
         """Drop the older versions no micro-batch in flight needs."""

@@ -20,6 +20,7 @@ from .checkpoint import load_checkpoint
 from .config import TrainConfig, config_keywords
 from .data import StreamSource, as_source
 from .partition import partition
+from .policies import record
 from .protocol import WorkerSpec, metric_name
 from .schedule import build_plan
 
@@ -192,7 +193,7 @@ def _check_data(config: TrainConfig, n: int, shards: Optional[list] = None) -> t
         return min(shards) // bs, sum(whole(k) for k in shards)
     batches = n // bs + (not config.drop_last and rest > 0)
     steps = batches // config.pipelines
-    if steps < 1 and config.policy == "allreduce":
+    if steps < 1 and record(config.policy).coupled:
         raise ValueError(
             f"batch_size: {bs} x {config.pipelines} pipelines exceeds the {n} training samples; no full step per epoch"
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Layout", "flatten", "unflatten", "layout_of", "split", "index", "rows", "to_device", "describe"]
+__all__ = ["Layout", "describe", "flatten", "index", "layout_of", "rows", "split", "to_device", "unflatten"]
 
 # a skeleton: None for a tensor, ("tuple" | "list", (children...)) or ("dict", ((key, child), ...))
 
@@ -90,7 +90,7 @@ class Layout:
 
         return sum(
             math.prod(shape) * torch.empty((), dtype=getattr(torch, dt)).element_size()
-            for shape, dt in zip(self.probe_shapes, self.dtypes)
+            for shape, dt in zip(self.probe_shapes, self.dtypes, strict=True)
         )
 
 

@@ -28,14 +28,13 @@ from ._cluster import workers_now
 from ._comm import mark_lost
 from ._result import RunError, assemble, plain_config
 from .checkpoint import finish
+from .policies import of_mode
 from .protocol import Keys
 
-__all__ = ["RunWatcher", "stall_limit", "LOSS_TOLERANT"]
+__all__ = ["RunWatcher", "stall_limit"]
 
 log = logging.getLogger("sdpipe")
 
-#: Modes (the workers' policy implementations) whose remaining pipelines go on when one is lost.
-LOSS_TOLERANT = ("scheduled", "adpsgd", "none")
 #: Seconds a communication failure waits for the loss of a worker of its own pipeline to show.
 LOSS_GRACE = 10.0
 _COMM_FAILURES = (
@@ -286,7 +285,7 @@ class RunWatcher:
                 return None
             steps = {str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages))) for p in present}
             scheduler = None
-            if run._control.mode in ("scheduled", "adpsgd"):
+            if of_mode(run._control.mode).uses_service:
                 scheduler = run._control.service.state()["core"]
             folder = finish(
                 cfg.checkpoint_dir,
@@ -318,7 +317,7 @@ class RunWatcher:
         p, s = divmod(rank, cfg.stages)
         what = f"worker pipeline {p} stage {s} (rank {rank}, {run._workers[rank]})"
         replace = False
-        if run._control.mode not in LOSS_TOLERANT:
+        if not of_mode(run._control.mode).loss_tolerant:
             replace = self._replaceable(p, why)
             if not replace:
                 return LostWorker(f"{what} was lost ({why}); policy {run.policy!r} cannot go on without it")
@@ -363,7 +362,8 @@ class RunWatcher:
         from .config import ASYNC_SCHEDULE_NAMES
 
         run, cfg = self.run, self.config
-        if run._control.mode != "allreduce" or cfg.pipelines < 2 or run._ids != cfg.pipelines or run._stop_requested:
+        coupled = of_mode(run._control.mode).coupled
+        if not coupled or cfg.pipelines < 2 or run._ids != cfg.pipelines or run._stop_requested:
             return False
         if cfg.schedule in ASYNC_SCHEDULE_NAMES or (run._spec is not None and run._spec.streamed):
             return False  # a pipeline cannot join such a run (Run.add_pipelines says why)

@@ -41,7 +41,7 @@ from .policy import _state_tensors, make_policy
 from .protocol import ControlMessage, GroupServiceClient, GroupServiceError, Keys, Op, WorkerSpec, run_prefix
 from .schedule import ASYNC_SCHEDULES, default_update_every
 
-__all__ = ["worker_main", "Worker", "Training", "EventSink"]
+__all__ = ["EventSink", "Training", "Worker", "worker_main"]
 
 
 class EventSink:
@@ -360,7 +360,7 @@ class Worker:
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "epoch": epoch,
             "step": step,
-            "mass": getattr(self.policy, "mass", 1.0),
+            "mass": self.policy.mass,
             "base": self.dispenser.base.get(epoch, 0),
             "donor": self.pipeline,
             "members": version,  # the joiner has taken up the membership changes up to its own join
@@ -368,7 +368,7 @@ class Worker:
         }
         buf = io.BytesIO()
         torch.save(state, buf)
-        if self.policy.name in ("scheduled", "adpsgd"):
+        if self.policy.record.uses_service:
             self.service.join(stage=self.stage, pipeline=joiner, donor=self.pipeline)
         self.store.set(Keys.join(joiner, generation, f"state/{self.stage}"), buf.getvalue())
         self.span("control", step, None, t, time.time(), what="donated", to=joiner, bytes=buf.tell())
@@ -398,8 +398,7 @@ class Worker:
         self.module.load_state_dict(state["model"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        if hasattr(self.policy, "mass"):
-            self.policy.mass = state["mass"]
+        self.policy.mass = state["mass"]
         if state["base"]:
             self.dispenser.base[state["epoch"]] = state["base"]
         self.members_version = self.ctl.seen = state["members"]
@@ -466,7 +465,7 @@ def check_finite(named: list, what: str, step: int, loss) -> None:
     norms = torch._foreach_norm([t for _, t in named])
     if bool(torch.stack(norms).isfinite().all()):
         return
-    bad = next(name for (name, _), n in zip(named, norms) if not bool(n.isfinite()))
+    bad = next(name for (name, _), n in zip(named, norms, strict=True) if not bool(n.isfinite()))
     said = "" if loss is None else f", the step's loss {loss:.4g}"
     after = "backward pass" if what == "gradients" else "optimizer step"
     raise NotFinite(

@@ -19,6 +19,7 @@ from dataclasses import fields
 from typing import Optional
 
 from .config import Heterogeneity, TrainConfig, field_docs
+from .policies import SIMULATED_POLICY, names
 
 #: the field types that one command-line word gives, and how to read it
 _SCALARS = {int: int, float: float, str: str, Optional[str]: str, Optional[int]: int, bool: bool}
@@ -146,7 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--stages", type=int, default=4, help="stages S")
     m.add_argument("--pipelines", type=int, default=64, help="pipelines D")
-    m.add_argument("--policy", default="sdpipe", help="sdpipe, allreduce, ps, adpsgd or none")
+    m.add_argument(
+        "--policy",
+        default=SIMULATED_POLICY,
+        metavar="{" + ",".join(names(simulated=True)) + "}",
+        help="the synchronization policy simulated",
+    )
     _add_fields(m, TrainConfig, ["schedule", "microbatches", "batch_size"])
     m.add_argument("--steps", type=int, default=200, help="steps' worth of batches per pipeline")
     m.add_argument("--forward", type=float, default=0.002, help="seconds of forward per micro-batch and stage")

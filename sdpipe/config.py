@@ -20,7 +20,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import math
+import itertools
 import os
 import re
 import textwrap
@@ -28,37 +28,34 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
+from .checks import integer, is_integer, number
+from .policies import DEFAULT, NAMES, names, record
 from .schedule import ASYNC_SCHEDULES, default_update_every
-from .scheduler import POLICY_PRESETS, SchedulerPolicy
+from .scheduler import SchedulerPolicy
 
 __all__ = [
+    "DEVICES",
+    "OPTIMIZERS",
+    "POLICIES",
     "REJOIN_POLICIES",
+    "SCHEDULE_NAMES",
     "Heterogeneity",
     "TrainConfig",
-    "POLICIES",
-    "SCHEDULE_NAMES",
-    "OPTIMIZERS",
-    "DEVICES",
-    "field_docs",
     "config_keywords",
+    "field_docs",
 ]
 
-POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
+POLICIES = NAMES
 #: policies a running run can switch between with Run.set_policy
-LIVE_POLICIES = ("sdpipe", "allreduce", "none")
+LIVE_POLICIES = names(live=True)
 #: Policies under which a lost pipeline can come back (rejoin=True): they go on without it meanwhile.
-REJOIN_POLICIES = ("sdpipe", "none")
+REJOIN_POLICIES = names(rejoin=True)
 SCHEDULE_NAMES = ("1f1b", "gpipe", "async-1f1b", "async-2bw")
 #: schedules that never flush between steps
 ASYNC_SCHEDULE_NAMES = ASYNC_SCHEDULES
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
 def _check_update_every(schedule: str, update_every: Any, stages: int) -> None:
@@ -69,32 +66,12 @@ def _check_update_every(schedule: str, update_every: Any, stages: int) -> None:
             f"update_every: applies to the asynchronous schedules ({', '.join(ASYNC_SCHEDULE_NAMES)}); "
             f"{schedule!r} updates once per step, got {update_every!r}"
         )
-    _positive_int("update_every", update_every)
+    integer("update_every", update_every)
     if schedule == "async-2bw" and update_every < stages:
         raise ValueError(
             f"update_every: async-2bw keeps two weight versions, which needs update_every >= stages ({stages}), "
             f"got {update_every}; use async-1f1b for fewer backwards per update"
         )
-
-
-def _number(
-    name: str, value: Any, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False, whole: bool = False
-) -> float:
-    """``value`` as a float (an int if ``whole``) if it is a number in the range, else a one-line ``ValueError``.
-
-    A closed range reads "must be a number from 1 to 8", an open-ended one "must be >= 1.0" (or "> 0.0").
-    """
-    kind = "a whole number" if whole else "a number"
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    inside = number and (value > lo if lo_open else value >= lo) and value <= hi and not (whole and value % 1)
-    if inside:
-        return int(value) if whole else float(value)
-    if hi < math.inf:
-        lo_s = f"> {lo:g} and <= {hi:g}" if lo_open else f"from {lo:g} to {hi:g}"
-        raise ValueError(f"{name}: must be {kind} {lo_s}, got {value!r}")
-    if not number or whole and value % 1:
-        raise ValueError(f"{name}: must be {kind}, got {value!r}")
-    raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {value!r}")
 
 
 WorkerKey = Union[int, tuple]
@@ -135,15 +112,15 @@ class Heterogeneity:
         for name in self.TABLES:
             table, lo = getattr(self, name), 0.0 if name == "link_delay" else 1.0
             for key, value in table.items():
-                if not (isinstance(key, int) and not isinstance(key, bool)) and not (
+                if not is_integer(key) and not (
                     isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)
                 ):
                     raise ValueError(
                         f"heterogeneity.{name}: key {key!r} must be a pipeline id or a (pipeline, stage) pair"
                     )
-                _number(f"heterogeneity.{name}[{key!r}]", value, lo)
-        _number("heterogeneity.straggle_prob", self.straggle_prob, 0.0, 1.0)
-        _number("heterogeneity.straggle_delay", self.straggle_delay, 0.0)
+                number(f"heterogeneity.{name}[{key!r}]", value, lo)
+        number("heterogeneity.straggle_prob", self.straggle_prob, 0.0, 1.0)
+        number("heterogeneity.straggle_delay", self.straggle_delay, 0.0)
 
     def check_workers(self, pipelines: int, stages: int) -> None:
         """Reject keys naming pipelines or stages the run does not have."""
@@ -212,7 +189,7 @@ class TrainConfig:
     """Number of stages S the model is cut into."""
     pipelines: int = 2
     """Number of pipelines D trained at once (replicas of the whole model)."""
-    policy: str = "allreduce"
+    policy: str = DEFAULT
     """How the D replicas of a stage synchronize: one of POLICIES."""
     schedule: str = "1f1b"
     """Micro-batch schedule: "1f1b" or "gpipe" (a flush and one update per step), or without flush "async-1f1b"
@@ -267,15 +244,15 @@ class TrainConfig:
     """Folder the checkpoints go to (``epoch-NNNN`` folders and a ``latest`` file); workers must reach it."""
 
     def __post_init__(self):
-        _positive_int("stages", self.stages)
-        _positive_int("pipelines", self.pipelines)
+        integer("stages", self.stages)
+        integer("pipelines", self.pipelines)
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
-        _positive_int("microbatches", self.microbatches)
+        integer("microbatches", self.microbatches)
         _check_update_every(self.schedule, self.update_every, self.stages)
-        _positive_int("batch_size", self.batch_size)
+        integer("batch_size", self.batch_size)
         if not isinstance(self.drop_last, bool):
             raise ValueError(f"drop_last: must be True or False, got {self.drop_last!r}")
         if not isinstance(self.rejoin, bool):
@@ -290,13 +267,13 @@ class TrainConfig:
                 f"batch_size: {self.batch_size} is not divisible into {self.microbatches} micro-batches; "
                 f"use a multiple of microbatches"
             )
-        _positive_int("epochs", self.epochs)
-        _positive_int("sync_every", self.sync_every)
+        integer("epochs", self.epochs)
+        integer("sync_every", self.sync_every)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        _number("lr", self.lr, 0.0, lo_open=True)
-        _number("momentum", self.momentum, 0.0, 1.0)
-        _number("weight_decay", self.weight_decay, 0.0)
+        number("lr", self.lr, 0.0, lo_open=True)
+        number("momentum", self.momentum, 0.0, 1.0)
+        number("weight_decay", self.weight_decay, 0.0)
         if self.cuts is not None:
             object.__setattr__(self, "cuts", tuple(self.cuts))
         if self.device not in DEVICES:
@@ -305,8 +282,7 @@ class TrainConfig:
             raise ValueError(f"backend: {self.backend!r} is not one of {', '.join(BACKENDS)} (or None)")
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("backend: 'nccl' needs device='cuda'")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed: must be an integer >= 0, got {self.seed!r}")
+        integer("seed", self.seed, 0)
         if self.heterogeneity is not None:
             if not isinstance(self.heterogeneity, Heterogeneity):
                 raise ValueError(
@@ -321,15 +297,14 @@ class TrainConfig:
                     f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, "
                     f"got {type(self.scheduler).__name__}"
                 )
-        _number("timeout", self.timeout, 0.0, lo_open=True)
+        number("timeout", self.timeout, 0.0, lo_open=True)
         if self.host is not None and (not isinstance(self.host, str) or not self.host):
             raise ValueError(
                 f"host: must be a non-empty address string or None (the address that routes to the "
                 f"Dask scheduler), got {self.host!r}"
             )
         every = self.checkpoint_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"checkpoint_every: must be an integer >= 0 (epochs; 0 = none), got {every!r}")
+        integer("checkpoint_every", every, 0, why=" (epochs; 0 = none)")
         if self.checkpoint_every and self.checkpoint_every % self.sync_every:
             raise ValueError(
                 f"checkpoint_every: {self.checkpoint_every} is not a multiple of "
@@ -375,7 +350,7 @@ class TrainConfig:
         """The group scheduler's parameters for this run's policy."""
         if self.scheduler is not None:
             return self.scheduler
-        return POLICY_PRESETS.get(self.policy, POLICY_PRESETS["sdpipe"])
+        return record(self.policy).scheduler
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -399,7 +374,7 @@ def _field_docs(cls) -> tuple[tuple[str, str], ...]:
         except (OSError, TypeError, IndexError, AttributeError):  # no source (a frozen or compiled-only install)
             continue
         names = vars(inspect.getmodule(klass) or object)
-        for node, under in zip(body, body[1:]):
+        for node, under in itertools.pairwise(body):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)

@@ -12,17 +12,17 @@ from __future__ import annotations
 from functools import lru_cache
 
 __all__ = [
-    "Source",
-    "TensorSource",
     "MapSource",
-    "StreamSource",
     "ShardReader",
+    "Source",
+    "StreamSource",
+    "TensorSource",
     "as_source",
     "batch_indices",
-    "steps_per_epoch",
-    "leaves_tail",
     "digits",
     "digits_mlp",
+    "leaves_tail",
+    "steps_per_epoch",
 ]
 
 

@@ -28,19 +28,21 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .checks import is_integer
+
 __all__ = [
-    "SCHEMA",
     "COMMON",
-    "span",
-    "instant",
-    "group",
+    "SCHEMA",
+    "checkpoint",
     "control",
     "epoch",
-    "stage_info",
-    "checkpoint",
-    "worker_lost",
-    "validate",
+    "group",
+    "instant",
     "problems",
+    "span",
+    "stage_info",
+    "validate",
+    "worker_lost",
 ]
 
 #: the fields every record has
@@ -244,7 +246,7 @@ def problems(rec) -> list:
             out.append(f"{kind}: ends before it starts ({rec['start']} > {rec['end']})")
     for f in ("pipeline", "stage", "step", "microbatch"):
         v = rec.get(f)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        if v is not None and not is_integer(v):
             out.append(f"{kind}: {f} must be an integer or None, got {v!r}")
     return out
 

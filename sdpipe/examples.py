@@ -25,15 +25,15 @@ from torch.utils.data import Dataset
 
 __all__ = [
     "VOCAB",
-    "stdlib_text",
+    "Block",
     "CharWindows",
+    "LMHead",
+    "TokenEmbedding",
     "char_data",
     "char_gpt",
-    "lm_loss",
-    "TokenEmbedding",
-    "Block",
-    "LMHead",
     "digits_resnet",
+    "lm_loss",
+    "stdlib_text",
 ]
 
 #: characters are ASCII codes: 128 tokens

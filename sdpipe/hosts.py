@@ -42,6 +42,8 @@ import time
 import uuid
 from typing import Optional, Sequence
 
+from .checks import is_integer, is_number
+
 STATE_DIR = "/run/sdpipe-hosts"
 SCHEDULER_PORT = 8786
 #: seconds the scheduler and the workers may take to start
@@ -133,7 +135,7 @@ class EmulatedHosts:
         env: Optional[dict] = None,
         start_timeout: float = START_TIMEOUT,
     ):
-        if not workers or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in workers):
+        if not workers or any(not is_integer(n) or n < 0 for n in workers):
             raise ValueError(f"workers: must be a non-empty list of worker counts (integers >= 0), got {workers!r}")
         why = unavailable()
         if why:
@@ -190,7 +192,7 @@ class EmulatedHosts:
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{self.driver_address}/{prefix}", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
-        for i, (ns, outer, addr) in enumerate(zip(self.namespaces, self._outer, self.addresses)):
+        for i, (ns, outer, addr) in enumerate(zip(self.namespaces, self._outer, self.addresses, strict=True)):
             inner = f"sdi-{self.id}-{i}"
             _run("ip", "netns", "add", ns)
             _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
@@ -289,7 +291,7 @@ class EmulatedHosts:
 
         An argument left out keeps its current setting.  Returns the host's shaping now.
         """
-        if isinstance(host, bool) or not isinstance(host, int) or not 0 <= host < len(self.addresses):
+        if not is_integer(host) or not 0 <= host < len(self.addresses):
             raise ValueError(f"host: must be a host index 0..{len(self.addresses) - 1}, got {host!r}")
         _check_shaping(bandwidth, cpu)
         if bandwidth is not ...:
@@ -363,12 +365,12 @@ class EmulatedHosts:
 def _check_shaping(bandwidth, cpu) -> None:
     """One-line errors for limits out of range (``...``: left as it is; None: no limit)."""
     if bandwidth is not ... and bandwidth is not None:
-        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not 1000 <= bandwidth <= 1e11:
+        if not is_number(bandwidth) or not 1000 <= bandwidth <= 1e11:
             raise ValueError(
                 f"bandwidth: must be bytes/s between 1e3 and 1e11, or None for no limit, got {bandwidth!r}"
             )
     if cpu is not ... and cpu is not None:
-        if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not 0.01 <= cpu <= 1024:
+        if not is_number(cpu) or not 0.01 <= cpu <= 1024:
             raise ValueError(f"cpu: must be cores between 0.01 and 1024, or None for no limit, got {cpu!r}")
         why = cpu_shaping_unavailable()
         if why:

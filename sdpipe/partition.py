@@ -12,6 +12,7 @@ layers 0-1 (8,257 with the per-layer unit), stage 1 holds layers 2-4.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 __all__ = ["balanced_cuts", "check_cuts", "partition", "stage_bounds"]
@@ -67,7 +68,7 @@ def check_cuts(cuts: Sequence[int], layers: int, stages: int) -> list[int]:
 def stage_bounds(cuts: Sequence[int], layers: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` layer ranges of each stage."""
     edges = [0, *cuts, layers]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 def partition(model, stages: int, cuts: Sequence[int] | None = None) -> list:

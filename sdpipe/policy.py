@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import importlib
 import threading
 import time
 import traceback
@@ -74,17 +75,17 @@ import torch
 
 from . import sync_rules as rules
 from ._comm import CONNECT_TIMEOUT, RendezvousTimeout, allreduce_mean_, flatten, pipeline_lost, unflatten_
+from .policies import PolicyRecord, of_mode
 from .protocol import GroupServiceError, Keys
 
 __all__ = [
-    "SyncPolicy",
     "AllReduce",
-    "NoSync",
-    "Scheduled",
     "GossipPairs",
+    "NoSync",
     "ParameterServer",
+    "Scheduled",
+    "SyncPolicy",
     "make_policy",
-    "WORKER_MODES",
 ]
 
 TAG_SERVE = 7  # point-to-point traffic of the gossip and parameter-server exchanges
@@ -95,10 +96,10 @@ STOP_GRACE = 5.0
 class SyncPolicy(abc.ABC):
     """How the replicas of a stage meet: the whole interface between the worker loop and a policy.
 
-    **What the worker loop may use** (nothing else): the class attributes :attr:`name` and
-    :attr:`coupled`, and the methods :meth:`setup`, :meth:`decide_stop`, :meth:`next_batch`,
+    **What the worker loop may use** (nothing else): the attributes :attr:`name`, :attr:`coupled`,
+    :attr:`record` and :attr:`mass`, and the methods :meth:`setup`, :meth:`decide_stop`, :meth:`next_batch`,
     :meth:`after_backward`, :meth:`after_step`, :meth:`settle`, :meth:`epoch_end`, :meth:`stopping`, :meth:`leave`,
-    :meth:`close`; plus :func:`make_policy`, :data:`WORKER_MODES` and :func:`_state_tensors` of this module.
+    :meth:`close`; plus :func:`make_policy` and :func:`_state_tensors` of this module.
 
     **What a policy may use of the worker** (nothing else):
 
@@ -116,12 +117,24 @@ class SyncPolicy(abc.ABC):
     :meth:`epoch_end`, abstract), even when the answer is "nothing".
     """
 
-    name = "base"
-    #: the replicas move in lock step: fixed shards of each epoch, and stop / pause / policy version agreed
-    #: in the step's collective (what :meth:`after_backward` returns), not through :meth:`decide_stop`
-    coupled = False
+    #: what this policy is (:class:`sdpipe.policies.PolicyRecord`; set by :func:`make_policy`)
+    record: PolicyRecord
+    #: the replica's mass (1 + its optimizer steps since the last global sync) under the policies that weigh
+    #: replicas by it; a joiner takes its donor's. Policies without masses leave it at 1.
+    mass = 1.0
 
-    def setup(self, worker) -> None:
+    @property
+    def name(self) -> str:
+        """The mode this policy implements (:attr:`sdpipe.policies.PolicyRecord.mode`)."""
+        return self.record.mode
+
+    @property
+    def coupled(self) -> bool:
+        """The replicas move in lock step: fixed shards of each epoch, and stop / pause / policy version agreed
+        in the step's collective (what :meth:`after_backward` returns), not through :meth:`decide_stop`."""
+        return self.record.coupled
+
+    def setup(self, worker) -> None:  # noqa: B027 (an optional hook: by default it does nothing)
         """Called once in the worker (or at a switch) before its first step."""
 
     def decide_stop(self, store_stop: bool) -> bool:
@@ -154,24 +167,22 @@ class SyncPolicy(abc.ABC):
     def epoch_end(self, worker, step: int) -> None:
         """When the pipeline's epoch ends (all workers of a pipeline call it at the same step)."""
 
-    def settle(self, worker, step=None, boundary: bool = True) -> None:
+    def settle(self, worker, step=None, boundary: bool = True) -> None:  # noqa: B027 (an optional hook: by default it does nothing)
         """Before the weights must be this replica's own and complete (an epoch's end: its evaluation and
         checkpoint): finish any exchange still in flight.  Nothing to do for most policies."""
 
-    def stopping(self, worker, step: int) -> None:
+    def stopping(self, worker, step: int) -> None:  # noqa: B027 (an optional hook: by default it does nothing)
         """The run stops at this step boundary (before :meth:`leave`)."""
 
-    def leave(self, worker) -> None:
+    def leave(self, worker) -> None:  # noqa: B027 (an optional hook: by default it does nothing)
         """The worker stops for good (stop or failure)."""
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False) -> None:  # noqa: B027 (an optional hook: by default it does nothing)
         """Release groups; called once, also after an error (``failed``)."""
 
 
 class NoSync(SyncPolicy):
     """``none``: independent pipelines, no synchronization."""
-
-    name = "none"
 
     def after_step(self, worker, step: int) -> None:
         """Nothing: the replicas drift apart."""
@@ -193,9 +204,6 @@ class AllReduce(SyncPolicy):
     step boundary; the group is formed anew over the new members (the joiner forms it once it holds a replica's
     state) and the rest of the epoch's batches are dealt out in lock step among them (:attr:`shard`).
     """
-
-    name = "allreduce"
-    coupled = True
 
     def setup(self, worker, members=None, version: int = 0, shard=None) -> None:
         #: the pipelines averaging together, in rank order
@@ -272,7 +280,7 @@ class AllReduce(SyncPolicy):
         size = len(self.members)
         votes = allreduce_mean_(grads, self.group, size, extras=extras, comm_device=worker.link_device)
         worker.span("sync", step, None, start, time.time(), group=self.members)
-        return votes[0] > 0.5, int(round(votes[1])), votes[2] > 0.5, int(round(votes[3]))
+        return votes[0] > 0.5, round(votes[1]), votes[2] > 0.5, round(votes[3])
 
     def after_step(self, worker, step: int) -> None:
         """Nothing: the averaged gradients kept the replicas identical."""
@@ -296,7 +304,7 @@ def _stage_group(worker, name: str) -> tuple:
     it for every member; the survivors then form it again among themselves, under a name that lists them, so they
     all meet in the same one whatever order they noticed the loss in."""
     D = worker.pipelines
-    gone = lambda p: worker.store.check([Keys.ever_lost(p)])  # noqa: E731  (lost, even if back since)
+    gone = lambda p: worker.store.check([Keys.ever_lost(p)])
     for _ in range(D):
         members = [p for p in range(D) if not gone(p)]
         if worker.pipeline not in members:
@@ -464,8 +472,6 @@ class Scheduled(_GroupPolicy):
     (:meth:`decide_stop`).
     """
 
-    name = "scheduled"
-
     def setup(self, worker) -> None:
         super().setup(worker)
         self.stop_answered = False  # an answer of the group service said the run is stopping
@@ -570,7 +576,7 @@ class Scheduled(_GroupPolicy):
         self.overlap = bool(answer.get("overlap"))
         if average is not None:
             with torch.no_grad():
-                for t, s0, avg in zip(_state_tensors(worker), snapshot, average):
+                for t, s0, avg in zip(_state_tensors(worker), snapshot, average, strict=True):
                     t.add_(avg.sub_(s0))
         self.mass += after - mass
 
@@ -780,8 +786,6 @@ class GossipPairs(_GroupPolicy):
     (:class:`_GroupPolicy`), the only time it asks the service: the stop is the driver's flag.
     """
 
-    name = "adpsgd"
-
     @property
     def tensors(self) -> list:
         """The stage's state, looked up at each use: an asynchronous schedule moves the live weights to new
@@ -818,7 +822,7 @@ class GossipPairs(_GroupPolicy):
             self.server.start()
 
     def _serve(self, text: str) -> None:
-        active, step = (int(x) for x in text.split(","))
+        active, _step = (int(x) for x in text.split(","))
         start = time.time()
         with self.lock:
             mine = flatten(self.tensors, self.device)
@@ -829,12 +833,13 @@ class GossipPairs(_GroupPolicy):
             self.pg.recv([theirs], self.rank[active], TAG_SERVE).wait()
             self.pg.send([mine], self.rank[active], TAG_SERVE).wait()
         except RuntimeError as e:  # the active worker died: nothing to fold in
-            w.span("sync", None, None, start, time.time(), group=pair, reason="pair", served=True, failed=_failure(e))
+            failed = _failure(e)
+            w.span("sync", None, None, start, time.time(), group=pair, reason=rules.PAIR, served=True, failed=failed)
             return
         delta = (theirs - mine).div_(2)
         with self.lock:
             self.pending = delta if self.pending is None else self.pending.add_(delta)
-        w.span("sync", None, None, start, time.time(), group=pair, reason="pair", served=True)
+        w.span("sync", None, None, start, time.time(), group=pair, reason=rules.PAIR, served=True)
 
     def _apply_pending(self) -> None:
         if self.server is None:
@@ -878,10 +883,10 @@ class GossipPairs(_GroupPolicy):
             work.wait()
         except RuntimeError as e:  # the passive worker died mid-exchange: keep our weights, drop the peer
             self.passives.remove(peer)
-            worker.span("sync", step, None, start, time.time(), group=pair, reason="pair", failed=_failure(e))
+            worker.span("sync", step, None, start, time.time(), group=pair, reason=rules.PAIR, failed=_failure(e))
             return
         unflatten_(self.tensors, mine.add_(theirs).div_(2).to(self.tensors[0].device))
-        worker.span("sync", step, None, start, time.time(), group=pair, reason="pair")
+        worker.span("sync", step, None, start, time.time(), group=pair, reason=rules.PAIR)
 
     def epoch_end(self, worker, step: int) -> None:
         answer = self._ask(worker, step, True)
@@ -1051,8 +1056,6 @@ class ParameterServer(SyncPolicy):
     all pull the same ``w`` (the global sync); step counts restart.
     """
 
-    name = "ps"
-
     @property
     def tensors(self) -> list:
         """The stage's state, looked up at each use (see :attr:`GossipPairs.tensors`)."""
@@ -1095,7 +1098,7 @@ class ParameterServer(SyncPolicy):
             start,
             time.time(),
             group=members,
-            reason=kind if kind == rules.GLOBAL else "ps",
+            reason=kind if kind == rules.GLOBAL else rules.SERVED,
             server=0,
         )
 
@@ -1123,19 +1126,11 @@ class ParameterServer(SyncPolicy):
             self.pg = None
 
 
-#: worker-side behaviour by policy name
-WORKER_MODES = {
-    "allreduce": AllReduce,
-    "none": NoSync,
-    "sdpipe": Scheduled,
-    "scheduled": Scheduled,
-    "adpsgd": GossipPairs,
-    "ps": ParameterServer,
-}
-
-
-def make_policy(name: str) -> SyncPolicy:
-    """The worker-side policy object for policy ``name`` (a key of :data:`WORKER_MODES`), before its setup."""
-    if name not in WORKER_MODES:
-        raise ValueError(f"policy: {name!r} is not one of {', '.join(WORKER_MODES)}")
-    return WORKER_MODES[name]()
+def make_policy(mode: str) -> SyncPolicy:
+    """The worker-side policy object of ``mode`` (a policy's mode or name, :func:`sdpipe.policies.of_mode`), before
+    its setup: the class its record names (:attr:`sdpipe.policies.PolicyRecord.worker`)."""
+    rec = of_mode(mode)
+    module, _, cls = rec.worker.partition(":")
+    policy = getattr(importlib.import_module(module), cls)()
+    policy.record = rec
+    return policy

@@ -66,6 +66,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .checks import integer, is_number
 from .partition import balanced_cuts, stage_bounds
 from .simulation import Costs, Network
 
@@ -74,8 +75,6 @@ __all__ = [
     "BERT_BASE_BLOCKS",
     "BERT_BASE_PARAMS",
     "BERT_LARGE_FLOPS",
-    "Block",
-    "Figure",
     "GPU",
     "GPUS",
     "LAYOUTS",
@@ -85,6 +84,8 @@ __all__ = [
     "RESNET50_BLOCKS",
     "RESNET50_PARAMS",
     "STEP_OVERHEAD",
+    "Block",
+    "Figure",
     "TokenBlock",
     "bert_base",
     "network",
@@ -324,7 +325,7 @@ def network(gbit: float = 10, *, latency: float = 50e-6, scheduler_rtt: float = 
     """A cluster network of ``gbit`` Gbit/s links (``gbit x 1e9 / 8`` bytes/s), ``latency`` seconds
     per message and a ``scheduler_rtt`` round trip to the group scheduler (and to a ``ps`` or ``adpsgd``
     server thread: both go through the run's store)."""
-    if isinstance(gbit, bool) or not isinstance(gbit, (int, float)) or not (0 < gbit < math.inf):
+    if not is_number(gbit) or not (0 < gbit < math.inf):
         raise ValueError(f"gbit: must be a finite number > 0 (Gbit/s per link), got {gbit!r}")
     return Network(bandwidth=gbit * 1e9 / 8, latency=latency, scheduler_rtt=scheduler_rtt, server_rtt=scheduler_rtt)
 
@@ -334,11 +335,7 @@ def network(gbit: float = 10, *, latency: float = 50e-6, scheduler_rtt: float = 
 # ---------------------------------------------------------------------------------------------
 
 
-def _int(name: str, v, lo: int, hi: int | None = None, why: str = "") -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        allowed = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name}: must be an integer {allowed}{why}, got {v!r}")
-    return v
+_int = integer
 
 
 def _choice(name: str, v, options) -> str:

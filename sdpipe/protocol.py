@@ -31,17 +31,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 __all__ = [
-    "WorkerSpec",
-    "Command",
-    "Op",
-    "ControlMessage",
-    "Keys",
-    "run_prefix",
-    "GroupServiceError",
-    "GroupServiceClient",
     "SERVICE_TIMEOUT",
-    "encode_frame",
+    "Command",
+    "ControlMessage",
+    "GroupServiceClient",
+    "GroupServiceError",
+    "Keys",
+    "Op",
+    "WorkerSpec",
     "decode_frame",
+    "encode_frame",
+    "run_prefix",
 ]
 
 #: seconds a driver's call to the group service may take

@@ -54,25 +54,25 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Union
 
 __all__ = [
-    "Action",
+    "ASYNC_SCHEDULES",
     "COMPUTE",
     "OPS",
+    "SCHEDULES",
+    "Action",
     "DryRun",
     "ScheduleError",
-    "SCHEDULES",
-    "ASYNC_SCHEDULES",
-    "gpipe",
-    "one_f_one_b",
-    "async_step",
+    "add_communication",
     "async_drain",
     "async_plan",
-    "weight_versions",
+    "async_step",
     "build_plan",
-    "add_communication",
-    "stage_communication",
-    "validate",
     "dry_run",
     "format_plan",
+    "gpipe",
+    "one_f_one_b",
+    "stage_communication",
+    "validate",
+    "weight_versions",
 ]
 
 OPS = ("F", "B", "SF", "RF", "SB", "RB", "U")
@@ -386,20 +386,20 @@ def format_plan(plan: Plan, mark: Mapping[int, Action] | None = None) -> str:
     Actions in ``mark`` are shown as ``>1B0<``: each is the first action of its
     stage that cannot run.
     """
-    finish, spans, stuck = _simulate(plan, lambda a: 1.0)
+    _finish, spans, stuck = _simulate(plan, lambda a: 1.0)
     mark = dict(mark or {})
     width = max([len(str(a)) for acts in plan.values() for a in acts] + [3]) + 2
     cols = int(max([e for _, _, e in spans] + [0]))
     ncols = cols + (1 if stuck else 0)
     grid = {s: ["."] * ncols for s in plan}
-    for a, b, e in spans:
+    for a, b, _ in spans:
         grid[a.stage][int(b)] = str(a)
     for s, a in mark.items():
         col = max([int(e) for x, _, e in spans if x.stage == s] + [0])
         grid[s][min(col, ncols - 1)] = f">{a}<"
     head = "t      " + "".join(f"{t:<{width}}" for t in range(ncols))
     rows = [f"stage {s} " + "".join(f"{c:<{width}}" for c in grid[s]) for s in sorted(plan)]
-    return "\n".join([head] + rows)
+    return "\n".join([head, *rows])
 
 
 def _check_updates(plan: Plan, s: int, actions: list) -> None:

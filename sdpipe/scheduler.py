@@ -104,19 +104,20 @@ from typing import Iterable, Optional, Union
 
 import numpy as np
 
+from .checks import is_number
+
 __all__ = [
-    "SchedulerPolicy",
-    "Ready",
-    "Lost",
-    "Tick",
-    "Join",
-    "Hurry",
-    "Group",
-    "StageScheduler",
-    "GroupScheduler",
-    "DisjointSet",
-    "POLICY_PRESETS",
     "WINDOW_RULES",
+    "DisjointSet",
+    "Group",
+    "GroupScheduler",
+    "Hurry",
+    "Join",
+    "Lost",
+    "Ready",
+    "SchedulerPolicy",
+    "StageScheduler",
+    "Tick",
 ]
 
 
@@ -181,9 +182,7 @@ class SchedulerPolicy:
             if not ok:
                 raise ValueError(f"policy.{name}: {getattr(self, name)!r} is not allowed; {allowed}")
 
-        num = lambda v: (
-            isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))
-        )
+        num = is_number
         check(
             "max_group",
             self.max_group is None or (isinstance(self.max_group, int) and self.max_group >= 1),
@@ -230,24 +229,6 @@ class SchedulerPolicy:
                 f"policy: unknown parameter(s) {sorted(unknown)}; allowed {sorted(self.__dataclass_fields__)}"
             )
         return replace(self, **changes)
-
-
-#: Scheduler settings by policy name; "allreduce" waits for every worker each round (no window, no pairing).
-POLICY_PRESETS = {
-    "sdpipe": SchedulerPolicy(),
-    "allreduce": SchedulerPolicy(
-        window="prototype",
-        overlap=False,
-        window_init=math.inf,
-        window_min=math.inf,
-        window_max=math.inf,
-        pair_threshold=2**31,
-        weighting="uniform",
-    ),
-    "none": SchedulerPolicy(
-        max_group=1, window="prototype", overlap=False, window_init=0.0, window_min=0.0, staleness=2**31
-    ),
-}
 
 
 # ------------------------------------------------------------------ events
@@ -473,7 +454,7 @@ class _Arrivals:
         """worker -> time of its last release (overlap: of its last ready signal)."""
         self._take_in()
         at = np.flatnonzero(~np.isnan(self._rel))
-        return dict(zip(at.tolist(), self._rel[at].tolist()))
+        return dict(zip(at.tolist(), self._rel[at].tolist(), strict=True))
 
     def ready(self, worker: int, now: float) -> None:
         if self.overlap:  # the simulator's hot path: logged, taken in by _take_in
@@ -1073,7 +1054,7 @@ class GroupScheduler:
 
     def handle(self, stage: int, event: Event) -> list:
         """Apply ``event`` to ``stage``; returns every decided group (any stage)."""
-        now = getattr(event, "time")
+        now = event.time
         return self._apply(now, lambda: self.stages[stage].handle(event))
 
     def ready(self, stage: int, worker: int, now: float, global_sync: bool = False, step: Optional[int] = None) -> list:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import heapq
+import itertools
 import math
 import random
 import statistics
@@ -64,24 +65,27 @@ import numpy as np
 
 from . import events
 from ._result import RunResult
+from .checks import integer, is_number
 from .config import Heterogeneity, TrainConfig
 from .data import TAIL_BATCHES_PER_PIPELINE, smoothed_step_time, tail_goes_faster
+from .policies import SIMULATED_POLICY, names
+from .policies import record as policy_record
 from .schedule import ASYNC_SCHEDULES, build_plan, dry_run
 from .scheduler import GroupScheduler
-from .sync_rules import GLOBAL, STEP, gossip_roles
+from .sync_rules import GLOBAL, PAIR, SERVED, STEP, gossip_roles
 
 __all__ = [
+    "SIM_POLICIES",
     "Calibration",
     "Costs",
     "Network",
     "calibrate",
+    "ring_allreduce_seconds",
     "simulate",
     "spot_trace",
-    "ring_allreduce_seconds",
-    "SIM_POLICIES",
 ]
 
-SIM_POLICIES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
+SIM_POLICIES = names(simulated=True)
 
 
 def _seconds(name: str, values, n: int, per: str = "one per stage") -> tuple:
@@ -137,11 +141,11 @@ class Costs:
         object.__setattr__(self, "weight_bytes", _seconds("weight_bytes", self.weight_bytes or [0.0] * S, S))
         for name in ("step_overhead", "serve"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+            if not is_number(v) or not (0 <= v < math.inf):
                 raise ValueError(f"costs.{name}: must be a finite number >= 0, got {v!r}")
             object.__setattr__(self, name, float(v))
         j = self.jitter
-        if isinstance(j, (int, float)) and not isinstance(j, bool):
+        if is_number(j):
             j = [j] * S
         object.__setattr__(self, "jitter", _seconds("jitter", j or [0.0] * S, S))
 
@@ -169,7 +173,7 @@ class Network:
     def __post_init__(self):
         for name in ("bandwidth", "latency", "scheduler_rtt", "server_rtt"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or (name == "bandwidth" and v == 0):
+            if not is_number(v) or not v >= 0 or (name == "bandwidth" and v == 0):
                 bound = "> 0" if name == "bandwidth" else ">= 0"
                 raise ValueError(f"network.{name}: must be a number {bound}, got {v!r}")
 
@@ -377,7 +381,7 @@ def _untraced(by_kind: dict, pipelines: int) -> list:
             key=lambda x: x[0],
         )
         j = 0
-        for a, b in zip(opt, opt[1:]):
+        for a, b in itertools.pairwise(opt):
             if b["step"] != a["step"] + 1 or b.get("epoch") != a.get("epoch"):
                 continue
             lo, hi = a["end"], b["end"]
@@ -403,7 +407,7 @@ def _network(by_kind: dict, weight_bytes: list) -> Network:
     for e in by_kind.get("sync", ()):
         n = len(e.get("group") or ())
         # ring all-reduces only: not a parameter server's pushes and pulls (its global sync included), not pairs
-        if n >= 2 and e.get("stage") is not None and e.get("reason") not in ("ps", "pair") and "server" not in e:
+        if n >= 2 and e.get("stage") is not None and e.get("reason") not in (SERVED, PAIR) and "server" not in e:
             spans.setdefault((e["stage"], n), []).append(_dur(e))
     xs = []
     for (stage, n), vals in spans.items():
@@ -432,9 +436,9 @@ def _server_rtt(by_kind: dict, weight_bytes: list, net: Network) -> float:
         if stage is None or e.get("served"):
             continue
         transfer = weight_bytes[stage] / net.bandwidth + net.latency
-        if reason == "ps" and e.get("pipeline") != 0:  # the host's own exchange stays in memory
+        if reason == SERVED and e.get("pipeline") != 0:  # the host's own exchange stays in memory
             extra.append(_dur(e) - 2 * transfer)
-        elif reason == "pair":
+        elif reason == PAIR:
             extra.append(_dur(e) - transfer)
     if not extra:
         return Network().server_rtt
@@ -451,7 +455,7 @@ def _step_intervals(by_kind: dict, pipelines) -> list:
     out = []
     for v in ends.values():
         v.sort()
-        out += [b - a for a, b in zip(v, v[1:])]
+        out += [b - a for a, b in itertools.pairwise(v)]
     return out
 
 
@@ -463,18 +467,19 @@ def _serve(by_kind: dict, config: TrainConfig, hetero: Heterogeneity, costs: Cos
     D, S = config.pipelines, config.stages
     plain = [p for p in range(D) if all(hetero.slowdown_of(p, s) == 1.0 for s in range(S))]
     syncs = by_kind.get("sync", ())
-    if config.policy == "ps":
+    exchange = policy_record(config.policy).exchange
+    if exchange == "server":
         # the host serves every pipeline's request of a round; the staleness bound holds every pipeline to the
         # host's rate over a run, so a host's step serves D requests
         serving, own = [0], 0.0
-        rounds = lambda slow, fast: D  # noqa: E731
-    elif config.policy == "adpsgd":
+        rounds = lambda slow, fast: D
+    elif exchange == "pairs":
         # nothing holds the active pipelines back: in one of its steps a passive worker serves its share of their
         # steps in that time
         actives, passives = gossip_roles(D)
         serving = [p for p in passives if p in plain]
-        own = _mean(_dur(e) for e in syncs if e.get("reason") == "pair" and not e.get("served"))
-        rounds = lambda slow, fast: len(actives) / max(1, len(passives)) * slow / fast  # noqa: E731
+        own = _mean(_dur(e) for e in syncs if e.get("reason") == PAIR and not e.get("served"))
+        rounds = lambda slow, fast: len(actives) / max(1, len(passives)) * slow / fast
     else:
         return 0.0
     slow = _step_intervals(by_kind, serving)
@@ -597,7 +602,7 @@ class _Proxy:
     pairs of a round average together (:meth:`mix_pairs`).
     """
 
-    __slots__ = ("stages", "a", "b", "x", "mass", "gen", "buf", "i", "pending", "log")
+    __slots__ = ("a", "b", "buf", "gen", "i", "log", "mass", "pending", "stages", "x")
 
     def __init__(self, stages: int, pipelines: int, seed: int, lr: float, noise: float):
         self.stages, self.a, self.b = stages, 1.0 - lr, lr * noise
@@ -680,7 +685,7 @@ class _Proxy:
             w = mass[workers].tolist() if by_progress else [1.0] * n
             total = sum(w)
             points = x[workers].tolist()
-            mean = [sum(wi * pt[k] for wi, pt in zip(w, points)) / total for k in range(4)]
+            mean = [sum(wi * pt[k] for wi, pt in zip(w, points, strict=True)) / total for k in range(4)]
             x[workers] = mean
             mass[workers] = sum(mass[workers].tolist()) / n
         if restart:
@@ -725,7 +730,7 @@ class _Ssp:
     request where that function looks at every client (``tests/test_simulate.py`` holds the two to the same
     answers)."""
 
-    __slots__ = ("staleness", "clock", "live", "at_global", "count", "slowest", "held", "seq")
+    __slots__ = ("at_global", "clock", "count", "held", "live", "seq", "slowest", "staleness")
 
     def __init__(self, clients, staleness: int):
         self.staleness = staleness
@@ -782,7 +787,7 @@ class _Server:
     """A parameter server of one stage: its weights (the proxy's point), its link's two directions (each one
     transfer at a time), its clients' last pull and the time each is waiting since."""
 
-    __slots__ = ("w", "in_free", "out_free", "ssp", "asked")
+    __slots__ = ("asked", "in_free", "out_free", "ssp", "w")
 
     def __init__(self, point: list, clients, staleness: int):
         self.w = list(point)
@@ -801,11 +806,12 @@ class _Simulation:
         S, D, M = config.stages, config.pipelines, config.microbatches
         self.config, self.costs, self.net = config, costs, network
         self.S, self.D, self.steps, self.record, self.policy = S, D, steps, record, config.policy
+        #: how the replicas meet (:attr:`sdpipe.policies.PolicyRecord.exchange`)
+        self.exchange = exchange = policy_record(config.policy).exchange
         self.epochs, self.sync_every = config.epochs, config.sync_every
         self.hetero = hetero = config.heterogeneity or Heterogeneity()
-        policy = config.policy
         # the group service's core: every round under sdpipe and allreduce, the global syncs under adpsgd
-        self.core = GroupScheduler(S, D, config.scheduler_policy()) if policy not in ("none", "ps") else None
+        self.core = GroupScheduler(S, D, config.scheduler_policy()) if exchange not in ("nothing", "server") else None
         self.total = steps * D  # batches in an epoch
         self.taken: dict = {}  # epoch -> batches handed out
         self.pipes = [_Pipe() for _ in range(D)]
@@ -848,8 +854,8 @@ class _Simulation:
         self._ring: dict = {}  # (stage, members) -> seconds of a group: round trip and ring all-reduce
         # averaging overlapped with compute (SchedulerPolicy.overlap): a worker goes on at its ready signal; its
         # group's averaging runs meanwhile and must have ended before the worker's next ready signal
-        self.overlap = policy == "sdpipe" and self.core.policy.overlap
-        self.mode = "overlap" if self.overlap else policy
+        self.overlap = exchange == "groups" and self.core.policy.overlap
+        self.mode = "overlap" if self.overlap else exchange
         #: by worker p * S + s: when its overlapped averaging ends (None: its group is undecided; 0: none yet)
         self.averaging: list = [0.0] * (D * S)
         #: by worker: the step of its last ready signal; a step goes on without one while that averaging is in flight,
@@ -866,15 +872,15 @@ class _Simulation:
         self.tail_t = np.zeros(D)
         self.tail_epoch = np.zeros(D, dtype=np.int64)
         self.tail_rate: dict = {}
-        if policy == "ps":  # a server per stage, hosted by pipeline 0's worker (its own push and pull stay local)
+        if exchange == "server":  # a server per stage, hosted by pipeline 0's worker (its own push and pull stay local)
             staleness = config.scheduler_policy().staleness
             self.servers = [_Server(self.proxy.x[s].tolist(), range(D), staleness) for s in range(S)]
             self.pulled = self.proxy.x.tolist()
-        if policy == "adpsgd":  # even pipelines start exchanges with odd ones, who serve them one at a time
+        if exchange == "pairs":  # even pipelines start exchanges with odd ones, who serve them one at a time
             self.actives, self.passives = gossip_roles(D)
             self.serve_free = [0.0] * (D * S)
         # seconds each worker's server thread took from it since its pipeline's last step started (Costs.serve)
-        self.serving = costs.serve > 0 and policy in ("ps", "adpsgd")
+        self.serving = costs.serve > 0 and exchange in ("server", "pairs")
         self.owed = [0.0] * (D * S)
 
     def _push(self, t: float, kind: str, data) -> None:
@@ -947,7 +953,7 @@ class _Simulation:
             p = self.hetero.straggle_prob
             # S draws, as the runtime: each stage that straggles holds the pipeline's step back by the delay
             hits = (gen.random((n, S)) < p).sum(axis=1).tolist() if p > 0 else [0] * n
-            self._draws = list(zip(scale, hits))
+            self._draws = list(zip(scale, hits, strict=True))
             self._draws.reverse()
         return self._draws.pop()
 
@@ -988,7 +994,7 @@ class _Simulation:
                 self.tail_rate[e] = self.tail_rate.get(e, 0.0) + 1.0 / new - (1.0 / old if old else 0.0)
                 self.tail_t[p] = new
         pipe.last_start = t
-        if self.policy == "allreduce":
+        if self.exchange == "all":
             return pipe.epoch_steps < self.steps
         e = pipe.epoch
         taken = self.taken.get(e, 0)
@@ -1027,9 +1033,9 @@ class _Simulation:
         pipe.done = True
         self._untail(p)
         e = pipe.epoch
-        if self.policy == "none" or not ((e + 1) % self.sync_every == 0 or e == self.epochs - 1):
+        if self.exchange == "nothing" or not ((e + 1) % self.sync_every == 0 or e == self.epochs - 1):
             self._next_epoch(t, p)
-        elif self.policy == "ps":
+        elif self.exchange == "server":
             for s in range(self.S):
                 self._ps_push(t, p, s, pipe.step, GLOBAL)
         else:
@@ -1118,11 +1124,11 @@ class _Simulation:
                     self._groups(decisions)
                 self.deadline = self.core.next_deadline()
                 self._on_synced(t, data)
-        elif mode == "sdpipe" or mode == "allreduce":
+        elif mode == "groups" or mode == "all":
             self._apply(self.core.ready(s, p, t))
-        elif mode == "none":
+        elif mode == "nothing":
             self._on_synced(t, data)
-        elif mode == "ps":
+        elif mode == "server":
             self._ps_push(t, p, s, step, STEP)
         elif p % 2 == 0 and self.passives:  # adpsgd's active side
             self._gossip(t, p, s, step)
@@ -1151,7 +1157,7 @@ class _Simulation:
             return
         ends = self.averaging[p * self.S : (p + 1) * self.S]
         if None not in ends:
-            self._push(max([self.held_global.pop(p)] + ends), "global", p)
+            self._push(max([self.held_global.pop(p), *ends]), "global", p)
 
     def _on_global(self, t: float, p: int) -> None:
         for s in range(self.S):
@@ -1174,7 +1180,7 @@ class _Simulation:
         (its pipeline's ``epoch`` once every stage's global sync ended)."""
         costs, net, pipes, record, keep = self.costs, self.net, self.pipes, self.record, self.records.append
         S, proxy, push = self.S, self.proxy, self._push
-        rtt = 0.0 if self.policy == "allreduce" else net.scheduler_rtt
+        rtt = 0.0 if self.exchange == "all" else net.scheduler_rtt
         by_progress = self.core.policy.weighting == "progress"
         ring, delays = self._ring, self.link_delay if self._link_delays else None
         us: list = []  # pairs to average together: a round's groups are disjoint (only a round that a global
@@ -1195,7 +1201,7 @@ class _Simulation:
                     proxy.mix_pairs(us, vs, by_progress)
                     us, vs = [], []
                 workers = [m * S + stage for m in members]
-                if final and self.policy == "adpsgd":  # the passive side folds in what it served first
+                if final and self.exchange == "pairs":  # the passive side folds in what it served first
                     for w in workers:
                         proxy.fold(w)
                 proxy.mix(workers, by_progress, final)
@@ -1243,7 +1249,7 @@ class _Simulation:
         (one transfer at a time, in the order sent) and waits for its pull; the host's own stays in memory."""
         srv, w = self.servers[s], p * self.S + s
         self.proxy.settle()
-        delta = [a - b for a, b in zip(self.proxy.x[w].tolist(), self.pulled[w])]
+        delta = [a - b for a, b in zip(self.proxy.x[w].tolist(), self.pulled[w], strict=True)]
         srv.asked[p] = (t, step, kind)
         self.owed[s] += self.costs.serve  # the host (pipeline 0's worker of stage s) serves every request
         if p == 0:
@@ -1281,7 +1287,7 @@ class _Simulation:
             end = srv.out_free + self.net.latency
         if self.record:
             group = list(range(self.D)) if final else [c]
-            reason = "global" if final else "ps"
+            reason = GLOBAL if final else SERVED
             self.records.append(events.span("sync", c, s, step, None, asked, end, group=group, reason=reason, server=0))
         if final:
             self.proxy.mass[w] = 1.0
@@ -1307,8 +1313,8 @@ class _Simulation:
         if self.record:
             pair = sorted((p, q))
             keep, span = self.records.append, events.span
-            keep(span("sync", p, s, step, None, asked, t, group=pair, reason="pair"))
-            keep(span("sync", q, s, None, None, asked, t, group=pair, reason="pair", served=True))
+            keep(span("sync", p, s, step, None, asked, t, group=pair, reason=PAIR))
+            keep(span("sync", q, s, None, None, asked, t, group=pair, reason=PAIR, served=True))
         self._on_synced(t, (p, s, step))
 
     # ------------------------------------------------------------------ the trace
@@ -1409,7 +1415,7 @@ def simulate(
     pipelines: int,
     *,
     costs: Costs,
-    policy: str = "sdpipe",
+    policy: str = SIMULATED_POLICY,
     schedule: str = "1f1b",
     microbatches: int = 4,
     batch_size: int = 32,
@@ -1438,20 +1444,18 @@ def simulate(
     """
     if policy not in SIM_POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(SIM_POLICIES)} (the simulator's policies)")
-    for name, v in (("stages", stages), ("pipelines", pipelines)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+    integer("stages", stages)
+    integer("pipelines", pipelines)
     if not isinstance(network, Network):
         raise ValueError(f"network: must be a sdpipe.Network, got {type(network).__name__}")
     for name, v in (("lr", lr), ("noise", noise)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+        if not is_number(v) or not (0 <= v < math.inf):
             raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
     if not isinstance(costs, Costs):
         raise ValueError(f"costs: must be a sdpipe.Costs, got {type(costs).__name__}")
     if costs.stages != stages:
         raise ValueError(f"costs: has {costs.stages} stages, the simulation {stages}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps: must be an integer >= 1, got {steps!r}")
+    integer("steps", steps)
     config = TrainConfig(
         stages=stages,
         pipelines=pipelines,
@@ -1479,8 +1483,9 @@ def simulate(
 def _check_trace(trace, pipelines: int, policy: str) -> list:
     if trace is None:
         return []
-    if policy not in ("sdpipe", "none"):
-        raise ValueError(f"trace: pipelines join and leave under 'sdpipe' and 'none', not {policy!r}")
+    if not policy_record(policy).rejoin:
+        listed = " and ".join(repr(n) for n in names(rejoin=True))
+        raise ValueError(f"trace: pipelines join and leave under {listed}, not {policy!r}")
     out = []
     try:
         for t, what, p in trace:
@@ -1500,7 +1505,7 @@ def spot_trace(pipelines: int, *, preemptions_per_min: float, mean_down: float, 
     while it is up) and comes back after an exponential time of mean ``mean_down`` seconds, over ``duration``
     seconds; pipeline 0 is never preempted (somebody holds the state to give)."""
     for name, v in (("preemptions_per_min", preemptions_per_min), ("mean_down", mean_down), ("duration", duration)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+        if not is_number(v) or not (0 < v < math.inf):
             raise ValueError(f"{name}: must be a finite number > 0, got {v!r}")
     rng = random.Random(seed)
     trace = []

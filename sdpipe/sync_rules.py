@@ -29,19 +29,21 @@ from typing import Callable, Mapping, Optional, Sequence
 
 __all__ = [
     "PsRelease",
-    "ps_release",
-    "held_step_pulls",
-    "gossip_roles",
     "choose_peer",
-    "member_weight",
-    "mass_after_step",
+    "gossip_roles",
+    "group_stop",
+    "held_step_pulls",
     "mass_after_group",
     "mass_after_round",
-    "group_stop",
+    "mass_after_step",
+    "member_weight",
+    "ps_release",
 ]
 
 #: kinds of a pull waiting at the parameter server
 STEP, GLOBAL = "step", "global"
+#: the ``reason`` of a sync span that is not a group's: a push and pull at a parameter server, a gossip pair's exchange
+SERVED, PAIR = "ps", "pair"
 
 
 # ------------------------------------------------------------------ parameter server (stale synchronous parallel)

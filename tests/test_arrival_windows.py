@@ -1,5 +1,6 @@
 """Rule "arrival" of the pure group scheduler: rounds that wait for the workers predicted to come, and no one else."""
 
+import itertools
 import math
 import random
 import statistics
@@ -64,7 +65,7 @@ class Opened:
 def test_equal_speeds_fill_their_groups():
     """Four workers of equal speed, 5% jitter: after the first steps the rounds hold everyone."""
     policy = BLOCKING.updated(staleness=10)
-    sched, log, _, _ = drive(1, [1.0] * 4, policy, steps=40, jitter=0.05, seed=3)
+    _sched, log, _, _ = drive(1, [1.0] * 4, policy, steps=40, jitter=0.05, seed=3)
     ordinary = [g for _, g, _ in log if g.reason not in ("graph", "global", "preempted")][4:]
     assert sum(len(g.members) == 4 for g in ordinary) >= 0.9 * len(ordinary), Counter(len(g.members) for g in ordinary)
     assert sum(g.reason in ("full", "arrived") for g in ordinary) >= 0.9 * len(ordinary)
@@ -77,7 +78,7 @@ def test_equal_speeds_fill_their_groups():
 
 def test_a_straggler_is_not_waited_for():
     """Pipeline 3 four times slower: the fast three average together, the slow one joins few rounds."""
-    sched, log, _, _ = drive(1, [1.0, 1.0, 1.0, 0.25], BLOCKING, steps=60, jitter=0.05, seed=1)
+    _sched, log, _, _ = drive(1, [1.0, 1.0, 1.0, 0.25], BLOCKING, steps=60, jitter=0.05, seed=1)
     # while all four train (the fast ones end their 60 steps first and wait for the global group)
     ordinary = [g for _, g, state in log if g.reason not in ("graph", "global", "preempted") and len(state[3]) == 4]
     fast = [g for g in ordinary if set(g.members) & {0, 1, 2}]
@@ -287,7 +288,7 @@ def test_logged_ready_signals_are_taken_in_as_if_one_by_one(signals, history, re
         assert batched.plan(now, candidates, 0.3) == single.plan(now, candidates, 0.3)
     # a worker's row holds its last ``history`` intervals: their median is the one of the plain list
     for w in range(10):
-        gaps = [b - a for a, b in zip(*(lambda ts: (ts, ts[1:]))([t for v, t in _times(signals) if v == w]))]
+        gaps = [b - a for a, b in itertools.pairwise(t for v, t in _times(signals) if v == w)]
         if gaps:
             assert batched.stats(w)[0] == pytest.approx(statistics.median(gaps[-history:]), abs=1e-12)
 

@@ -237,7 +237,7 @@ def test_checkpoint_resume_equals_the_uninterrupted_run(data, shared_cluster, tm
     whole = sdpipe.train(digits_mlp(), train, checkpoint_every=1, checkpoint_dir=tmp_path, **common).result(timeout=300)
     resumed = sdpipe.train(digits_mlp(seed=1), train, resume_from=tmp_path / "epoch-0002", **common).result(timeout=300)
     assert resumed.steps == whole.steps
-    for a, b in zip(whole.models, resumed.models):
+    for a, b in zip(whole.models, resumed.models, strict=True):
         assert max_diff(a, b) <= 1e-6
 
 

@@ -29,7 +29,7 @@ from lab_browser import (  # noqa: E402 -- importable only once tools/ is on sys
     notebook_errors,
     run_notebook,
     wait_js,
-)  # noqa: E402
+)
 
 from sdpipe.widgets.dashboard import COLORS, SPARE_PIPELINES  # noqa: E402
 

@@ -55,7 +55,7 @@ def test_allreduce_resumed_from_a_checkpoint_equals_the_uninterrupted_run(data, 
     )
     assert sorted({h["epoch"] for h in resumed.history}) == [2, 3]
     assert resumed.steps == uninterrupted.steps == {0: 4 * steps_per_epoch, 1: 4 * steps_per_epoch}
-    for a, b in zip(uninterrupted.models, resumed.models):
+    for a, b in zip(uninterrupted.models, resumed.models, strict=True):
         assert max_diff(a, b) <= 1e-6
     # a fresh start from other initial weights does not land there: the comparison can fail
     fresh = sdpipe.train(digits_mlp(seed=1), train_data, **{**common, "epochs": 2}).result(timeout=300)

@@ -1,6 +1,7 @@
 """Training on a real Dask LocalCluster with torch.distributed (gloo) on the CPU."""
 
 import importlib
+import re
 import sys
 import time
 
@@ -150,7 +151,9 @@ def test_unreachable_scheduler_fails_before_launch(data):
     train_data, _ = data
     loops = {t for t in threading.enumerate() if t.name == "IO loop"}
     t = time.monotonic()
-    with pytest.raises(ConnectionError, match="cluster: cannot reach a Dask scheduler at 'tcp://127.0.0.1:9'"):
+    with pytest.raises(
+        ConnectionError, match=re.escape("cluster: cannot reach a Dask scheduler at 'tcp://127.0.0.1:9'")
+    ):
         sdpipe.train(digits_mlp(), train_data, cluster="tcp://127.0.0.1:9")
     assert time.monotonic() - t < 30
     assert {t for t in threading.enumerate() if t.name == "IO loop" and t.is_alive()} <= loops

@@ -221,7 +221,7 @@ def test_policies_with_fixed_groups_refuse_in_one_line(data, no_leaks):
                 call()
             msg = str(info.value)
             assert "\n" not in msg and "policy 'ps' keeps a group of the pipelines fixed at the start" in msg
-        with pytest.raises(ValueError, match=r"^n: must be a positive int, got 0$"):
+        with pytest.raises(ValueError, match=r"^n: must be an integer >= 1, got 0$"):
             run.add_pipelines(0)
     finally:
         run.stop()

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,7 +161,7 @@ def test_an_asynchronous_schedule_goes_on_after_a_worker_is_killed(data, cluster
 
 
 def test_allreduce_stops_with_an_error_naming_the_killed_worker(data, cluster8):
-    train_data, eval_data = data
+    train_data, _eval_data = data
     all_workers_ready(cluster8)
     run = sdpipe.train(
         digits_mlp(), train_data, stages=2, pipelines=4, policy="allreduce", epochs=50, batch_size=32, cluster=cluster8
@@ -287,7 +288,7 @@ def test_a_lost_worker_on_a_users_cluster_adds_at_most_ten_lines_to_the_terminal
     lost, result = _terminal_lines("sdpipe", when)
     assert result == "RESULT [1] [0, 2, 3]"
     assert sum("was lost" in line for line in lost) == 1
-    assert not [line for line in lost if "Compute Failed" in line or "sdpipe-" in line and "Traceback" in line]
+    assert not [line for line in lost if "Compute Failed" in line or ("sdpipe-" in line and "Traceback" in line)]
     assert len(lost) - len(quiet) <= 10, "\n".join(lost)
 
 
@@ -379,7 +380,7 @@ def test_every_listener_of_a_run_is_on_loopback(data, no_leaks):
         while not any(e["kind"] == "sync" for e in run.events):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+        procs = [psutil.Process(), *psutil.Process().children(recursive=True)]
         listening = []
         for proc in procs:
             try:
@@ -412,11 +413,11 @@ def test_tls_secured_scheduler(data, no_leaks):
     ) as cluster:
         addr = cluster.scheduler_address
         assert addr.startswith("tls://127.0.0.1:")
-        with pytest.raises(ValueError, match="security: 'tls://127.0.0.1:.*' speaks TLS; pass security="):
+        with pytest.raises(ValueError, match=r"security: 'tls://127\.0\.0\.1:.*' speaks TLS; pass security="):
             sdpipe.train(digits_mlp(), train_data, stages=1, pipelines=2, epochs=1, cluster=addr, security=None)
         result = sdpipe.train(
             digits_mlp(), train_data, stages=1, pipelines=2, policy="sdpipe", epochs=1, cluster=addr, security=security
         ).result(timeout=300)
         assert len(result.history) == 2
-    with pytest.raises(ValueError, match="security: must be a distributed.Security or None, got str"):
+    with pytest.raises(ValueError, match=re.escape("security: must be a distributed.Security or None, got str")):
         sdpipe.train(digits_mlp(), train_data, cluster="tls://127.0.0.1:1", security="certs.pem")

@@ -127,7 +127,8 @@ def test_tuple_and_dict_between_stages_match_one_process(schedule, shared_cluste
     diff = max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items())
     assert diff < 1e-5, diff
     moved = max(
-        float((v - s).abs().max()) for v, s in zip(ref.parameters(), nn.Sequential(*structured_model()).parameters())
+        float((v - s).abs().max())
+        for v, s in zip(ref.parameters(), nn.Sequential(*structured_model()).parameters(), strict=True)
     )
     assert moved > 1e-2  # the comparison could fail: training changed the weights
     # every batch of the epoch was trained, the last one shorter
@@ -265,7 +266,7 @@ def test_sequences_of_changing_length_through_a_map_style_dataset_match_one_proc
     assert (
         max(
             float((a - b).abs().max())
-            for a, b in zip(ref.parameters(), char_gpt(block=40, width=32, heads=2, layers=2).parameters())
+            for a, b in zip(ref.parameters(), char_gpt(block=40, width=32, heads=2, layers=2).parameters(), strict=True)
         )
         > 1e-3
     )

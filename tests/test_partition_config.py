@@ -1,6 +1,7 @@
 """Partitioning and configuration checks: no torch.distributed, no Dask."""
 
 import inspect
+import re
 from dataclasses import fields
 
 import pytest
@@ -26,7 +27,7 @@ def test_balanced_cuts_brute_force_agreement():
         n = rng.randint(1, 7)
         w = [rng.choice([0, 1, 5, 50, 300]) for _ in range(n)]
         S = rng.randint(1, n)
-        cost = lambda cuts: max(sum(x + 1 for x in w[a:b]) for a, b in stage_bounds(cuts, n))
+        cost = lambda cuts, w=w, n=n: max(sum(x + 1 for x in w[a:b]) for a, b in stage_bounds(cuts, n))
         best = min(cost(list(c)) for c in itertools.combinations(range(1, n), S - 1))
         got = balanced_cuts(w, S)
         assert len(got) == S - 1 and cost(got) == best
@@ -57,7 +58,7 @@ def test_partition_sequential_and_list():
     assert partition(mods, 2) == mods
     with pytest.raises(ValueError, match="stages: 3 given but the model is a list of 2"):
         partition(mods, 3)
-    with pytest.raises(ValueError, match="model: must be an nn.Sequential"):
+    with pytest.raises(ValueError, match=re.escape("model: must be an nn.Sequential")):
         partition(nn.Linear(2, 2), 1)
     with pytest.raises(ValueError, match="stages: 6 exceeds the 5 layers"):
         partition(model, 6)
@@ -126,7 +127,7 @@ def _train(model, data, *, eval_data=None, loss_fn=None, **options):
 def test_config_keywords_lists_the_fields_and_passes_only_them():
     params = list(inspect.signature(_train).parameters.values())
     assert [p.name for p in params] == ["model", "data", "eval_data", "loss_fn", *(f.name for f in fields(TrainConfig))]
-    for p, f in zip(params[4:], fields(TrainConfig)):
+    for p, f in zip(params[4:], fields(TrainConfig), strict=True):
         assert p.kind is p.KEYWORD_ONLY and p.default == f.default, p
     assert str(params[4]) == "stages: int = 2" and str(params[-1]) == "checkpoint_dir: Optional[str] = None"
     doc = " ".join(_train.__doc__.split())

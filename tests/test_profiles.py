@@ -31,7 +31,7 @@ BERT_LARGE_PARAMS = 335_141_888  # bert-large-uncased with its pooler (Hugging F
 
 
 def compute(costs):
-    return [f + b for f, b in zip(costs.forward, costs.backward)]
+    return [f + b for f, b in zip(costs.forward, costs.backward, strict=True)]
 
 
 # --- the tables, rebuilt with torch ------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_stages_are_balanced_by_compute():
             mean = sum(load) / stages
             assert max(load) <= mean * (1 + max(flops) / (sum(flops) / stages)) * (1 + 1e-12)
         best = min(
-            max(sum(flops[a:b]) for a, b in zip((0, *cuts), (*cuts, len(flops))))
+            max(sum(flops[a:b]) for a, b in zip((0, *cuts), (*cuts, len(flops)), strict=True))
             for cuts in itertools.combinations(range(1, len(flops)), 3)
         )
         load = compute(profile(name, 4))
@@ -248,9 +248,9 @@ def test_bert_base_time_per_sequence_is_the_bert_large_figure_scaled_by_flops(gp
 def test_a100_is_faster_and_amp_faster_than_fp32():
     for fn in (resnet50, bert_base):
         v100, a100 = fn(4, gpu="V100"), fn(4, gpu="A100")
-        assert all(a < v for a, v in zip(compute(a100), compute(v100)))
-        assert all(a < v for a, v in zip(a100.optimizer, v100.optimizer))
-        assert all(a < f for a, f in zip(compute(fn(4, precision="amp")), compute(fn(4))))
+        assert all(a < v for a, v in zip(compute(a100), compute(v100), strict=True))
+        assert all(a < v for a, v in zip(a100.optimizer, v100.optimizer, strict=True))
+        assert all(a < f for a, f in zip(compute(fn(4, precision="amp")), compute(fn(4)), strict=True))
 
 
 def test_activation_bytes_are_the_boundary_tensors():

@@ -143,7 +143,7 @@ def test_async_plan_is_one_f_one_b_over_all_steps_with_updates(S, M, steps, ever
     plan = async_plan(S, M, steps, every)
     assert {s: [a for a in acts if a.op != "U"] for s, acts in plan.items()} == one_f_one_b(S, steps * M)
     total = steps * M
-    for s, acts in plan.items():
+    for acts in plan.values():
         updates = [i for i, a in enumerate(acts) if a.op == "U"]
         assert [acts[i].microbatch for i in updates] == list(range(-(-total // every)))
         backwards_before = [sum(a.op == "B" for a in acts[:i]) for i in updates]

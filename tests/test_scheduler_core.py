@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sdpipe.policies import POLICY_PRESETS
 from sdpipe.scheduler import (
-    POLICY_PRESETS,
     WINDOW_RULES,
     DisjointSet,
     GroupScheduler,
@@ -177,13 +177,13 @@ def test_invariants_under_random_speeds_and_losses(
     )
     rng = random.Random(seed)
     losses = [(rng.uniform(0, 30), rng.randrange(D)) for _ in range(min(n_losses, D - 1))]
-    sched, log, _, lost = drive(stages, speeds, policy, steps=25, losses=losses, seed=seed)
+    _sched, log, _, _lost = drive(stages, speeds, policy, steps=25, losses=losses, seed=seed)
 
     per_round = {}
     dsu = {s: DisjointSet(range(D)) for s in range(stages)}
     since = {s: 0 for s in range(stages)}
     last_round = {s: None for s in range(stages)}
-    for i, (now, g, (live, waiting, live_after, available_after)) in enumerate(log):
+    for i, (_now, g, (live, waiting, _live_after, available_after)) in enumerate(log):
         # members are live workers of that stage, and each was waiting for a group
         assert set(g.members) <= live, (g, live)
         assert set(g.members) <= waiting
@@ -217,7 +217,7 @@ def test_every_staleness_rounds_connect_the_stage(speeds, seed, staleness, rule)
     policy = SchedulerPolicy(
         window=rule, window_init=0.05, window_min=0.0, window_max=0.2, staleness=staleness, max_group=max(1, D // 2)
     )
-    sched, log, _, _ = drive(1, speeds, policy, steps=30, seed=seed)
+    _sched, log, _, _ = drive(1, speeds, policy, steps=30, seed=seed)
     rounds = {}
     for _, g, state in log:
         if len(state[3]) < D:  # a worker asked for the global group: the epoch ends, the global group connects
@@ -301,7 +301,7 @@ def test_the_bound_counts_the_steps_of_workers_that_skip_ready_signals(speeds, s
 @given(speeds=speeds_st, seed=st.integers(0, 10_000))
 def test_full_groups_without_window_equal_allreduce(speeds, seed):
     D = len(speeds)
-    sched, log, steps, _ = drive(2, speeds, POLICY_PRESETS["allreduce"], steps=10, seed=seed)
+    _sched, log, _steps, _ = drive(2, speeds, POLICY_PRESETS["allreduce"], steps=10, seed=seed)
     assert all(g.members == tuple(range(D)) for _, g, _ in log)
     assert [g.reason for _, g, _ in log].count("global") == 2  # the last step of each stage
     assert all(g.reason in ("full", "graph") for _, g, _ in log if g.reason != "global")
@@ -317,13 +317,13 @@ def test_group_averaging_conserves_the_sum(values, groups):
     """x_i <- mean(x_j, j in G) for i in G is doubly stochastic: the sum over replicas never changes."""
     D = len(values)
     x = [list(v) for v in values]
-    total = [sum(col) for col in zip(*x)]
+    total = [sum(col) for col in zip(*x, strict=True)]
     for g in groups:
         members = sorted({m % D for m in g})
         avg = [sum(x[m][k] for m in members) / len(members) for k in range(3)]
         for m in members:
             x[m] = list(avg)
-    for k, col in enumerate(zip(*x)):
+    for k, col in enumerate(zip(*x, strict=True)):
         assert math.isclose(sum(col), total[k], rel_tol=1e-9, abs_tol=1e-6)
 
 
@@ -355,7 +355,7 @@ def test_progress_weighting_conserves_the_mass_weighted_sum(values, events):
 def test_straggler_is_left_out_of_most_groups():
     speeds = [1.0, 1.0, 1.0, 0.25]
     policy = SchedulerPolicy(window="prototype", window_init=0.05, window_max=0.2, window_min=0.001, staleness=3)
-    sched, log, _, _ = drive(1, speeds, policy, steps=40)
+    _sched, log, _, _ = drive(1, speeds, policy, steps=40)
     groups = [g for _, g, _ in log if len(g.members) > 1]
     with_slow = sum(3 in g.members for g in groups)
     assert with_slow < len(groups) / 2
@@ -512,7 +512,7 @@ def test_joins_under_random_speeds_losses_and_rejoins(
     losses = [(rng.uniform(0, 20), rng.randrange(D)) for _ in range(n_losses)]
     joins += [(t + rng.uniform(0.5, 5), p, rng.choice([None, "any"])) for t, p in losses]  # and back
     policy = SchedulerPolicy(window=rule, overlap=overlap, staleness=staleness, window_init=0.01, pair_threshold=6)
-    sched, log, step, lost = drive(
+    _sched, log, step, lost = drive(
         stages, speeds, policy, steps=20, losses=losses, joins=joins, seed=seed, start=range(first)
     )
     joined_at = {p: 0.0 for p in range(first)}

@@ -1,6 +1,8 @@
 """The simulator: simulated time on the real scheduler core, the same records as a real run."""
 
 import dataclasses
+import itertools
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -88,7 +90,7 @@ def test_bad_input_is_named(kwargs, message):
 def test_bad_costs_and_network_are_named():
     with pytest.raises(ValueError, match=r"costs.backward: needs 2 finite numbers >= 0 \(one per stage\)"):
         Costs(forward=[0.1, 0.1], backward=[0.1])
-    with pytest.raises(ValueError, match="network.bandwidth: must be a number > 0, got 0"):
+    with pytest.raises(ValueError, match=re.escape("network.bandwidth: must be a number > 0, got 0")):
         Network(bandwidth=0)
 
 
@@ -148,7 +150,7 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
 
     from sdpipe.data import digits, digits_cnn
 
-    (train_data, eval_data) = digits()
+    (train_data, _eval_data) = digits()
     result = sdpipe.train(
         digits_cnn(8),
         train_data,
@@ -377,7 +379,7 @@ def test_adpsgd_pairs_an_active_with_a_passive_and_serves_one_exchange_at_a_time
             assert e["pipeline"] % 2 == 1
     for spans in served.values():  # a passive worker's exchanges end one after another
         ends = sorted(end for _, end in spans)
-        assert all(b > a for a, b in zip(ends, ends[1:]))
+        assert all(b > a for a, b in itertools.pairwise(ends))
     final = [e for e in result.events if e["kind"] == "group"]
     assert [g["reason"] for g in final] == ["global", "global"] and all(g["group"] == list(range(8)) for g in final)
 
@@ -464,5 +466,5 @@ def test_a_proxy_step_is_the_formula_on_the_streams_next_numbers():
     proxy.learn(4)
     proxy.settle()
     z = twin._normals(4).tolist()
-    assert proxy.x[4].tolist() == [0.8 * x - 0.2 * 0.5 * n for x, n in zip(before, z)]
+    assert proxy.x[4].tolist() == [0.8 * x - 0.2 * 0.5 * n for x, n in zip(before, z, strict=True)]
     assert proxy.mass.tolist() == [1.0, 1.0, 1.0, 1.0, 2.0, 1.0]

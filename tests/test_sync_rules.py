@@ -324,9 +324,9 @@ def test_leaving_the_tail_is_monotone_and_slower_pipelines_do_not_count(mine, ot
     leaves = leaves_tail(mine, others, remaining)
     if leaves:
         assert leaves_tail(mine, others, remaining - 1)  # fewer batches left: still leaves them
-        assert leaves_tail(mine, others + [min(extra, mine / 2)], remaining)  # one more fast pipeline too
+        assert leaves_tail(mine, [*others, min(extra, mine / 2)], remaining)  # one more fast pipeline too
     slower = mine + extra
-    assert leaves_tail(mine, others + [slower, math.inf], remaining) == leaves  # out of the epoch: "inf"
+    assert leaves_tail(mine, [*others, slower, math.inf], remaining) == leaves  # out of the epoch: "inf"
 
 
 # ------------------------------------------------------------------ the interface the worker loop codes against
@@ -335,7 +335,8 @@ def test_policy_interface_coupled_and_decide_stop():
 
     with pytest.raises(TypeError):
         policy.SyncPolicy()  # abstract: every policy says what it does after a step and at an epoch's end
-    assert {name: cls.coupled for name, cls in policy.WORKER_MODES.items()} == {
+    modes = ("allreduce", "none", "sdpipe", "scheduled", "adpsgd", "ps")
+    assert {mode: policy.make_policy(mode).coupled for mode in modes} == {
         "allreduce": True,
         "none": False,
         "sdpipe": False,
@@ -343,10 +344,13 @@ def test_policy_interface_coupled_and_decide_stop():
         "adpsgd": False,
         "ps": False,
     }
-    for cls in set(policy.WORKER_MODES.values()):
-        assert not hasattr(cls, "carries_stop") and not hasattr(cls, "stop_now")
-        p = policy.make_policy(cls.name)
-        assert isinstance(p, policy.SyncPolicy)
+    for mode in modes:
+        p = policy.make_policy(mode)
+        assert isinstance(p, policy.SyncPolicy) and p.mass == 1.0
+        assert not hasattr(p, "carries_stop") and not hasattr(p, "stop_now")
+    assert type(policy.make_policy("sdpipe")) is policy.Scheduled and policy.make_policy("sdpipe").name == "scheduled"
+    with pytest.raises(ValueError, match="policy: 'gossip' is not one of sdpipe, allreduce, ps, adpsgd, none"):
+        policy.make_policy("gossip")
     assert not issubclass(policy.GossipPairs, policy.Scheduled)
     for name in ("none", "adpsgd", "ps", "allreduce"):
         p = policy.make_policy(name)

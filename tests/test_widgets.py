@@ -65,7 +65,7 @@ def test_view_rows_follow_pipelines_that_join_leave_and_are_lost():
 
     v.add(spans(0, 0.0) + spans(1, 0.0) + spans(2, 0.5))  # a pipeline the view does not know yet: no row
     assert v.workers == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    v.add([control("joined", 2, 1.0)] + spans(2, 1.2))
+    v.add([control("joined", 2, 1.0), *spans(2, 1.2)])
     assert v.workers == [(p, s) for p in range(3) for s in range(2)] and v.pipelines == 3
     assert "pipeline 2 stage 1" in v.timeline()["compute"]["y"]
     v.add([control("left", 0, 2.0, by="worker")])  # its worker took the leave: its rows go
@@ -216,7 +216,7 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     dash = Dashboard(result)
     assert dash.panel is None  # nothing to steer in a finished run
     layout = dash.figure.layout[dash._timeline_xaxis.replace("xaxis", "yaxis")]
-    rows = dict(zip(layout.tickvals, layout.ticktext))
+    rows = dict(zip(layout.tickvals, layout.ticktext, strict=True))
     compute = dash.trace("timeline/compute")
     # the slowed pipeline's stage 0 (its slowdown's sleep counts as its own work) spends most of its time computing
     assert compute.name == "compute" and "pipeline 1 stage 0" in {rows[y] for y in compute.y}
@@ -229,7 +229,7 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     z = dash.trace("groups/0").z  # stage 0 membership strip
     assert any(4 in row for row in z) and len(z) == 2  # global syncs shown, one row per pipeline
     bars = dash.trace("stragglers")
-    flagged = [label for label, color in zip(bars.x, bars.marker.color) if color == "#E45756"]
+    flagged = [label for label, color in zip(bars.x, bars.marker.color, strict=True) if color == "#E45756"]
     assert flagged and all(label.startswith("p1<br>") for label in flagged)
     assert len(dash.trace("loss/0").y) > 5 and list(dash.trace("accuracy/0").x) == [0, 1, 2]  # per step, per epoch
     assert "finished" in dash.header.value and "ideal" in dash.numbers.value
@@ -248,7 +248,7 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
         dash.fit(width)
         assert dash.narrow is narrow
         plot = width - 16 - dash.figure.layout.margin.l - dash.figure.layout.margin.r
-        for key, a in zip(dash._title_keys, dash.figure.layout.annotations):
+        for key, a in zip(dash._title_keys, dash.figure.layout.annotations, strict=True):
             lo, hi = dash.figure.layout[dash._axes[key][0]].domain
             lines = a.text.split("<br>")
             assert " ".join(lines) == dash._titles[key]
@@ -341,7 +341,7 @@ def test_live_dashboard_adds_and_removes_pipelines_and_its_rows_follow(data, sha
             assert time.monotonic() < deadline + 120 and not run.done(), run.status
             time.sleep(0.2)
         time.sleep(1.5)  # a few redraws
-        ticks = lambda: dash.figure.layout[dash._axes["timeline"][1]].ticktext  # noqa: E731
+        ticks = lambda: dash.figure.layout[dash._axes["timeline"][1]].ticktext
         assert ticks() == ("pipeline 0 stage 0", "pipeline 1 stage 0", "pipeline 2 stage 0")
         assert "1 stages x 3 pipelines" in dash.header.value
         dash.panel.press("remove pipeline", remove=0)

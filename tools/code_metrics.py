@@ -5,7 +5,13 @@
 
 Counted with :mod:`ast` over ``sdpipe/`` (and ``widgets/`` for long lines):
 
-* the longest functions and classes (lines from ``def``/``class`` to the body's last line, decorators excluded);
+* the longest functions, classes and modules (lines from ``def``/``class`` to the body's last line, decorators
+  excluded), and how many are over the house limits (function 60, class 300, module 700 lines);
+* the places outside ``sdpipe/policies.py`` that spell a policy's name or mode in code (a string constant that
+  is not a docstring, in ``sdpipe/`` and ``widgets/``): ``sdpipe`` alone is left out, as it is also the
+  package's, the logger's and the program's name;
+* type tests of the policy in the worker (``hasattr(...policy...)``, ``policy.name`` compared with a string);
+* the rule sets ruff checks (``[tool.ruff.lint] select`` in ``pyproject.toml``);
 * lines over 120 characters;
 * ``isinstance`` checks against a policy class (one defined in ``sdpipe/policy.py``) outside that module;
 * imports of the package's own modules inside functions;
@@ -23,6 +29,59 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 120
 POLICY_MODULES = ("sdpipe/policy.py", "sdpipe/sync_rules.py")
+#: house limits on a unit's length in lines
+LIMITS = {"function": 60, "class": 300, "module": 700}
+WORKER_MODULES = ("sdpipe/_worker.py", "sdpipe/_boundary.py", "sdpipe/_stage.py")
+
+
+def _docstrings(tree: ast.AST) -> set:
+    """The ids of the string constants that are docstrings (of the module, a class or a function) or that stand
+    alone as a statement (an attribute's docstring)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            out.add(id(node.value))
+    return out
+
+
+def _policy_spellings(tree: ast.AST, rel: str, spelled: set) -> list:
+    docs = _docstrings(tree)
+    return [
+        f"{rel}:{node.lineno} {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in spelled and id(node) not in docs
+    ]
+
+
+def _policy_type_tests(tree: ast.AST, rel: str) -> list:
+    out = []
+    for node in ast.walk(tree):
+        text = ast.unparse(node) if isinstance(node, (ast.Call, ast.Compare)) else ""
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "isinstance"):
+            if "policy" in text:
+                out.append(f"{rel}:{node.lineno} {text}")
+        elif isinstance(node, ast.Compare) and "policy.name" in text:
+            against = [node.left, *node.comparators]
+            if any(isinstance(c, (ast.Constant, ast.Tuple, ast.List, ast.Set)) for c in against):
+                out.append(f"{rel}:{node.lineno} {text}")
+    return out
+
+
+def _ruff_rules() -> list:
+    import tomllib
+
+    lint = tomllib.loads((ROOT / "pyproject.toml").read_text()).get("tool", {}).get("ruff", {}).get("lint", {})
+    return sorted(lint.get("select", []) + lint.get("extend-select", []))
+
+
+def _spelled() -> set:
+    """Every policy's name and its workers' mode, from the registry (``sdpipe`` left out: see the docstring)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from sdpipe.policies import RECORDS
+
+    return {x for r in RECORDS.values() for x in (r.name, r.mode)} - {"sdpipe"}
 
 
 def _units(tree: ast.AST, path: str):
@@ -55,15 +114,22 @@ def measure() -> dict:
     files = sorted((ROOT / "sdpipe").glob("*.py"))
     all_files = files + sorted((ROOT / "widgets").glob("*.py"))
     policy_classes = _policy_classes()
+    spelled = _spelled()
     units, long_lines, isinstance_checks, local_imports = [], [], [], []
+    modules, spellings, type_tests = [], [], []
     for f in all_files:
         rel = str(f.relative_to(ROOT))
         text = f.read_text()
         long_lines += [f"{rel}:{i}" for i, line in enumerate(text.splitlines(), 1) if len(line) > LIMIT]
+        modules.append(("module", rel, len(text.splitlines())))
+        tree = ast.parse(text)
+        if rel != "sdpipe/policies.py":
+            spellings += _policy_spellings(tree, rel, spelled)
+        if rel in WORKER_MODULES:
+            type_tests += _policy_type_tests(tree, rel)
+        units += list(_units(tree, rel))
         if f not in files:
             continue
-        tree = ast.parse(text)
-        units += list(_units(tree, rel))
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Call)
@@ -87,11 +153,17 @@ def measure() -> dict:
                         local_imports.append(f"{rel}:{node.lineno}")
     functions = sorted((u for u in units if u[0] == "function"), key=lambda u: -u[2])
     classes = sorted((u for u in units if u[0] == "class"), key=lambda u: -u[2])
+    modules.sort(key=lambda u: -u[2])
     return {
         "longest_functions": [[n, k] for _, n, k in functions[:5]],
         "longest_classes": [[n, k] for _, n, k in classes[:5]],
-        "functions_over_80": len([u for u in functions if u[2] > 80]),
-        "classes_over_250": len([u for u in classes if u[2] > 250]),
+        "longest_modules": [[n, k] for _, n, k in modules[:5]],
+        f"functions_over_{LIMITS['function']}": len([u for u in functions if u[2] > LIMITS["function"]]),
+        f"classes_over_{LIMITS['class']}": len([u for u in classes if u[2] > LIMITS["class"]]),
+        f"modules_over_{LIMITS['module']}": len([u for u in modules if u[2] > LIMITS["module"]]),
+        "policy_names_spelled_outside_the_registry": spellings,
+        "policy_type_tests_in_the_worker": type_tests,
+        "ruff_rules": _ruff_rules(),
         "lines_over_120": len(long_lines),
         "policy_isinstance_outside_policy_code": isinstance_checks,
         "package_imports_inside_functions": len(set(local_imports)),

@@ -95,7 +95,7 @@ def jupyterlab(root: Path, timeout: float = 90.0):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"jupyterlab did not start: see {root / 'jupyterlab.log'}")
+                    raise RuntimeError(f"jupyterlab did not start: see {root / 'jupyterlab.log'}") from None
                 time.sleep(0.3)
         yield url, token
     finally:

@@ -24,7 +24,7 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab_browser import (  # noqa: E402
+from lab_browser import (
     PLOTS_JS,
     chromium_page,
     copy_notebooks,

@@ -15,4 +15,4 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from .dashboard import Dashboard
 from .view import CATEGORIES, RunView
 
-__all__ = ["Dashboard", "RunView", "CATEGORIES"]
+__all__ = ["CATEGORIES", "Dashboard", "RunView"]

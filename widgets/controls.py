@@ -18,9 +18,9 @@ from __future__ import annotations
 import anywidget
 import traitlets
 
-from sdpipe.config import _number
+from sdpipe.checks import number
 
-__all__ = ["ControlPanel", "ACTIONS"]
+__all__ = ["ACTIONS", "ControlPanel"]
 
 #: what the buttons do, in the order they are shown
 ACTIONS = ("policy", "slowdowns", "pause", "resume", "stop", "add pipeline", "remove pipeline")
@@ -232,23 +232,23 @@ class ControlPanel(anywidget.AnyWidget):
                 raise ValueError(f"policy: must be one of {', '.join(self.policies)}, got {values['policy']!r}")
             checked["policy"] = values["policy"]
         if "staleness" in values:
-            checked["staleness"] = _number("P (staleness)", values["staleness"], 1, MAX_STALENESS, whole=True)
+            checked["staleness"] = number("P (staleness)", values["staleness"], 1, MAX_STALENESS, whole=True)
         if "max_group" in values:
-            checked["max_group"] = _number("max group", values["max_group"], 0, self.pipelines, whole=True)
+            checked["max_group"] = number("max group", values["max_group"], 0, self.pipelines, whole=True)
         if "slowdown" in values:  # None: that pipeline's slowdown as it is (a page sends only what was touched)
             s = values["slowdown"]
             if not isinstance(s, (list, tuple)) or len(s) != self.pipelines:
                 raise ValueError(f"slowdown: must be {self.pipelines} numbers (one per pipeline), got {s!r}")
             checked["slowdown"] = [
-                self.slowdown[p] if x is None else _number(f"slowdown of pipeline {p}", x, *SLOWDOWN[:2])
+                self.slowdown[p] if x is None else number(f"slowdown of pipeline {p}", x, *SLOWDOWN[:2])
                 for p, x in enumerate(s)
             ]
         if "straggle_prob" in values:
-            checked["straggle_prob"] = _number("straggle p", values["straggle_prob"], *STRAGGLE_PROB[:2])
+            checked["straggle_prob"] = number("straggle p", values["straggle_prob"], *STRAGGLE_PROB[:2])
         if "straggle_delay" in values:
-            checked["straggle_delay"] = _number("delay", values["straggle_delay"], *STRAGGLE_DELAY[:2])
+            checked["straggle_delay"] = number("delay", values["straggle_delay"], *STRAGGLE_DELAY[:2])
         if "remove" in values:
-            checked["remove"] = _number("pipeline", values["remove"], 0, 10**6, whole=True)
+            checked["remove"] = number("pipeline", values["remove"], 0, 10**6, whole=True)
         with self.hold_sync():
             for k, v in checked.items():
                 setattr(self, k, v)

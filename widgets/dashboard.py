@@ -20,6 +20,7 @@ import copy
 import html
 import threading
 import time
+from typing import Optional
 
 import anywidget
 import ipywidgets as W
@@ -28,6 +29,7 @@ import traitlets
 from plotly.subplots import make_subplots
 
 from sdpipe.config import LIVE_POLICIES
+from sdpipe.policies import record
 
 from .controls import MAX_STALENESS, ControlPanel
 from .view import CATEGORIES, RunView
@@ -350,7 +352,7 @@ class Dashboard:
         if narrow:
             keys = (
                 ["timeline"]
-                + sum(([f"groups/{s}", f"sizes/{s}"] for s in range(S)), [])
+                + [key for s in range(S) for key in (f"groups/{s}", f"sizes/{s}")]
                 + ["stragglers", "loss", "accuracy", "shares"]
             )
             pos = {k: (i + 1, 1) for i, k in enumerate(keys)}
@@ -400,11 +402,11 @@ class Dashboard:
         margin = self.figure.layout.margin
         plot = max(100.0, width - (margin.l or 0) - (margin.r or 0))
         wrapped = []
-        for key, a in zip(self._title_keys, self.figure.layout.annotations):
+        for key in self._title_keys:
             lo, hi = self.figure.layout[self._axes[key][0]].domain
             wrapped.append(wrap_text(self._titles[key], int((hi - lo) * plot / TITLE_CHAR_PX)))
         if [a.text for a in self.figure.layout.annotations] != wrapped:
-            for a, text in zip(self.figure.layout.annotations, wrapped):
+            for a, text in zip(self.figure.layout.annotations, wrapped, strict=False):
                 a.text = text
 
     def _build(self, controls: bool) -> None:
@@ -654,7 +656,7 @@ class Dashboard:
             slowdown=[float(h.slowdown_of(p, 0)) for p in range(self.config.pipelines)],
             straggle_prob=float(h.straggle_prob),
             straggle_delay=float(h.straggle_delay),
-            elastic=run.config.policy in ("sdpipe", "allreduce", "none"),  # pipelines can join and leave
+            elastic=record(run.config.policy).elastic,  # pipelines can join and leave
             status=run.status,
         )
 
@@ -671,7 +673,7 @@ class Dashboard:
                     setattr(self.panel, k, v)
             self._panel_state = now
 
-    def _press(self, action: str, error: Exception = None) -> None:
+    def _press(self, action: str, error: Optional[Exception] = None) -> None:
         """A control panel button was pressed (its values are the panel's now)."""
         run, panel = self.run, self.panel
         if error is not None:
@@ -784,14 +786,14 @@ class Dashboard:
         r4 = lambda xs: [round(x, 4) for x in xs]
         lo = v.now - v.window
         with self.figure.batch_update():  # bars: x, y, base
-            for c in CATEGORIES + ("background",):
+            for c in (*CATEGORIES, "background"):
                 T(f"timeline/{c}").update(y=[row[y] for y in tl[c]["y"]], x=r4(tl[c]["x"]), base=r4(tl[c]["base"]))
             if full:
                 sh = v.shares()
                 base = [0.0] * len(v.workers)  # stacked by hand: the figure's bar mode overlays (for the timeline)
                 for c in CATEGORIES:
                     T(f"shares/{c}").update(y=list(range(len(v.workers))), x=r_list(sh[c]), base=r_list(base))
-                    base = [b + x for b, x in zip(base, sh[c])]
+                    base = [b + x for b, x in zip(base, sh[c], strict=True)]
             self.figure.layout[self._timeline_xaxis].range = [max(0.0, lo), max(v.now, v.window)]
         ctl = [(t, text) for t, text in v.controls if t >= lo]
         with self.figure.batch_update():  # x, y, text
@@ -961,7 +963,7 @@ class Dashboard:
             self.error = e
             self.header.value = f"<b>dashboard stopped</b>: {html.escape(f'{type(e).__name__}: {e}')}"
 
-    def wait(self, timeout: float = None) -> bool:
+    def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the dashboard has drawn the run's end (live) ; True if it did within ``timeout``."""
         if self._thread is None:
             return True

@@ -18,10 +18,11 @@ all at once (a finished run's ``result.events``) and keeps, in bounded memory:
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter, defaultdict, deque
 
-__all__ = ["RunView", "CATEGORIES", "category"]
+__all__ = ["CATEGORIES", "RunView", "category"]
 
 #: timeline categories, in drawing order
 CATEGORIES = ("compute", "communication", "synchronization", "waiting", "eval")  # "eval" also holds checkpoint saves
@@ -288,7 +289,7 @@ class RunView:
                     i += 1
             label = self.label(w)
             run = None  # (category, first slot, last slot)
-            for i, c in enumerate(slots + [None]):
+            for i, c in enumerate([*slots, None]):
                 cat = c.most_common(1)[0][0] if c else None
                 if run is not None and cat == run[0]:
                     run = (cat, run[1], i)
@@ -340,7 +341,7 @@ class RunView:
 
     def step_times(self) -> dict:
         """Per worker: median step time, compute per step, and whether it is flagged as a straggler."""
-        step = {w: _median([b - a for a, b in zip(list(q)[:-1], list(q)[1:])]) for w, q in self._opt_end.items()}
+        step = {w: _median([b - a for a, b in itertools.pairwise(q)]) for w, q in self._opt_end.items()}
         compute = {w: _median(list(q)) for w, q in self._compute.items()}
         known = [v for v in compute.values() if v]
         # the lower middle value: with half the workers slowed (2 of 4), the median would sit between the groups
