@@ -61,7 +61,7 @@ import time
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from . import events
-from .protocol import GroupServiceError, decode_frame, encode_frame
+from .protocol import GroupAnswer, GroupServiceError, decode_frame, encode_frame
 from .scheduler import GroupScheduler, Join, Ready, SchedulerPolicy
 
 log = logging.getLogger("sdpipe.service")
@@ -220,17 +220,17 @@ class GroupService(SchedulerPlugin):
             name = f"s{g.stage}-" + "-".join(
                 f"{m}" + (f"j{st.joins[g.stage, m]}" if (g.stage, m) in st.joins else "") for m in g.members
             )
-            answer = {
-                "round": g.round,
-                "members": list(g.members),
-                "reason": g.reason,
-                "name": name,
-                "policy": st.policy_name,
-                "version": st.version,
-                "weighting": st.core.policy.weighting,
-                "overlap": st.core.policy.overlap,
-                "stop": st.stopping,
-            }
+            answer = GroupAnswer(
+                round=g.round,
+                members=list(g.members),
+                reason=g.reason,
+                name=name,
+                policy=st.policy_name,
+                version=st.version,
+                weighting=st.core.policy.weighting,
+                overlap=st.core.policy.overlap,
+                stop=st.stopping,
+            ).to_wire()
             for m in g.members:
                 fut = st.waiters.pop((g.stage, m), None)
                 if fut is not None and not fut.done():

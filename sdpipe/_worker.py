@@ -38,7 +38,16 @@ from .checkpoint import write_rank
 from .config import Heterogeneity
 from .data import ShardReader, batch_indices
 from .policy import _state_tensors, make_policy
-from .protocol import ControlMessage, GroupServiceClient, GroupServiceError, Keys, Op, WorkerSpec, run_prefix
+from .protocol import (
+    ControlMessage,
+    GroupAnswer,
+    GroupServiceClient,
+    GroupServiceError,
+    Keys,
+    Op,
+    WorkerSpec,
+    run_prefix,
+)
 from .schedule import ASYNC_SCHEDULES, default_update_every
 
 __all__ = ["EventSink", "Training", "Worker", "worker_main"]
@@ -298,7 +307,7 @@ class Worker:
             return self.reader.next(epoch)
         return self.dispenser.next(epoch)
 
-    def ask_group(self, step: int, global_sync: bool, waiting: bool = True) -> dict:
+    def ask_group(self, step: int, global_sync: bool, waiting: bool = True) -> GroupAnswer:
         """Tell the group service this worker is ready; wait (bounded) for its group.  ``waiting=False``: asked
         from a background thread while the step goes on (overlapped averaging), so no ``wait`` span."""
         start = time.time()
@@ -306,7 +315,7 @@ class Worker:
             stage=self.stage, pipeline=self.pipeline, step=step, global_sync=global_sync, timeout=self.timeout
         )
         if waiting:
-            kw = dict(what="group", group=answer["members"], round=answer["round"])
+            kw = dict(what="group", group=answer.members, round=answer.round)
             self.span("wait", step, None, start, time.time(), **kw)
         return answer
 

@@ -76,7 +76,7 @@ import torch
 from . import sync_rules as rules
 from ._comm import CONNECT_TIMEOUT, RendezvousTimeout, allreduce_mean_, flatten, pipeline_lost, unflatten_
 from .policies import PolicyRecord, of_mode
-from .protocol import GroupServiceError, Keys
+from .protocol import GroupAnswer, GroupServiceError, Keys
 
 __all__ = [
     "AllReduce",
@@ -104,9 +104,10 @@ class SyncPolicy(abc.ABC):
     **What a policy may use of the worker** (nothing else):
 
     * ``worker.span(kind, step, microbatch, start, end, **fields)``: record an event (``time.time()`` values);
-    * ``worker.ask_group(step, global_sync=..., waiting=True)``: the group service's answer, a dict with
-      ``round``, ``members``, ``reason``, ``name``, ``policy``, ``version``, ``weighting``, ``overlap``,
-      ``stop`` (``waiting=False``: asked from a background thread, so no ``wait`` span is recorded);
+    * ``worker.ask_group(step, global_sync=..., waiting=True)``: the group service's answer, a
+      :class:`sdpipe.protocol.GroupAnswer` (``round``, ``members``, ``reason``, ``name``, ``policy``,
+      ``version``, ``weighting``, ``overlap``, ``stop``); ``waiting=False``: asked from a background thread, so
+      no ``wait`` span is recorded;
     * ``worker.leave_service()``; ``worker.read_ctl()``: the driver's :class:`sdpipe.protocol.Command`;
     * ``worker.group(name, rank, size, connect_timeout=None, pipelines=None)``, ``worker.drop_group(g)``;
     * ``worker.delay_link()``: the emulated link's delay before a transfer; ``worker.dispense(epoch)``;
@@ -326,7 +327,7 @@ def _failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def _all_arrive(worker, answer: dict) -> bool:
+def _all_arrive(worker, answer: GroupAnswer) -> bool:
     """Before a new group's rendezvous: whether every member came; every member gets the same verdict.
 
     A rendezvous cannot be interrupted, and a member that died right
@@ -341,9 +342,9 @@ def _all_arrive(worker, answer: dict) -> bool:
     for ``CONNECT_TIMEOUT`` at most (the rendezvous then fails, and the
     group is skipped like a broken one).
     """
-    members, store = answer["members"], worker.store
-    key = Keys.arrivals(worker.stage, answer["round"], answer["name"])
-    verdict = Keys.verdict(worker.stage, answer["round"], answer["name"])
+    members, store = answer.members, worker.store
+    key = Keys.arrivals(worker.stage, answer.round, answer.name)
+    verdict = Keys.verdict(worker.stage, answer.round, answer.name)
     store.add(key, 1)
     deadline = time.monotonic() + worker.timeout
     while True:
@@ -354,7 +355,7 @@ def _all_arrive(worker, answer: dict) -> bool:
         elif any(pipeline_lost(store, m) for m in members if m != worker.pipeline):
             proposal = "skip"
         elif time.monotonic() > deadline:
-            raise TimeoutError(f"group {answer['name']}: not every member arrived within {worker.timeout:.0f}s")
+            raise TimeoutError(f"group {answer.name}: not every member arrived within {worker.timeout:.0f}s")
         else:
             time.sleep(0.002)
             continue
@@ -385,23 +386,23 @@ class _GroupPolicy(SyncPolicy):
         """The group service's answer for this worker at ``step``."""
         return worker.ask_group(step, global_sync=global_sync)
 
-    def _average(self, worker, answer: dict, step: int) -> bool:
+    def _average(self, worker, answer: GroupAnswer, step: int) -> bool:
         """Average with the answer's group; False when the group was skipped because a member's pipeline was
         lost first."""
         ok, self.mass = self._exchange(worker, answer, step, _state_tensors(worker), self.mass)
         return ok
 
-    def _exchange(self, worker, answer: dict, step: int, tensors: list, mass: float, **extra) -> tuple:
+    def _exchange(self, worker, answer: GroupAnswer, step: int, tensors: list, mass: float, **extra) -> tuple:
         """Average ``tensors`` (in place) with the answer's group, this member counting with ``mass``;
         returns ``(False when a member's pipeline was lost before the group formed, the mass after)``.
         ``extra``: more fields of the ``sync`` span."""
-        members, weighting = answer["members"], answer.get("weighting", "uniform")
+        members, weighting = answer.members, answer.weighting
         if len(members) < 2:
-            return True, rules.mass_after_round(mass, answer["reason"])
+            return True, rules.mass_after_round(mass, answer.reason)
         start = time.time()
-        fields = dict(group=members, round=answer["round"], reason=answer["reason"], **extra)
+        fields = dict(group=members, round=answer.round, reason=answer.reason, **extra)
         try:
-            pg = self.groups.get(answer["name"])
+            pg = self.groups.get(answer.name)
             if pg is None:
                 if not self._all_arrive(worker, answer):
                     worker.span(
@@ -415,13 +416,13 @@ class _GroupPolicy(SyncPolicy):
                     )
                     return False, mass
                 pg = worker.group(
-                    f"avg/{answer['name']}/r{answer['round']}",
+                    f"avg/{answer.name}/r{answer.round}",
                     members.index(worker.pipeline),
                     len(members),
                     connect_timeout=CONNECT_TIMEOUT,
                     pipelines=members,
                 )
-                self.groups[answer["name"]] = pg
+                self.groups[answer.name] = pg
             worker.delay_link()
             # the masses travel as an extra under either weighting; "uniform" weights every member 1
             total = allreduce_mean_(
@@ -433,12 +434,12 @@ class _GroupPolicy(SyncPolicy):
                 timeout=worker.timeout,
                 weight=rules.member_weight(mass, weighting),
             )[0]
-            after = rules.mass_after_round(rules.mass_after_group(total, len(members)), answer["reason"])
+            after = rules.mass_after_round(rules.mass_after_group(total, len(members)), answer.reason)
         except RuntimeError as e:
             # a member died during the collective (its pipeline is being lost): this worker keeps its own
             # weights (allreduce_mean_ writes them back only after the collective returned), forgets the
             # group and goes on; the scheduler takes the lost pipeline out
-            broken = self.groups.pop(answer["name"], None)
+            broken = self.groups.pop(answer.name, None)
             if broken is not None:
                 # its connections close once unreferenced, so a member still waiting in it fails now too
                 worker.drop_group(broken)
@@ -449,7 +450,7 @@ class _GroupPolicy(SyncPolicy):
         worker.span("sync", step, None, start, time.time(), **fields, mass=round(mass, 4), weighting=weighting)
         return True, after
 
-    def _global_sync(self, worker, step: int, answer: dict) -> None:
+    def _global_sync(self, worker, step: int, answer: GroupAnswer) -> None:
         """Average with a global sync's answer; when a member's pipeline was lost before the group formed
         (every member then skips it: one verdict), the survivors ask for a global sync among themselves again."""
         for _ in range(4 * worker.pipelines + 8):  # each retry follows a loss (rejoined pipelines can be lost again)
@@ -503,7 +504,7 @@ class Scheduled(_GroupPolicy):
 
     def _ask(self, worker, step: int, global_sync: bool) -> dict:
         answer = super()._ask(worker, step, global_sync)
-        self.stop_answered = self.stop_answered or bool(answer.get("stop"))
+        self.stop_answered = self.stop_answered or answer.stop
         return answer
 
     def after_step(self, worker, step: int) -> None:
@@ -521,7 +522,7 @@ class Scheduled(_GroupPolicy):
         if not self.overlap:
             answer = self._ask(worker, step, False)
             self._average(worker, answer, step)
-            self.overlap = bool(answer.get("overlap"))  # the service's policy, from the next step on
+            self.overlap = answer.overlap  # the service's policy, from the next step on
             return
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdpipe-overlap")
@@ -536,8 +537,8 @@ class Scheduled(_GroupPolicy):
         if worker.device.type == "cuda":  # the current device is per thread
             torch.cuda.set_device(worker.device)
         answer = worker.ask_group(step, global_sync=False, waiting=False)
-        if len(answer["members"]) < 2:
-            return answer, snapshot, None, mass, rules.mass_after_round(mass, answer["reason"])
+        if len(answer.members) < 2:
+            return answer, snapshot, None, mass, rules.mass_after_round(mass, answer.reason)
         average = [t.clone() for t in snapshot]
         _, after = self._exchange(worker, answer, step, average, mass, lane="background")
         return answer, snapshot, average, mass, after
@@ -571,9 +572,9 @@ class Scheduled(_GroupPolicy):
         end = time.time()
         if end - start > 1e-4:
             what = "drain" if boundary else "group"
-            worker.span("wait", step, None, start, end, what=what, group=answer["members"], round=answer["round"])
-        self.stop_answered = self.stop_answered or bool(answer.get("stop"))
-        self.overlap = bool(answer.get("overlap"))
+            worker.span("wait", step, None, start, end, what=what, group=answer.members, round=answer.round)
+        self.stop_answered = self.stop_answered or answer.stop
+        self.overlap = answer.overlap
         if average is not None:
             with torch.no_grad():
                 for t, s0, avg in zip(_state_tensors(worker), snapshot, average, strict=True):

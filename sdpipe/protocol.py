@@ -34,6 +34,7 @@ __all__ = [
     "SERVICE_TIMEOUT",
     "Command",
     "ControlMessage",
+    "GroupAnswer",
     "GroupServiceClient",
     "GroupServiceError",
     "Keys",
@@ -164,6 +165,54 @@ class Command:
     def next(self, **changes) -> "Command":
         """The next write: ``changes`` applied and the sequence number advanced."""
         return replace(self, seq=self.seq + 1, **changes)
+
+
+# ------------------------------------------------------------------ the group service's answer
+@dataclass(frozen=True)
+class GroupAnswer:
+    """The group service's answer to a worker's ready signal: the group it averages with in this round.
+
+    Made by the service (in the Dask scheduler) for every member of a decided group; travels as a dict
+    (:meth:`to_wire`, msgpack), read back by the worker's :class:`GroupServiceClient` (:meth:`from_wire`).
+    """
+
+    #: the stage's round number
+    round: int
+    #: the pipelines averaging together, sorted
+    members: list
+    #: why the group formed: "full", "window", "global", ... (:class:`sdpipe.scheduler.Group`)
+    reason: str
+    #: the group's name: the members' process group is cached by it
+    name: str
+    #: the policy in force (its name, for the records)
+    policy: str = ""
+    #: the service's policy version: a live change of the scheduler parameters counts one up
+    version: int = 0
+    #: how the members weigh each other: "uniform" or "progress" (by mass)
+    weighting: str = "uniform"
+    #: overlapped averaging is on (from the next step on)
+    overlap: bool = False
+    #: the run is stopping: the members stop after this round
+    stop: bool = False
+
+    def to_wire(self) -> dict:
+        return {
+            "round": self.round,
+            "members": list(self.members),
+            "reason": self.reason,
+            "name": self.name,
+            "policy": self.policy,
+            "version": self.version,
+            "weighting": self.weighting,
+            "overlap": self.overlap,
+            "stop": self.stop,
+        }
+
+    @classmethod
+    def from_wire(cls, message: dict) -> "GroupAnswer":
+        fields_ = {k: message[k] for k in cls.__dataclass_fields__ if k in message}
+        fields_["members"] = list(fields_.get("members", ()))
+        return cls(**fields_)
 
 
 # ------------------------------------------------------------------ the message down a pipeline
@@ -404,9 +453,9 @@ class GroupServiceClient:
         return self._call("sdpipe_state")
 
     # worker routes
-    def ready(self, *, stage: int, pipeline: int, step: int, global_sync: bool, timeout: float) -> dict:
+    def ready(self, *, stage: int, pipeline: int, step: int, global_sync: bool, timeout: float) -> GroupAnswer:
         """This worker is ready; its group once decided (waits up to ``timeout``, the route's own bound)."""
-        return self._fast(
+        answer = self._fast(
             "sdpipe_ready",
             within=timeout + 10,
             stage=stage,
@@ -415,6 +464,7 @@ class GroupServiceClient:
             global_sync=global_sync,
             timeout=timeout,
         )
+        return GroupAnswer.from_wire(answer)
 
     def _fast(self, route: str, within: float, **kwargs) -> dict:
         """A worker's call over the service's own socket where it has one (see the module docstring), else the

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from sdpipe._comm import RendezvousTimeout, first_lost, make_group, mark_lost
 from sdpipe.policy import Scheduled, _Mailbox, _Server
+from sdpipe.protocol import GroupAnswer
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def _member(store, pipeline, answer, out):
 def test_every_member_of_a_new_group_takes_the_same_verdict(store):
     # members 0, 1 and 2; 0 and 1 arrive, then the driver marks pipeline 2 lost (its other stage
     # died), then 2's worker of this stage, still alive, arrives too
-    answer = {"members": [0, 1, 2], "round": 4, "name": "s1-0-1-2"}
+    answer = GroupAnswer(round=4, members=[0, 1, 2], reason="full", name="s1-0-1-2")
     out = {}
     early = [threading.Thread(target=_member, args=(store, p, answer, out)) for p in (0, 1)]
     for t in early:
@@ -102,7 +103,7 @@ def test_every_member_of_a_new_group_takes_the_same_verdict(store):
 
 
 def test_members_that_all_arrive_go_together(store):
-    answer = {"members": [0, 1, 3], "round": 5, "name": "s1-0-1-3"}
+    answer = GroupAnswer(round=5, members=[0, 1, 3], reason="full", name="s1-0-1-3")
     out = {}
     threads = [threading.Thread(target=_member, args=(store, p, answer, out)) for p in (0, 1, 3)]
     for t in threads:

@@ -9,7 +9,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdpipe import events
-from sdpipe.protocol import Command, ControlMessage, GroupServiceClient, GroupServiceError, Keys, Op, run_prefix
+from sdpipe.protocol import (
+    Command,
+    ControlMessage,
+    GroupAnswer,
+    GroupServiceClient,
+    GroupServiceError,
+    Keys,
+    Op,
+    decode_frame,
+    encode_frame,
+    run_prefix,
+)
 
 
 @given(
@@ -24,6 +35,24 @@ def test_command_round_trips_through_its_encoding(seq, stop, hetero, policy, pau
     cmd = Command(seq, stop, hetero, policy, pause, members)
     assert Command.decode(cmd.encode()) == cmd
     assert Command.decode(cmd.encode().encode()) == cmd  # as the store hands it back (bytes)
+
+
+@given(
+    st.integers(0, 2**31),
+    st.lists(st.integers(0, 10**4), min_size=1, max_size=16, unique=True),
+    st.sampled_from(["full", "window", "global", "graph"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_group_answer_round_trips_through_a_frame(round_, members, reason, overlap, stop):
+    answer = GroupAnswer(
+        round=round_, members=sorted(members), reason=reason, name="s0-" + "-".join(map(str, sorted(members))),
+        policy="sdpipe", version=3, weighting="progress", overlap=overlap, stop=stop,
+    )  # fmt: skip
+    frame = encode_frame(answer.to_wire())
+    assert GroupAnswer.from_wire(decode_frame(frame[4:])) == answer
+    # a field the reader does not know (a newer service) is left aside
+    assert GroupAnswer.from_wire({**answer.to_wire(), "later": 1}) == answer
 
 
 def test_command_next_advances_the_sequence_and_keeps_the_rest():

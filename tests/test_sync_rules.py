@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdpipe.data import leaves_tail
+from sdpipe.protocol import GroupAnswer
 from sdpipe.sync_rules import (
     GLOBAL,
     STEP,
@@ -362,7 +363,8 @@ def test_policy_interface_coupled_and_decide_stop():
     assert s.decide_stop(True) is True
     s = policy.make_policy("sdpipe")
     s.setup(SimpleNamespace(cfg={}))
-    s._ask(SimpleNamespace(ask_group=lambda step, global_sync: {"stop": True}), 3, False)
+    answer = GroupAnswer(round=0, members=[0], reason="full", name="s0-0", stop=True)
+    s._ask(SimpleNamespace(ask_group=lambda step, global_sync: answer), 3, False)
     assert s.decide_stop(False) is True  # an answer said stop
 
 
