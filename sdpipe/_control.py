@@ -131,7 +131,7 @@ class Steering:
             heterogeneity = Heterogeneity(**fields)
         if not isinstance(heterogeneity, Heterogeneity):
             raise ValueError(f"heterogeneity: must be a sdpipe.Heterogeneity, got {type(heterogeneity).__name__}")
-        heterogeneity.check_workers(self._ids, self.config.stages)  # pipelines added while running included
+        heterogeneity.check_workers(self._members.ids, self.config.stages)  # pipelines added while running included
         self._require_running("set_heterogeneity")
         version = self._control.set_heterogeneity(heterogeneity)
         self.heterogeneity = heterogeneity
@@ -201,7 +201,7 @@ class Steering:
             )
         base = self.scheduler_policy if policy is None or policy == self.policy else record(name).scheduler
         new = base.updated(**params)
-        D = self._ids  # the pipeline ids handed out, added ones included
+        D = self._members.ids  # the pipeline ids handed out, added ones included
         if new.max_group is not None and new.max_group > D:
             raise ValueError(f"policy.max_group: {new.max_group} exceeds the {D} pipelines; allowed 1..{D} or None")
         self._require_running("set_policy")

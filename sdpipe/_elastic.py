@@ -32,6 +32,7 @@ from . import events
 from ._cluster import free_workers, quiet_run_failures, run_bounded
 from .checks import integer, is_integer
 from .config import ASYNC_SCHEDULE_NAMES
+from .membership import Membership
 from .policies import names, of_mode
 from .protocol import Keys
 
@@ -66,13 +67,7 @@ class Elastic:
     """The membership calls of :class:`~sdpipe.Run` and the thread that carries out its joins."""
 
     def _init_membership(self) -> None:
-        self._ids = self.config.pipelines  # pipeline ids handed out so far
-        self._generation: dict = {p: 0 for p in range(self._ids)}
-        self._queued: set = set()  # added or to rejoin, not launched yet
-        self._joining: dict = {}  # pipeline -> generation, from its launch until it took its state
-        self._leaving: set = set()  # asked to leave, tasks not yet ended
-        self._left: dict = {}  # pipeline -> why it left
-        self._joined_in: dict = {}  # pipeline -> the epoch it (last) joined in
+        self._members = Membership(self.config.pipelines)  # which pipelines take part, and how each got there
         self._joins: queue.Queue = queue.Queue()
         self._member_thread: Optional[threading.Thread] = None
         self._member_lock = threading.Lock()
@@ -83,8 +78,7 @@ class Elastic:
     @property
     def pipelines(self) -> list:
         """The pipelines taking part now: started or joined, not lost, not leaving (a join in progress is not)."""
-        gone = set(self._lost) | set(self._left) | self._leaving | set(self._joining) | self._queued
-        return [p for p in range(self._ids) if p not in gone]
+        return self._members.present
 
     def add_pipelines(self, n: int = 1) -> list:
         """Add ``n`` pipelines to the running run; returns their ids at once, and they join in the background.
@@ -101,12 +95,9 @@ class Elastic:
                 "add_pipelines: the run reads an IterableDataset, sharded over the pipelines it started with; "
                 "a new pipeline would have no shard of its own (a lost one can come back: rejoin=True)"
             )
-        new = list(range(self._ids, self._ids + n))
-        self._ids += n
-        self._control.set_pipeline_ids(self._ids)
+        new = self._members.add(n)
+        self._control.set_pipeline_ids(self._members.ids)
         for p in new:
-            self._generation[p] = 0
-            self._queued.add(p)
             self._joins.put((p, "added"))
         self._record("add", pipelines=new)
         self._start_member_thread()
@@ -117,7 +108,7 @@ class Elastic:
         :meth:`remove_pipeline` for the newest ones beyond it.  Returns the pipelines added or removed."""
         integer("pipelines", pipelines)
         self._check_elastic("scale")
-        now = len(self.pipelines) + len(self._joining) + len(self._queued)
+        now = self._members.expected
         if pipelines > now:
             return self.add_pipelines(pipelines - now)
         gone = sorted(self.pipelines)[pipelines:][::-1]
@@ -138,7 +129,7 @@ class Elastic:
             raise ValueError(f"pipeline: {pipeline!r} is not taking part in the run; it has {self.pipelines}")
         if len(self.pipelines) == 1:
             raise ValueError(f"pipeline: {pipeline} is the run's last pipeline; stop the run instead (run.stop())")
-        self._leaving.add(pipeline)
+        self._members.ask_to_leave(pipeline)
         self._control.change_members({"kind": "leave", "pipeline": pipeline})
         self._record("leave", pipeline=pipeline)
 
@@ -166,21 +157,21 @@ class Elastic:
     # ------------------------------------------------------------ the watcher's calls
     def _rejoin_later(self, pipeline: int) -> None:
         """(Monitor thread) a lost pipeline comes back once its old tasks ended and workers are free."""
-        self._queued.add(pipeline)
+        self._members.queue_rejoin(pipeline)
         self._joins.put((pipeline, "rejoin"))
         self._start_member_thread()
 
     def _joins_pending(self) -> bool:
-        return bool(self._joining) or bool(self._queued)
+        return self._members.pending
 
     def _cancel_joins(self) -> None:
         """(Monitor thread) the others finished: pipelines still waiting for their state give up."""
-        for p in list(self._joining):
+        for p in list(self._members.joining):
             self._give_up_join(p)
 
     def _give_up_join(self, pipeline: int) -> None:
         """Its workers (if launched) stop waiting for a state and end."""
-        g = self._joining.pop(pipeline, None)
+        g = self._members.give_up_join(pipeline)
         if g is not None:
             try:
                 self._run_store.set(Keys.join(pipeline, g, "cancel"), "1")
@@ -190,10 +181,10 @@ class Elastic:
     def _join_failed(self, pipeline: int, why: str) -> None:
         """A joining pipeline's task failed, or no replica gave it its state: it does not take part."""
         self._give_up_join(pipeline)
-        self._lost[pipeline] = f"pipeline {pipeline} could not join: {why}"
+        said = self._members.join_failed(pipeline, why)
         at = time.time() - self.t0
         self._inbox.add(events.control("join-failed", at, applied_by="driver", pipeline=pipeline, reason=why))
-        log.warning("sdpipe: %s", self._lost[pipeline])
+        log.warning("sdpipe: %s", said)
         from ._comm import mark_lost  # torch: not at ``import sdpipe``
 
         try:  # its workers still waiting stop pairing; the group service takes it out where it joined
@@ -225,10 +216,10 @@ class Elastic:
                 try:
                     self._join(pipeline, why)
                 finally:
-                    self._queued.discard(pipeline)
+                    self._members.unqueue(pipeline)
             except _RunEnded:
                 self._give_up_join(pipeline)
-                self._left.setdefault(pipeline, "the run ended before it joined")
+                self._members.leave(pipeline, "the run ended before it joined")
             except Exception as e:  # the run goes on without it
                 if not self._done.is_set():
                     self._join_failed(pipeline, f"{type(e).__name__}: {e}")
@@ -238,29 +229,27 @@ class Elastic:
         ranks = [p * S + s for s in range(S)]
         if why == "rejoin":
             self._await_old_tasks(ranks)
-            self._generation[p] += 1
-        g = self._generation[p]
+            self._members.next_generation(p)
         ended = lambda: self._ending or self._stop_requested or self._done.is_set()
         try:
-            workers = free_workers(self._client, S, cfg, self._cluster, S * len(self._queued - {p}), give_up=ended)
+            more = S * len(self._members.queued - {p})  # the pipelines queued after it start their workers too
+            workers = free_workers(self._client, S, cfg, self._cluster, more, give_up=ended)
         except InterruptedError:
             raise _RunEnded() from None
         if ended():
             raise _RunEnded()
         if why == "rejoin":
             self._run_store.delete_key(Keys.lost(p))  # its new workers pair again
-        self._joining[p] = g
-        self._queued.discard(p)
+        g = self._members.launch(p)
         self._run_stage_tasks(p, g, ranks, workers)
         if why == "rejoin":
-            self._lost.pop(p, None)
+            self._members.rejoined(p)
         start = time.monotonic()
         self._await_count(p, Keys.join(p, g, "ready"), S, ranks, "connect")
         version = self._control.change_members({"kind": "join", "pipeline": p, "generation": g})
         self._await_count(p, Keys.join(p, g, "loaded"), S, ranks, "take a replica's state")
         donor = int(self._run_store.get(Keys.join(p, g, "donor")))
-        self._joined_in[p] = int(self._run_store.get(Keys.join(p, g, "epoch")))
-        self._joining.pop(p, None)
+        self._members.joined(p, int(self._run_store.get(Keys.join(p, g, "epoch"))))
         self._record(
             "joined",
             pipeline=p,
@@ -309,8 +298,8 @@ class Elastic:
         while self._run_store.add(key, 0) < n:
             if self._done.is_set() or self._stop_requested or self._ending:
                 raise _RunEnded()
-            if p in self._lost:
-                raise RuntimeError(f"it was lost: {self._lost[p]}")
+            if p in self._members.lost:
+                raise RuntimeError(f"it was lost: {self._members.lost[p]}")
             if any(self._futures[r].status != "pending" for r in ranks):
                 raise RuntimeError(f"a worker of the pipeline ended before it could {what}")
             time.sleep(0.05)

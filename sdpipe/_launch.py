@@ -87,7 +87,7 @@ def submit_rank(run, spec: WorkerSpec, rank: int, addr: str, placed: list, resum
             (
                 q
                 for q in range(len(placed))
-                if q not in run._lost and all(f is None or f.status == "finished" for f in placed[q])
+                if q not in run._members.lost and all(f is None or f.status == "finished" for f in placed[q])
             ),
             0,
         )

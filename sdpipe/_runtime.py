@@ -144,7 +144,6 @@ class Run(Steering, Elastic):
         self._workers: list = []
         self._futures: list = []
         self._data_futures: list = []
-        self._lost: dict = {}
         self._hosts: dict = {}
         self._ranks = {"started": 0, "ready": 0}
         self._client = self._cluster = self._store = self._run_store = self._control = self._topic = None
@@ -190,7 +189,7 @@ class Run(Steering, Elastic):
         return self._t0
 
     def _joined(self) -> bool:
-        return self._launched.is_set() and (self._ranks["ready"] >= self.config.world_size or bool(self._lost))
+        return self._launched.is_set() and (self._ranks["ready"] >= self.config.world_size or bool(self._members.lost))
 
     def _wait_launched(self, what: str) -> None:
         """Wait (at most the run's timeout) until the run's workers are launched."""

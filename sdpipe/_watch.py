@@ -112,11 +112,11 @@ class RunWatcher:
                     self.config,
                     run._stage_modules,
                     results,
-                    run._lost,
+                    run._members.lost,
                     run.events,
                     run._from_sequential,
-                    left=run._left,
-                    pipelines=run._ids,
+                    left=run._members.left,
+                    pipelines=run._members.ids,
                 )
         except BaseException as e:  # keep the handle usable whatever happened
             error = error or e
@@ -139,15 +139,15 @@ class RunWatcher:
                 self._count_ranks()
             futures = run._futures
             statuses = [f.status for f in futures]
-            live = [r for r in range(len(statuses)) if r // S not in run._lost]
-            trained = [r for r in live if r // S not in run._joining]
+            live = [r for r in range(len(statuses)) if r // S not in run._members.lost]
+            trained = [r for r in live if r // S not in run._members.joining]
             if run._joins_pending() and all(statuses[r] == "finished" for r in trained):
                 # the others finished: a pipeline still waiting for its state gives up (bounded: it polls)
                 run._ending = True
                 run._cancel_joins()
             if all(statuses[r] == "finished" for r in live) and not (run._joins_pending() and not run._ending):
                 # the lost pipelines' other workers fail on their own (their peers are gone); bounded
-                gone = [r for r in range(len(statuses)) if r // S in run._lost]
+                gone = [r for r in range(len(statuses)) if r // S in run._members.lost]
                 if all(statuses[r] != "pending" for r in gone) or (
                     lost_at is not None and time.monotonic() > lost_at + self.config.timeout + 10
                 ):
@@ -159,7 +159,7 @@ class RunWatcher:
                     last_check = time.monotonic()
                     error = self._departures()
                 error = error or self._check_stalls(statuses, live)
-                if run._lost and lost_at is None:
+                if run._members.lost and lost_at is None:
                     lost_at = time.monotonic()
                 if error is not None:
                     run._request_stop()
@@ -187,7 +187,7 @@ class RunWatcher:
                 continue
             failure = self._describe_failure(rank, run._futures[rank])
             p = rank // self.config.stages
-            if p in run._joining:  # a pipeline that had not joined yet: the run goes on without it
+            if p in run._members.joining:  # a pipeline that had not joined yet: the run goes on without it
                 run._join_failed(p, str(failure.__cause__ or failure))
                 continue
             if is_worker_death(failure.__cause__):
@@ -245,7 +245,7 @@ class RunWatcher:
         }
         confirmed, self._missing = sorted(missing & self._missing), missing
         for rank in confirmed:
-            if rank // self.config.stages not in run._lost:
+            if rank // self.config.stages not in run._members.lost:
                 error = self._on_lost(rank, "its Dask worker left the cluster")
                 if error is not None:
                     return error
@@ -278,7 +278,7 @@ class RunWatcher:
         run, cfg, epoch = self.run, self.config, self.ckpt_next
         # the checkpoint after `epoch` epochs is written at the end of epoch `epoch - 1`: by the pipelines
         # there then, not by one that joined later (it would never write this one)
-        present = [p for p in run.pipelines if run._joined_in.get(p, -1) < epoch]
+        present = [p for p in run.pipelines if run._members.joined_in.get(p, -1) < epoch]
         ranks = [p * cfg.stages + s for p in present for s in range(cfg.stages)]
         try:
             if run._run_store.add(Keys.checkpoint_count(epoch), 0) < len(ranks):
@@ -299,7 +299,7 @@ class RunWatcher:
                     "config": plain_config(cfg),
                     "policy": run.policy,
                     "scheduler": scheduler,
-                    "lost": {str(p): w for p, w in run._lost.items()},
+                    "lost": {str(p): w for p, w in run._members.lost.items()},
                 },
             )
         except Exception as e:
@@ -321,8 +321,7 @@ class RunWatcher:
             replace = self._replaceable(p, why)
             if not replace:
                 return LostWorker(f"{what} was lost ({why}); policy {run.policy!r} cannot go on without it")
-        run._lost[p] = f"{what} was lost ({why})"
-        run._leaving.discard(p)
+        run._members.lose(p, f"{what} was lost ({why})")
         run._give_up_join(p)  # lost while joining: its other workers stop waiting for a state
         if run._futures[rank].status == "pending":
             # its worker is gone: without this, a cluster that allows failures would run the rank again on
@@ -332,7 +331,7 @@ class RunWatcher:
         rejoin = (cfg.rejoin or replace) and not run._stop_requested
         log.warning(
             "sdpipe: %s; the run goes on with %d pipeline(s)%s",
-            run._lost[p],
+            run._members.lost[p],
             len(run.pipelines),
             " and a replacement that joins once workers are free (it was lost before the first step)"
             if replace
@@ -341,7 +340,7 @@ class RunWatcher:
             else "",
         )
         if not run.pipelines and not run._joins_pending():
-            return RunError(f"every pipeline was lost; last: {run._lost[p]}")
+            return RunError(f"every pipeline was lost; last: {run._members.lost[p]}")
         try:  # the others stop pairing with it, the scheduler takes it out of every stage
             mark_lost(run._run_store, p, why)
             run._control.service.lose_pipeline(p)
@@ -363,7 +362,7 @@ class RunWatcher:
 
         run, cfg = self.run, self.config
         coupled = of_mode(run._control.mode).coupled
-        if not coupled or cfg.pipelines < 2 or run._ids != cfg.pipelines or run._stop_requested:
+        if not coupled or cfg.pipelines < 2 or run._members.ids != cfg.pipelines or run._stop_requested:
             return False
         if cfg.schedule in ASYNC_SCHEDULE_NAMES or (run._spec is not None and run._spec.streamed):
             return False  # a pipeline cannot join such a run (Run.add_pipelines says why)
@@ -384,20 +383,21 @@ class RunWatcher:
         results = {
             rank: f.result(timeout=self.config.timeout)
             for rank, f in enumerate(run._futures)
-            if f.status == "finished" and rank // S not in run._lost
+            if f.status == "finished" and rank // S not in run._members.lost
         }
         for rank, res in results.items():  # pipelines that left, or gave their join up as the run ended
             p = rank // S
             if res.get("left"):
-                run._left.setdefault(p, f"removed at step {res['steps']}")
+                run._members.leave(p, f"removed at step {res['steps']}")
             elif res.get("joined") is False:
-                run._left.setdefault(p, "the run ended before it joined")
-            run._leaving.discard(p)
+                run._members.leave(p, "the run ended before it joined")
+            run._members.ended(p)
         finished = {rank // S for rank in results}
-        for p in range(run._ids):
+        members = run._members
+        for p in range(members.ids):
             # a join still waiting for workers as the run ended: its thread may say so only after this point
-            if p not in finished and p not in run._lost and p not in run._left:
-                run._left.setdefault(p, "the run ended before it joined")
+            if p not in finished and p not in members.lost and p not in members.left:
+                members.leave(p, "the run ended before it joined")
         return results
 
     def _root_cause(self) -> Optional[BaseException]:

@@ -19,6 +19,7 @@ CORE = (
     "sdpipe.partition",
     "sdpipe.policies",
     "sdpipe.checks",
+    "sdpipe.membership",
 )
 
 
