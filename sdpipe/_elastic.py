@@ -17,7 +17,7 @@ round waits for it); the shared batch counter hands its batches to the others.
 
 Both work under the elastic policies (:attr:`sdpipe.policies.PolicyRecord.elastic`); under ``allreduce`` the
 replicas agree on the step of the change in their gradient collective and form their group anew there
-(:class:`~sdpipe.policy.AllReduce`).  ``ps`` and ``adpsgd`` keep groups fixed at the start.
+(:class:`~sdpipe.sync.AllReduce`).  ``ps`` and ``adpsgd`` keep groups fixed at the start.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class AsyncStream:
     touches weights a backward still needs.  A micro-batch's backward differentiates the version its forward
     used and adds the gradient to the live weights; a version goes once no micro-batch in flight needs it.
     All changes to the live weights happen inside ``update`` or after a drain, and code that changes them
-    must look the tensors up at each use (``sdpipe.policy._state_tensors``): a list kept from earlier may
+    must look the tensors up at each use (``sdpipe.sync.state_tensors``): a list kept from earlier may
     point at a version's stash.
     """
 

@@ -2,7 +2,7 @@
 
 ``worker_main`` builds the :class:`Worker` (its stage's module, optimizer, links and policy) and runs
 :class:`Training`: epochs of steps, each step preceded by the pipeline's agreement on what comes next
-(:mod:`sdpipe._boundary`) and followed by the policy's synchronization (:mod:`sdpipe.policy`)::
+(:mod:`sdpipe._boundary`) and followed by the policy's synchronization (:mod:`sdpipe.sync`)::
 
     for each epoch:
         at each step boundary: stage 0 decides RUN batch b | EPOCH_END | STOP | PAUSE, the pipeline follows
@@ -37,7 +37,6 @@ from ._tree import rows, to_device
 from .checkpoint import write_rank
 from .config import Heterogeneity
 from .data import ShardReader, batch_indices
-from .policy import _state_tensors, make_policy
 from .protocol import (
     ControlMessage,
     GroupAnswer,
@@ -49,6 +48,7 @@ from .protocol import (
     run_prefix,
 )
 from .schedule import ASYNC_SCHEDULES, default_update_every
+from .sync import make_policy, state_tensors
 
 __all__ = ["EventSink", "Training", "Worker", "worker_main"]
 
@@ -437,7 +437,7 @@ class Worker:
 
     def describe(self) -> None:
         """A ``stage`` record: bytes of this stage's synchronized state and of one micro-batch's output."""
-        weight_bytes = sum(t.numel() * t.element_size() for t in _state_tensors(self))
+        weight_bytes = sum(t.numel() * t.element_size() for t in state_tensors(self))
         mb = self.cfg["batch_size"] // self.cfg["microbatches"]
         activation_bytes = 0 if self.last else mb * self.layout_out.sample_bytes()
         now = time.time() - self.t0

@@ -44,7 +44,7 @@ class PolicyRecord:
     name: str
     #: one line for the command line's help and the docs
     summary: str
-    #: the mode its workers run (the key of its worker-side sync class in ``sdpipe.policy``)
+    #: the mode its workers run (:func:`sdpipe.sync.make_policy` finds its record by it)
     mode: str
     #: how its replicas meet: "groups" (partial groups formed by the group service), "all" (every replica after
     #: every step), "server" (a parameter server per stage), "pairs" (gossip pairs), "nothing"
@@ -86,7 +86,7 @@ _ALL = PolicyRecord(
     summary="every replica averages with all others after every step (the synchronous baseline)",
     mode="allreduce",
     exchange="all",
-    worker="sdpipe.policy:AllReduce",
+    worker="sdpipe.sync.allreduce:AllReduce",
     # the group service waits for every worker each round (no window, no pairing)
     preset=SchedulerPolicy(
         window="prototype",
@@ -111,7 +111,7 @@ RECORDS: dict[str, PolicyRecord] = {
             summary="partial-reduce groups of the replicas ready together, formed by the group service",
             mode="scheduled",
             exchange="groups",
-            worker="sdpipe.policy:Scheduled",
+            worker="sdpipe.sync.scheduled:Scheduled",
             preset=SchedulerPolicy(),
             live=True,
             loss_tolerant=True,
@@ -126,7 +126,7 @@ RECORDS: dict[str, PolicyRecord] = {
             summary="a parameter server per stage, hosted by pipeline 0's worker, with a staleness bound",
             mode="ps",
             exchange="server",
-            worker="sdpipe.policy:ParameterServer",
+            worker="sdpipe.sync.ps:ParameterServer",
             colour="#9467bd",
         ),
         PolicyRecord(
@@ -134,7 +134,7 @@ RECORDS: dict[str, PolicyRecord] = {
             summary="asynchronous gossip: each replica averages with one peer at a time",
             mode="adpsgd",
             exchange="pairs",
-            worker="sdpipe.policy:GossipPairs",
+            worker="sdpipe.sync.gossip:GossipPairs",
             loss_tolerant=True,
             uses_service=True,
             colour="#2ca02c",
@@ -144,7 +144,7 @@ RECORDS: dict[str, PolicyRecord] = {
             summary="no synchronization: each replica trains alone (the upper bound on speed)",
             mode="none",
             exchange="nothing",
-            worker="sdpipe.policy:NoSync",
+            worker="sdpipe.sync.nosync:NoSync",
             preset=SchedulerPolicy(
                 max_group=1, window="prototype", overlap=False, window_init=0.0, window_min=0.0, staleness=2**31
             ),

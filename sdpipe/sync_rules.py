@@ -1,7 +1,7 @@
 """The decisions of the synchronization policies, as pure functions: plain values in, a decision out.
 
 Nothing here imports torch or Dask or touches the run's store or a clock (a time is an argument):
-:mod:`sdpipe.policy` is the shell that reads the store and moves tensors, and calls these to decide;
+:mod:`sdpipe.sync` is the shell that reads the store and moves tensors, and calls these to decide;
 ``tests/test_sync_rules.py`` checks them, with hypothesis, without a cluster.
 
 * **Stale synchronous parallel** (``ps``; Ho et al., NIPS 2013, as in HetPipe): :func:`ps_release`.  A

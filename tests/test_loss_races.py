@@ -21,8 +21,9 @@ import pytest
 import torch.distributed as dist
 
 from sdpipe._comm import RendezvousTimeout, first_lost, make_group, mark_lost
-from sdpipe.policy import Scheduled, _Mailbox, _Server
 from sdpipe.protocol import GroupAnswer
+from sdpipe.sync import Scheduled
+from sdpipe.sync.mailbox import Mailbox, MailboxServer
 
 
 @pytest.fixture
@@ -42,10 +43,10 @@ def _wait(cond, timeout=10.0):
 
 
 def test_server_serves_past_a_slot_whose_writer_died_and_settles(store):
-    box = _Mailbox(store, "adpsgd/1/3/")
+    box = Mailbox(store, "adpsgd/1/3/")
     served = []
     # the server waits on a connection of its own, as a worker's does (a connection serves one call at a time)
-    server = _Server("test-server", _Mailbox(store.clone(), "adpsgd/1/3/"), served.append, door=box)
+    server = MailboxServer("test-server", Mailbox(store.clone(), "adpsgd/1/3/"), served.append, door=box)
     server.start()
     try:
         box.put("0,1")
@@ -82,7 +83,7 @@ def test_server_serves_past_a_slot_whose_writer_died_and_settles(store):
 
 def _member(store, pipeline, answer, out):
     worker = SimpleNamespace(store=store, stage=1, pipeline=pipeline, timeout=20.0)
-    out[pipeline] = Scheduled._all_arrive(worker, answer)
+    out[pipeline] = Scheduled.all_arrive(worker, answer)
 
 
 def test_every_member_of_a_new_group_takes_the_same_verdict(store):

@@ -2,7 +2,7 @@
 
 Plain values in, a decision out: unit cases with the worked examples, and hypothesis properties
 (random arrival orders and speeds, then the invariants).  The last tests check the worker-side
-interface of sdpipe.policy that the worker loop codes against, on bare objects.
+interface of sdpipe.sync that the worker loop codes against, on bare objects.
 """
 
 import math
@@ -84,7 +84,7 @@ def test_ps_held_step_pulls_are_the_step_kinds_in_arrival_order():
 
 
 def _simulate_ps(data, clients: int, staleness: int, epochs: int, leave_prob: float):
-    """A parameter server driven by random arrival orders, mirroring sdpipe.policy._PsServer; checks each release."""
+    """A parameter server driven by random arrival orders, mirroring sdpipe.sync.ps.PsServer; checks each release."""
     steps = {c: data.draw(st.integers(0, 6), label=f"steps of {c}") for c in range(clients)}
     clock = {c: 0 for c in range(clients)}
     live, at_global, waiting = set(range(clients)), set(), {}
@@ -156,7 +156,7 @@ def test_gossip_roles_are_a_bipartite_split(pipelines):
 
 
 def _reference_peer(passives, lost, rng):
-    """The draw as sdpipe.policy.GossipPairs made it before the rule was pulled out (draw, drop if lost, again)."""
+    """The draw as sdpipe.sync.GossipPairs made it before the rule was pulled out (draw, drop if lost, again)."""
     passives = list(passives)
     while passives:
         peer = rng.choice(passives)
@@ -332,7 +332,7 @@ def test_leaving_the_tail_is_monotone_and_slower_pipelines_do_not_count(mine, ot
 
 # ------------------------------------------------------------------ the interface the worker loop codes against
 def test_policy_interface_coupled_and_decide_stop():
-    from sdpipe import policy
+    from sdpipe import sync as policy
 
     with pytest.raises(TypeError):
         policy.SyncPolicy()  # abstract: every policy says what it does after a step and at an epoch's end
@@ -372,7 +372,7 @@ def test_ps_server_applies_the_release_rule():
     """The server half on its own (no thread, no store): pushes in, replies out as ps_release decides."""
     import torch
 
-    from sdpipe import policy
+    from sdpipe import sync as policy
 
     class Pg:
         def __init__(self):
@@ -389,7 +389,7 @@ def test_ps_server_applies_the_release_rule():
     client = policy.make_policy("ps")
     for attr in ("_serve", "_idle", "_release", "_reply", "w", "clock", "live", "at_global", "waiting"):
         assert not hasattr(client, attr)  # the client holds none of the server's state
-    server = object.__new__(policy._PsServer)
+    server = object.__new__(policy.ps.PsServer)
     server.pg, server.staleness, server.w = Pg(), 0, torch.zeros(2)
     server.clock, server.live, server.at_global, server.waiting = {1: 0, 2: 0}, {1, 2}, set(), {}
     server.worker = SimpleNamespace(read_ctl=lambda: SimpleNamespace(pause=False))

@@ -13,10 +13,10 @@ Counted with :mod:`ast` over ``sdpipe/`` (and ``widgets/`` for long lines):
 * type tests of the policy in the worker (``hasattr(...policy...)``, ``policy.name`` compared with a string);
 * the rule sets ruff checks (``[tool.ruff.lint] select`` in ``pyproject.toml``);
 * lines over 120 characters;
-* ``isinstance`` checks against a policy class (one defined in ``sdpipe/policy.py``) outside that module;
+* ``isinstance`` checks against a policy class (one defined in ``sdpipe/sync/``) outside that module;
 * imports of the package's own modules inside functions;
 * test functions that call policy decisions without a cluster: tests in modules without the ``cluster``,
-  ``hosts``, ``browser`` or ``gpu`` markers that reference a name of ``sdpipe.policy`` or ``sdpipe.sync_rules``.
+  ``hosts``, ``browser`` or ``gpu`` markers that reference a name of ``sdpipe.sync`` or ``sdpipe.sync_rules``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 120
-POLICY_MODULES = ("sdpipe/policy.py", "sdpipe/sync_rules.py")
+POLICY_MODULES = (
+    *tuple(sorted(f"sdpipe/sync/{p.name}" for p in (ROOT / "sdpipe" / "sync").glob("*.py"))),
+    "sdpipe/sync_rules.py",
+)
 #: house limits on a unit's length in lines
 LIMITS = {"function": 60, "class": 300, "module": 700}
 WORKER_MODULES = ("sdpipe/_worker.py", "sdpipe/_boundary.py", "sdpipe/_stage.py")
@@ -111,7 +114,7 @@ def _policy_names() -> set:
 
 
 def measure() -> dict:
-    files = sorted((ROOT / "sdpipe").glob("*.py"))
+    files = sorted((ROOT / "sdpipe").rglob("*.py"))
     all_files = files + sorted((ROOT / "widgets").glob("*.py"))
     policy_classes = _policy_classes()
     spelled = _spelled()
@@ -183,7 +186,9 @@ def _policy_tests() -> int:
             continue
         imported = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module in ("sdpipe.policy", "sdpipe.sync_rules"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                ("sdpipe.sync", "sdpipe.sync_rules")
+            ):
                 imported |= {a.asname or a.name for a in node.names}
         used = imported & names
         if not used:
