@@ -282,6 +282,8 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
                 "() => Array.from(document.querySelectorAll('.widget-html')).map(e => e.textContent).slice(0, 3)"
             )
             raise TimeoutError(f"{e}; the page showed {headers}; its kernel connection: {connection(page)}") from None
+        # and once its timeline has drawn some steps (on a loaded machine the first redraws come steps apart)
+        wait_live(page, "s.drawn > 10", 120, "the live timeline drawing its first steps")
         state = press(
             page,
             "pause",
