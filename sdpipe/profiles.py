@@ -68,7 +68,7 @@ from typing import NamedTuple
 
 from .checks import integer, is_number
 from .partition import balanced_cuts, stage_bounds
-from .simulation import Costs, Network
+from .simulation.costs import Costs, Network
 
 __all__ = [
     "BANDWIDTHS",

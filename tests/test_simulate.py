@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import sdpipe
 from sdpipe import events
 from sdpipe.schedule import build_plan, dry_run
-from sdpipe.simulation import SIM_POLICIES, Costs, Network, _Ssp, ring_allreduce_seconds, simulate
+from sdpipe.simulation import SIM_POLICIES, Costs, Network, ring_allreduce_seconds, simulate
+from sdpipe.simulation.proxy import _Ssp
 from sdpipe.sync_rules import GLOBAL, STEP, ps_release
 
 COSTS = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], weight_bytes=[4e5, 8e5], activation_bytes=[4e4])
@@ -436,7 +437,7 @@ def test_proxy_steps_taken_in_together_equal_steps_one_at_a_time(steps, settle_a
     """The proxy logs a worker's step and takes the log in (in numpy, repeats of a worker one after another)
     when a point is read; a round's pairs average together: the points, progress and the noise drawn are those
     of stepping and averaging one at a time, bit for bit."""
-    from sdpipe.simulation import _Proxy
+    from sdpipe.simulation.proxy import _Proxy
 
     together, alone = _Proxy(3, 4, 7, 0.1, 1.0), _Proxy(3, 4, 7, 0.1, 1.0)
     for i, w in enumerate(steps):
@@ -459,7 +460,7 @@ def test_proxy_steps_taken_in_together_equal_steps_one_at_a_time(steps, settle_a
 
 
 def test_a_proxy_step_is_the_formula_on_the_streams_next_numbers():
-    from sdpipe.simulation import _Proxy
+    from sdpipe.simulation.proxy import _Proxy
 
     proxy, twin = _Proxy(2, 3, 5, 0.2, 0.5), _Proxy(2, 3, 5, 0.2, 0.5)
     before = proxy.x[4].tolist()

@@ -1,0 +1,330 @@
+"""Costs and a network measured from a real run's event records (:func:`calibrate`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+from typing import NamedTuple
+
+from ..config import Heterogeneity, TrainConfig
+from ..policies import record as policy_record
+from ..sync_rules import PAIR, SERVED, gossip_roles
+from .costs import Costs, Network, _step_finish, _step_plan
+
+__all__ = ["Calibration", "calibrate"]
+
+
+def _mean(values, default=0.0) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else default
+
+
+def _dur(e) -> float:
+    return e["end"] - e["start"]
+
+
+class Calibration(NamedTuple):
+    """What :func:`calibrate` measured: ``costs, network, heterogeneity = sdpipe.calibrate(result)``."""
+
+    costs: Costs
+    network: Network
+    heterogeneity: Heterogeneity
+    """The run's heterogeneity with each slowed worker's slowdown as its spans showed it."""
+
+
+def calibrate(result) -> Calibration:
+    """Costs, network and heterogeneity measured in the events of a real run (a :class:`sdpipe.RunResult`).
+
+    Means, not medians: a throughput is a sum of times, and on a shared
+    machine their distributions have long tails.
+
+    - forward / backward: the mean span per micro-batch and stage over the
+      workers the run did not slow (over all, each divided by its slowdown,
+      when every worker of a stage was slowed);
+    - heterogeneity: the run's, with the slowdowns each slowed worker
+      showed: a step slowdown as its pipeline's median step against the
+      unslowed pipelines' (a sleeping pipeline hands its core to the others on
+      a busy machine), a compute slowdown as its compute against the mean of
+      its stage's other workers (a sleeping process wakes late);
+    - optimizer: the mean optimizer span per stage;
+    - jitter: per stage, the spread of a worker's compute per step (forward
+      and backward) around its mean;
+    - weight and activation bytes: from each worker's ``stage`` record;
+    - step overhead: the mean time of a step on stage 0 that no span covers
+      (the batch from the shared counter, the control message, bookkeeping);
+    - latency: the mean point-to-point send span (one message);
+    - bandwidth: a least-squares fit of the ring all-reduce model (with that
+      latency) to the lower quartile of the sync spans of each stage and
+      group size (a collective's span also holds the wait for late members);
+    - scheduler round trip: twice the mean time from a group's decision to
+      the end of a member's wait for it;
+    - ``ps`` and ``adpsgd``: the server round trip, the lower quartile of the
+      exchanges (a push and pull of a pipeline that does not host the
+      server, an active worker's exchange) less their transfers; and what a
+      served request takes from the serving worker (``serve``): how much
+      longer the serving pipelines' steps are (the host's under ``ps``, the
+      passive ones' under ``adpsgd``, less the active ones' own exchanges)
+      per request each of them serves in a step.  Slowed pipelines are left
+      out of both sides (none left: 0).
+
+    Spans of the first epoch (warm-up) are left out when the run has more.
+    Heterogeneity is taken from the run's configuration (changes made live
+    are not undone).  Costs no event measured keep their defaults.
+    """
+    if not all(hasattr(result, a) for a in ("config", "events")) or not isinstance(result.config, TrainConfig):
+        raise ValueError(
+            f"result: must be a sdpipe.RunResult of a real run (run.result()), got {type(result).__name__}"
+        )
+    config = result.config
+    S = config.stages
+    hetero = config.heterogeneity or Heterogeneity()
+    by_kind = _after_warm_up(result.events)
+    forward, backward, optimizer = (
+        [_stage_mean(by_kind, kind, s, hetero) for s in range(S)] for kind in ("forward", "backward", "optimizer")
+    )
+    shown = _shown_heterogeneity(by_kind, hetero, forward, backward, config.pipelines, S)
+    weight_bytes, activation_bytes = _stage_bytes(by_kind, S)
+    costs = Costs(
+        forward=forward,
+        backward=backward,
+        optimizer=optimizer,
+        weight_bytes=weight_bytes,
+        activation_bytes=activation_bytes,
+        step_overhead=_mean(_untraced(by_kind, config.pipelines)),
+        jitter=_jitter(by_kind, S),
+    )
+    net = _network(by_kind, weight_bytes)
+    net = dataclasses.replace(net, server_rtt=_server_rtt(by_kind, weight_bytes, net))
+    costs = dataclasses.replace(costs, serve=_serve(by_kind, config, hetero, costs, net))
+    return Calibration(costs, net, shown)
+
+
+def _after_warm_up(records) -> dict:
+    """kind -> records, without the first epoch's spans (it warms up process groups and caches) when there are more."""
+    epoch_of = {
+        (e["pipeline"], e["stage"], e["step"]): e.get("epoch", 0) for e in records if e.get("kind") == "optimizer"
+    }
+    warm = max(epoch_of.values(), default=0) > 0
+    by_kind: dict = {}
+    for e in records:
+        if (
+            warm
+            and e.get("step") is not None
+            and e.get("pipeline") is not None
+            and epoch_of.get((e["pipeline"], e.get("stage"), e["step"]), 1) == 0
+        ):
+            continue
+        by_kind.setdefault(e.get("kind"), []).append(e)
+    return by_kind
+
+
+def _slowed(hetero: Heterogeneity, e) -> bool:
+    """Whether the worker of record ``e`` ran under a compute slowdown (its compute spans are stretched)."""
+    return hetero.compute_slowdown_of(e["pipeline"], e["stage"]) != 1.0
+
+
+def _stage_mean(by_kind: dict, kind: str, s: int, hetero: Heterogeneity) -> float:
+    """Mean span of ``kind`` on stage s: over the workers without a compute slowdown (all, each divided by its
+    slowdown, when every one had one); the optimizer's over all.  A step slowdown stretches no compute span."""
+    spans = [e for e in by_kind.get(kind, ()) if e.get("stage") == s]
+    if kind == "optimizer":
+        return _mean(_dur(e) for e in spans)
+    plain = [_dur(e) for e in spans if not _slowed(hetero, e)]
+    return _mean(plain) if plain else _mean(_dur(e) / hetero.compute_slowdown_of(e["pipeline"], s) for e in spans)
+
+
+def _shown_heterogeneity(
+    by_kind: dict, hetero: Heterogeneity, forward: list, backward: list, pipelines: int, stages: int
+) -> Heterogeneity:
+    """``hetero`` with the slowdowns each slowed worker showed: a compute slowdown as its compute against its stage's
+    mean over the others; a step slowdown as its pipeline's median step against the unslowed pipelines' (on a
+    machine with fewer cores than workers a sleeping pipeline hands its core to the others, which then step
+    faster, so the ratio shown can exceed the factor asked for)."""
+    shown: dict = {}
+    for kind, base in (("forward", forward), ("backward", backward)):
+        for e in by_kind.get(kind, ()):
+            if _slowed(hetero, e):
+                acc = shown.setdefault((e["pipeline"], e["stage"]), [0.0, 0.0])
+                acc[0] += _dur(e)
+                acc[1] += base[e["stage"]]
+    changes = {}
+    measured = {key: max(1.0, spent / base) for key, (spent, base) in shown.items() if base > 0}
+    if measured:
+        changes["compute_slowdown"] = measured
+    # the run's own keys: a pipeline's key stretches its stage 0 alone, in the runtime and the simulator alike
+    pipeline_of = {key: key if isinstance(key, int) else key[0] for key, f in hetero.slowdown.items() if f != 1.0}
+    slowed = {key: p for key, p in pipeline_of.items() if p < pipelines}
+    plain = [p for p in range(pipelines) if p not in slowed.values()]
+    base = _step_intervals(by_kind, plain)
+    if slowed and base:
+        typical, steps = statistics.median(base), {}
+        for p in set(slowed.values()):
+            mine = _step_intervals(by_kind, [p])
+            steps[p] = max(1.0, statistics.median(mine) / typical) if mine and typical > 0 else None
+        step = {key: steps[p] for key, p in slowed.items() if steps[p] is not None}
+        if step:
+            changes["slowdown"] = step
+    return dataclasses.replace(hetero, **changes) if changes else hetero
+
+
+def _stage_bytes(by_kind: dict, S: int) -> tuple:
+    """(weight bytes per stage, activation bytes per stage boundary) from the workers' ``stage`` records."""
+    weight_bytes, activation_bytes = [0.0] * S, [0.0] * max(S - 1, 0)
+    for e in by_kind.get("stage", ()):
+        weight_bytes[e["stage"]] = float(e["weight_bytes"])
+        if e["stage"] < S - 1:
+            activation_bytes[e["stage"]] = float(e["activation_bytes"])
+    return weight_bytes, activation_bytes
+
+
+def _jitter(by_kind: dict, S: int) -> list:
+    """Per stage: the spread of a worker's compute per step relative to its mean, pooled over the stage's workers."""
+    compute: dict = {}
+    for kind in ("forward", "backward"):
+        for e in by_kind.get(kind, ()):
+            key = (e["pipeline"], e["stage"], e["step"])
+            compute[key] = compute.get(key, 0.0) + _dur(e)
+    per_worker: dict = {}
+    for (p, st, _), v in compute.items():
+        per_worker.setdefault((p, st), []).append(v)
+    rel: dict = {s: [] for s in range(S)}
+    for (_, s), vals in per_worker.items():
+        m = _mean(vals)
+        if m > 0:
+            rel[s] += [v / m for v in vals]
+    return [math.sqrt(_mean((r - 1.0) ** 2 for r in rel[s])) if len(rel[s]) > 1 else 0.0 for s in range(S)]
+
+
+#: the kinds of span a worker's step is made of; the rest of a step is untraced overhead
+_COVERED = ("forward", "backward", "send", "recv", "wait", "sync", "straggle", "pause", "eval", "optimizer")
+
+
+def _untraced(by_kind: dict, pipelines: int) -> list:
+    """Untraced seconds of each step on stage 0: between consecutive optimizer ends, minus every span inside."""
+    untraced = []
+    for p in range(pipelines):
+        opt = sorted(
+            (e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == 0),
+            key=lambda e: e["start"],
+        )
+        spans = sorted(
+            (
+                (e["start"], e["end"])
+                for k in _COVERED
+                for e in by_kind.get(k, ())
+                if e.get("pipeline") == p and e.get("stage") == 0
+            ),
+            key=lambda x: x[0],
+        )
+        j = 0
+        for a, b in itertools.pairwise(opt):
+            if b["step"] != a["step"] + 1 or b.get("epoch") != a.get("epoch"):
+                continue
+            lo, hi = a["end"], b["end"]
+            while j < len(spans) and spans[j][1] <= lo:
+                j += 1
+            inside, k = 0.0, j
+            while k < len(spans) and spans[k][0] < hi:  # sorted by start: later ones lie past this step
+                st, en = spans[k]
+                if en > lo:
+                    inside += min(en, hi) - max(st, lo)
+                k += 1
+            untraced.append(max(0.0, (hi - lo) - inside))
+    return untraced
+
+
+def _network(by_kind: dict, weight_bytes: list) -> Network:
+    """Latency from the sends, bandwidth from the syncs, the scheduler's round trip from the group waits."""
+    default = Network()
+    latency = _mean((_dur(e) for e in by_kind.get("send", ())), default.latency)
+    # a collective's span also holds the wait for members that arrive late: the lower quartile
+    # of each (stage, size) is the transfer
+    spans: dict = {}
+    for e in by_kind.get("sync", ()):
+        n = len(e.get("group") or ())
+        # ring all-reduces only: not a parameter server's pushes and pulls (its global sync included), not pairs
+        if n >= 2 and e.get("stage") is not None and e.get("reason") not in (SERVED, PAIR) and "server" not in e:
+            spans.setdefault((e["stage"], n), []).append(_dur(e))
+    xs = []
+    for (stage, n), vals in spans.items():
+        vals.sort()
+        xs.append((2 * (n - 1) / n * weight_bytes[stage], vals[len(vals) // 4] - 2 * (n - 1) * latency))
+    bandwidth = default.bandwidth
+    if xs:
+        num, den = sum(x * x for x, _ in xs), sum(x * y for x, y in xs)
+        bandwidth = num / den if den > 0 and num > 0 else 1e15  # all latency: as good as unlimited
+    decided = {(e["stage"], e["round"]): e["end"] for e in by_kind.get("group", ())}
+    trips = [
+        max(0.0, e["end"] - decided[(e["stage"], e["round"])])
+        for e in by_kind.get("wait", ())
+        if e.get("what") == "group" and (e.get("stage"), e.get("round")) in decided
+    ]
+    rtt = 2 * _mean(trips) if trips else default.scheduler_rtt
+    return Network(bandwidth=bandwidth, latency=latency, scheduler_rtt=rtt)
+
+
+def _server_rtt(by_kind: dict, weight_bytes: list, net: Network) -> float:
+    """The lower quartile of ps and adpsgd exchanges less their transfers (both ways: a push then a pull; a
+    pair's two directions at once); the default when the run had none."""
+    extra = []
+    for e in by_kind.get("sync", ()):
+        reason, stage = e.get("reason"), e.get("stage")
+        if stage is None or e.get("served"):
+            continue
+        transfer = weight_bytes[stage] / net.bandwidth + net.latency
+        if reason == SERVED and e.get("pipeline") != 0:  # the host's own exchange stays in memory
+            extra.append(_dur(e) - 2 * transfer)
+        elif reason == PAIR:
+            extra.append(_dur(e) - transfer)
+    if not extra:
+        return Network().server_rtt
+    extra.sort()
+    return max(0.0, extra[len(extra) // 4])
+
+
+def _step_intervals(by_kind: dict, pipelines) -> list:
+    """Seconds between a worker's consecutive optimizer steps of one epoch, over the workers of ``pipelines``."""
+    ends: dict = {}
+    for e in by_kind.get("optimizer", ()):
+        if e["pipeline"] in pipelines:
+            ends.setdefault((e["pipeline"], e["stage"], e.get("epoch")), []).append(e["end"])
+    out = []
+    for v in ends.values():
+        v.sort()
+        out += [b - a for a, b in itertools.pairwise(v)]
+    return out
+
+
+def _serve(by_kind: dict, config: TrainConfig, hetero: Heterogeneity, costs: Costs, net: Network) -> float:
+    """Seconds a served request takes from the serving worker (see :func:`calibrate`); 0 for other policies.
+
+    The serving pipelines' median step against the step the model gives a pipeline that serves nothing (the
+    plan's dry run with ``costs``, the step overhead and its own exchange), per request served in a step."""
+    D, S = config.pipelines, config.stages
+    plain = [p for p in range(D) if all(hetero.slowdown_of(p, s) == 1.0 for s in range(S))]
+    syncs = by_kind.get("sync", ())
+    exchange = policy_record(config.policy).exchange
+    if exchange == "server":
+        # the host serves every pipeline's request of a round; the staleness bound holds every pipeline to the
+        # host's rate over a run, so a host's step serves D requests
+        serving, own = [0], 0.0
+        rounds = lambda slow, fast: D
+    elif exchange == "pairs":
+        # nothing holds the active pipelines back: in one of its steps a passive worker serves its share of their
+        # steps in that time
+        actives, passives = gossip_roles(D)
+        serving = [p for p in passives if p in plain]
+        own = _mean(_dur(e) for e in syncs if e.get("reason") == PAIR and not e.get("served"))
+        rounds = lambda slow, fast: len(actives) / max(1, len(passives)) * slow / fast
+    else:
+        return 0.0
+    slow = _step_intervals(by_kind, serving)
+    if not slow:
+        return 0.0
+    M = config.microbatches
+    ends, _ = _step_finish(_step_plan(config), costs, net, (1.0,) * S, M)
+    fast = max(ends) + costs.step_overhead + own  # a step of a pipeline that serves nothing
+    slow = statistics.median(slow)
+    return max(0.0, (slow - fast) / rounds(slow, fast))

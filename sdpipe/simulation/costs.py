@@ -1,0 +1,171 @@
+"""What a simulated run costs: per-stage compute and bytes (:class:`Costs`), the network (:class:`Network`), and a
+ring all-reduce's time."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..checks import is_number
+from ..config import TrainConfig
+from ..schedule import ASYNC_SCHEDULES, build_plan, dry_run
+
+__all__ = ["Costs", "Network", "ring_allreduce_seconds"]
+
+
+def _seconds(name: str, values, n: int, per: str = "one per stage") -> tuple:
+    try:
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        values = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"costs.{name}: needs {n} finite numbers >= 0 ({per}), got {values!r}") from None
+    if len(values) != n or any(not (v >= 0) or math.isinf(v) for v in values):
+        raise ValueError(f"costs.{name}: needs {n} finite numbers >= 0 ({per}), got {values!r}")
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Per-stage costs: seconds per micro-batch of forward and backward, bytes on the wire."""
+
+    forward: tuple
+    backward: tuple
+    optimizer: tuple = ()
+    """Seconds of the optimizer step per stage (default 0)."""
+    activation_bytes: tuple = ()
+    """Bytes of one micro-batch's activation leaving stages 0..S-2 (default 0)."""
+    weight_bytes: tuple = ()
+    """Bytes of a stage's weights, averaged by its groups (default 0)."""
+    step_overhead: float = 0.0
+    """Seconds per step outside the plan's actions: the batch, control messages, bookkeeping."""
+    serve: float = 0.0
+    """Seconds of its worker's time a server thread takes per request it serves (``ps``: the stage's worker of
+    pipeline 0 hosts the stage's server; ``adpsgd``: a passive worker serves its exchanges): the thread shares
+    its worker's process, so the pipeline's next step starts that much later (default 0)."""
+    jitter: tuple = ()
+    """Relative spread (coefficient of variation) of a stage's compute per step, per stage (or one
+    number for all): each simulated step's compute on a stage is scaled by its own log-normal
+    factor with mean 1 and this spread (default 0: none)."""
+
+    def __post_init__(self):
+        if isinstance(self.forward, (str, bytes)) or not hasattr(self.forward, "__len__"):
+            raise ValueError(f"costs.forward: needs one finite number >= 0 per stage, got {self.forward!r}")
+        S = len(self.forward)
+        if S < 1:
+            raise ValueError("costs.forward: needs one number per stage")
+        links = max(S - 1, 0)
+        object.__setattr__(self, "forward", _seconds("forward", self.forward, S))
+        object.__setattr__(self, "backward", _seconds("backward", self.backward, S))
+        object.__setattr__(self, "optimizer", _seconds("optimizer", self.optimizer or [0.0] * S, S))
+        object.__setattr__(
+            self,
+            "activation_bytes",
+            _seconds("activation_bytes", self.activation_bytes or [0.0] * links, links, "one per link between stages"),
+        )
+        object.__setattr__(self, "weight_bytes", _seconds("weight_bytes", self.weight_bytes or [0.0] * S, S))
+        for name in ("step_overhead", "serve"):
+            v = getattr(self, name)
+            if not is_number(v) or not (0 <= v < math.inf):
+                raise ValueError(f"costs.{name}: must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        j = self.jitter
+        if is_number(j):
+            j = [j] * S
+        object.__setattr__(self, "jitter", _seconds("jitter", j or [0.0] * S, S))
+
+    @classmethod
+    def from_run(cls, result) -> "Costs":
+        """Per-stage costs measured in a real run's events (see :func:`calibrate`)."""
+        from .calibrate import calibrate  # calibrate builds Costs
+
+        return calibrate(result).costs
+
+    @property
+    def stages(self) -> int:
+        return len(self.forward)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Network:
+    """Links and the scheduler: bandwidth (bytes/s), per-message latency (s), scheduler round trip (s)."""
+
+    bandwidth: float = 1e9
+    latency: float = 50e-6
+    scheduler_rtt: float = 1e-3
+    server_rtt: float = 1e-3
+    """Seconds from a ``ps`` push or an ``adpsgd`` exchange request until its server thread starts on it (the
+    request goes through the run's store, as the scheduler's do)."""
+
+    def __post_init__(self):
+        for name in ("bandwidth", "latency", "scheduler_rtt", "server_rtt"):
+            v = getattr(self, name)
+            if not is_number(v) or not v >= 0 or (name == "bandwidth" and v == 0):
+                bound = "> 0" if name == "bandwidth" else ">= 0"
+                raise ValueError(f"network.{name}: must be a number {bound}, got {v!r}")
+
+
+def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
+    """Ring all-reduce: 2(n-1)/n x bytes / bandwidth plus 2(n-1) message latencies."""
+    if members < 2:
+        return 0.0
+    return 2 * (members - 1) / members * nbytes / net.bandwidth + 2 * (members - 1) * net.latency
+
+
+def _step_plan(config: TrainConfig):
+    """The plan :func:`_step_finish` prices for ``config``: its schedule's plan with sends and receives, or for an
+    asynchronous schedule ``((plan of 8 steps, 8), plan of 9 steps)`` (a step's span in the steady state)."""
+    S, M = config.stages, config.microbatches
+    if config.schedule not in ASYNC_SCHEDULES:
+        return build_plan(config.schedule, S, M)
+    every = config.resolved_update_every
+    return (
+        (build_plan(config.schedule, S, M, steps=8, update_every=every), 8),
+        build_plan(config.schedule, S, M, steps=9, update_every=every),
+    )
+
+
+def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches: int) -> tuple:
+    """(per-stage finish times of one step, per-stage compute seconds) of a pipeline slowed by ``slowdown``
+    (one factor per stage), from the dry run of ``plan``.
+
+    An asynchronous schedule's ``plan`` is ``((plan of n steps, n), plan of n + 1 steps)``: a step of the
+    steady state lasts the difference of their makespans on every stage (no fill, no flush; the warm-up and
+    drain of each epoch are left out), plus its updates' optimizer time.  A stage's updates within a step
+    count as one ready signal at its end."""
+
+    def cost(a):
+        if a.op == "F":
+            return costs.forward[a.stage] * slowdown[a.stage]
+        if a.op == "B":
+            return costs.backward[a.stage] * slowdown[a.stage]
+        if a.op in ("SF", "SB"):
+            boundary = a.stage if a.op == "SF" else a.stage - 1
+            return costs.activation_bytes[boundary] / net.bandwidth + net.latency
+        return 0.0
+
+    if isinstance(plan, tuple):  # an asynchronous schedule: the steady state's step, one period for every stage
+        (short, steps), longer = plan
+        period = dry_run(longer, cost).makespan - dry_run(short, cost).makespan
+        S = len(slowdown)
+        updates = sum(a.op == "U" for a in longer[0]) / (steps + 1)  # per step, on average
+        ends = [period + costs.optimizer[s] * updates for s in range(S)]
+        return ends, [microbatches * (costs.forward[s] + costs.backward[s]) * slowdown[s] for s in range(S)]
+    run = dry_run(plan, cost)
+    S = len(slowdown)
+    # a stage's step ends when its own actions are done and the receives of what it sent
+    # completed (the runtime waits for its sends at the end of the step)
+    ends = [
+        max(
+            (
+                e
+                for a, _, e in run.spans
+                if a.stage == s or (a.op == "RF" and a.stage == s + 1) or (a.op == "RB" and a.stage == s - 1)
+            ),
+            default=0.0,
+        )
+        + costs.optimizer[s]
+        for s in range(S)
+    ]
+    busy = [microbatches * (costs.forward[s] + costs.backward[s]) * slowdown[s] for s in range(S)]
+    return ends, busy
