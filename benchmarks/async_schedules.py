@@ -7,7 +7,7 @@ workers shared by every run.  Configurations: S = 2 x D = 1 (cut at layer 6, pol
 (``sdpipe``) and S = 4 x D = 1 (balanced cuts).  The schedules are alternated within each repeat (the order
 reversed every other repeat); a run's samples/s is the median over its epochs after the first.
 
-Next to each measurement stands the dry run's prediction (``sdpipe.schedule.dry_run``): the flush step's
+Next to each measurement stands the dry run's prediction (``sdpipe.core.schedule.dry_run``): the flush step's
 makespan over the steady-state step of the asynchronous plan, with every action costed at the median
 forward and backward of each stage measured in the same configuration's 1F1B runs (sends free), plus the
 optimizer's median time per update.  "kept" is the share of the predicted gain measured: on two cores the
@@ -49,7 +49,7 @@ def _median_costs(events, stages):
 
 def predicted_speedup(name, S, M, costs, update_every):
     """The dry run's flush step over the asynchronous steady-state step, with the measured costs."""
-    from sdpipe.schedule import build_plan, dry_run
+    from sdpipe.core.schedule import build_plan, dry_run
 
     def cost(a):
         c = costs[a.stage]

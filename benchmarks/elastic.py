@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import sdpipe
-    from sdpipe._cluster import workers_now
     from sdpipe.data import digits, digits_mlp
+    from sdpipe.driver.cluster import workers_now
 
     train_data, eval_data = digits()
     client, cluster = local_cluster(WORKERS, allowed_failures=0)

@@ -78,7 +78,7 @@ def _torch_worker(rank, args, port, out):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from sdpipe import partition
+    from sdpipe.core import partition
     from sdpipe.data import batch_indices
 
     torch.set_num_threads(1)

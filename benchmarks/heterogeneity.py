@@ -242,7 +242,7 @@ def report(rows: list, args, argv) -> int:
         f"S={S}, D={D}, batch {args.batch_size} per pipeline, 4 micro-batches; slowdowns of pipeline {slow} set live "
         f"in one run under none per repeat; straggles p={p_straggle:g} of {d_straggle:g} s on every worker and a "
         f"link delay of {args.link_delay:g} s on pipeline {slow} in runs of {args.epochs} epochs; gloo on CPU, "
-        f"{args.repeats} repeats; slept heterogeneity (sdpipe._pace)"
+        f"{args.repeats} repeats; slept heterogeneity (sdpipe.worker.pace)"
         + (
             f"; measured by this command: {args.runs} (the other runs' rows kept from the results before it)"
             if args.runs != "slowdown,straggles,link"

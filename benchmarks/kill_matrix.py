@@ -191,7 +191,7 @@ def _workers_back(client, n, cluster=None):
     while time.monotonic() < deadline:
         try:
             client.wait_for_workers(n, timeout=30)
-            answered = client.run(lambda: __import__("sdpipe._worker") and None)
+            answered = client.run(lambda: __import__("sdpipe.worker.loop") and None)
             if len(answered) >= n:
                 return
         except TimeoutError:

@@ -2,7 +2,7 @@
 
     python benchmarks/scheduler_cost.py [--events 20000] [--workers 8,32,128,512,1024,2048,4096]
 
-Drives the pure group scheduler of one stage (``sdpipe.scheduler.StageScheduler``,
+Drives the pure group scheduler of one stage (``sdpipe.core.scheduler.StageScheduler``,
 the prototype's default policy: 1-10 ms adaptive windows, P = 10, pairs above
 8 workers) with workers of random speeds, and times every call that handles a
 ready signal or a window's end.  Results: ``benchmarks/results/scheduler_cost.md``,
@@ -24,7 +24,7 @@ from _common import meta_lines, run_meta, save_figure
 
 
 def measure(workers: int, events: int, seed: int = 0) -> dict:
-    from sdpipe.scheduler import Ready, SchedulerPolicy, StageScheduler, Tick
+    from sdpipe.core.scheduler import Ready, SchedulerPolicy, StageScheduler, Tick
 
     rng = random.Random(seed)
     st = StageScheduler(0, range(workers), SchedulerPolicy())

@@ -69,9 +69,9 @@ def main(argv=None) -> int:
         ap.error("--replay needs --runs")
 
     import sdpipe
-    from sdpipe._result import RunResult
-    from sdpipe._result import history as _history
     from sdpipe.data import digits, digits_cnn
+    from sdpipe.driver.result import RunResult
+    from sdpipe.driver.result import history as _history
 
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     policies = args.policies.split(",")

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import sdpipe
-    from sdpipe.schedule import build_plan, dry_run
+    from sdpipe.core.schedule import build_plan, dry_run
 
     S = args.stages
     costs = load_costs(Path(args.costs_from), S)

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
 
     import dataclasses
 
-    from sdpipe.profiles import resnet50
+    from sdpipe.simulation.profiles import resnet50
 
     costs_json = json.dumps(dataclasses.asdict(resnet50(4, gpu="V100")))
     contenders = {"now": ROOT}

@@ -142,7 +142,7 @@ def report(rows: list, args, argv, meta=None) -> int:
         argv,
         f"S={args.stages}, batch 32 per pipeline, 4 micro-batches, epochs per run {args.epochs or EPOCHS}, every "
         f"policy at its defaults but a global sync every {getattr(args, 'sync_every', 1)} epoch(s), pipeline D-1 "
-        f"slowed (slept heterogeneity, sdpipe._pace), gloo on CPU, {args.repeats} repeats",
+        f"slowed (slept heterogeneity, sdpipe.worker.pace), gloo on CPU, {args.repeats} repeats",
     )
     Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out, L = results_head(args.out, "Stragglers in the runs people make: every policy, small models", meta)

@@ -4,14 +4,13 @@
 in ``sdpipe.widgets``.
 """
 
-from . import profiles
-from ._cluster import close as close_cluster
-from ._runtime import Run, RunError, RunResult
-from ._train import train
-from .checkpoint import Checkpoint, load_checkpoint
-from .config import Heterogeneity, TrainConfig
-from .partition import partition
-from .simulation import Costs, Network, calibrate, simulate, spot_trace
+from sdpipe.checkpoint import Checkpoint, load_checkpoint
+from sdpipe.config import Heterogeneity, TrainConfig
+from sdpipe.core.partition import partition
+from sdpipe.driver.cluster import close as close_cluster
+from sdpipe.driver.run import Run, RunError, RunResult
+from sdpipe.driver.train import train
+from sdpipe.simulation import Costs, Network, calibrate, profiles, simulate, spot_trace
 
 __all__ = [
     "Checkpoint",

@@ -18,8 +18,8 @@ import typing
 from dataclasses import fields
 from typing import Optional
 
-from .config import Heterogeneity, TrainConfig, field_docs
-from .policies import SIMULATED_POLICY, names
+from sdpipe.config import Heterogeneity, TrainConfig, field_docs
+from sdpipe.core.policies import SIMULATED_POLICY, names
 
 #: the field types that one command-line word gives, and how to read it
 _SCALARS = {int: int, float: float, str: str, Optional[str]: str, Optional[int]: int, bool: bool}
@@ -234,7 +234,8 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
 
 
 def _simulate(args) -> int:
-    from . import Costs, Network, profiles, simulate
+    from sdpipe import Costs, Network, simulate
+    from sdpipe.simulation import profiles
 
     S = args.stages
     if args.profile is not None:
@@ -334,16 +335,16 @@ def _check(args) -> tuple[TrainConfig, dict]:
 
 def _example(args) -> tuple:
     """The built-in example's model, training and held-out data, and its loss and metric (if not the defaults)."""
-    from .data import digits, digits_cnn, digits_mlp
+    from sdpipe.data import digits, digits_cnn, digits_mlp
 
     if args.example == "gpt":
-        from .examples import char_data, char_gpt, lm_loss
+        from sdpipe.examples import char_data, char_gpt, lm_loss
 
         train_data, eval_data = char_data()
         return char_gpt(seed=args.seed), train_data, eval_data, {"loss_fn": lm_loss, "metric": "perplexity"}
     train_data, eval_data = digits(seed=args.seed)
     if args.example == "resnet":
-        from .examples import digits_resnet
+        from sdpipe.examples import digits_resnet
 
         return digits_resnet(seed=args.seed), train_data, eval_data, {}
     model = digits_cnn(seed=args.seed) if args.model == "cnn" else digits_mlp(hidden=args.hidden, seed=args.seed)
@@ -359,7 +360,7 @@ def _train(args) -> int:
         flush=True,
     )
 
-    from . import train
+    from sdpipe import train
 
     model, train_data, eval_data, extra = _example(args)
     run = train(

@@ -28,10 +28,10 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
-from .checks import integer, is_integer, number
-from .policies import DEFAULT, NAMES, names, record
-from .schedule import ASYNC_SCHEDULES, default_update_every
-from .scheduler import SchedulerPolicy
+from sdpipe.core.checks import integer, is_integer, number
+from sdpipe.core.policies import DEFAULT, NAMES, names, record
+from sdpipe.core.schedule import ASYNC_SCHEDULES, default_update_every
+from sdpipe.core.scheduler import SchedulerPolicy
 
 __all__ = [
     "DEVICES",
@@ -79,7 +79,7 @@ WorkerKey = Union[int, tuple]
 
 @dataclass(frozen=True, kw_only=True)
 class Heterogeneity:
-    """Emulated heterogeneity, applied by each worker inside its steps (:mod:`sdpipe._pace`).
+    """Emulated heterogeneity, applied by each worker inside its steps (:mod:`sdpipe.worker.pace`).
 
     ``Heterogeneity(slowdown={3: 4.0})`` makes pipeline 3's own step (measured without waiting for other
     pipelines) take 4x as long, whatever share of it is compute: its workers act as if everything they do
@@ -142,7 +142,7 @@ class Heterogeneity:
         return self._lookup(self.slowdown, pipeline, stage, 1.0)
 
     def stretch_of(self, pipeline: int, stage: int) -> float:
-        """The factor worker (pipeline, stage) stretches its own step by (:mod:`sdpipe._pace`): its own key's; a
+        """The factor worker (pipeline, stage) stretches its own step by (:mod:`sdpipe.worker.pace`): its own key's; a
         pipeline's key on the pipeline's stage 0 alone, which leads each of the pipeline's steps (its control
         message starts the step everywhere, and its step spans the pipeline's), so the pipeline's step stretches by
         it while the later stages wait for that message."""
@@ -228,7 +228,7 @@ class TrainConfig:
     heterogeneity: Optional[Heterogeneity] = None
     """Emulated stragglers and slow links, or None."""
     scheduler: Optional[Any] = None
-    """Group-scheduler parameters for "sdpipe": a sdpipe.scheduler.SchedulerPolicy or a dict of its fields."""
+    """Group-scheduler parameters for "sdpipe": a sdpipe.core.scheduler.SchedulerPolicy or a dict of its fields."""
     timeout: float = 120.0
     """Seconds any single wait (rendezvous, receive, collective) may take."""
     host: Optional[str] = None

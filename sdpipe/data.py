@@ -40,7 +40,7 @@ class Source:
     """A training or evaluation set as the workers read it: ``take(idx)`` gives the rows ``idx`` of a batch.
 
     A source holds inputs and targets, or one of them (:meth:`part`: stage 0 needs only the inputs, the last
-    stage only the targets).  Inputs and targets are tensor structures (:mod:`sdpipe._tree`) with the samples
+    stage only the targets).  Inputs and targets are tensor structures (:mod:`sdpipe.worker.tree`) with the samples
     along dimension 0.
     """
 
@@ -72,7 +72,7 @@ class TensorSource(Source):
 
     def __init__(self, inputs, targets, which: str = "both"):
         self.inputs, self.targets, self.which = inputs, targets, which
-        from ._tree import rows
+        from sdpipe.worker.tree import rows
 
         self._n = rows(inputs if inputs is not None else targets)
 
@@ -80,7 +80,7 @@ class TensorSource(Source):
         return self._n
 
     def take(self, idx):
-        from ._tree import index
+        from sdpipe.worker.tree import index
 
         pick = lambda obj: None if obj is None else index(obj, idx)
         return self._pick(pick(self.inputs), pick(self.targets))
@@ -218,7 +218,7 @@ def as_source(data, name: str, collate_fn=None) -> Source:
     import torch
     from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-    from ._tree import flatten, rows
+    from sdpipe.worker.tree import flatten, rows
 
     if isinstance(data, IterableDataset):
         return _stream(data, name, collate_fn, shard=name == "train_data")

@@ -42,7 +42,7 @@ import time
 import uuid
 from typing import Optional, Sequence
 
-from .checks import is_integer, is_number
+from sdpipe.core.checks import is_integer, is_number
 
 STATE_DIR = "/run/sdpipe-hosts"
 SCHEDULER_PORT = 8786

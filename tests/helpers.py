@@ -47,8 +47,8 @@ def wait_for_epoch(run, epoch: int, timeout: float = 120) -> None:
 
 
 def assert_records_valid(events: list) -> None:
-    """Every record fits ``sdpipe.events.SCHEMA`` (whoever produced it: worker, service, driver, simulator)."""
-    from sdpipe.events import problems
+    """Every record fits ``sdpipe.wire.events.SCHEMA`` (whoever produced it: worker, service, driver, simulator)."""
+    from sdpipe.wire.events import problems
 
     bad = [(e, problems(e)) for e in events if problems(e)]
     assert not bad, f"{len(bad)} of {len(events)} records do not fit the schema; first: {bad[0]}"

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler_core import drive
 
-from sdpipe.scheduler import GroupScheduler, Lost, Ready, SchedulerPolicy, StageScheduler, Tick
+from sdpipe.core.scheduler import GroupScheduler, Lost, Ready, SchedulerPolicy, StageScheduler, Tick
 
 #: the workers of these tests wait for their group before their next step (``drive`` and the hand-made events),
 #: as with blocking averaging; intervals then run from a worker's release to its next ready signal
@@ -268,7 +268,7 @@ def test_under_overlap_intervals_run_ready_to_ready():
 def test_logged_ready_signals_are_taken_in_as_if_one_by_one(signals, history, reads):
     """Under overlapped averaging a ready signal is logged and the log taken in (in numpy) when the state is read:
     the intervals, medians, spreads, release times and plans are those of taking each signal in at once."""
-    from sdpipe.scheduler import _Arrivals
+    from sdpipe.core.scheduler import _Arrivals
 
     batched, single = _Arrivals(history, overlap=True), _Arrivals(history, overlap=True)
     now = 0.0

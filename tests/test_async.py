@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import sdpipe
+from sdpipe.core.partition import partition
+from sdpipe.core.schedule import weight_versions
 from sdpipe.data import batch_indices, digits, digits_mlp, steps_per_epoch
-from sdpipe.partition import partition
-from sdpipe.schedule import weight_versions
 
 from helpers import live_process_groups
 

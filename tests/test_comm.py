@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdpipe._comm import allreduce_mean_, make_group
+from sdpipe.worker.comm import allreduce_mean_, make_group
 
 RUN_TIMEOUT = 60.0
 CONNECT = 2.0

@@ -10,8 +10,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 import sdpipe
-from sdpipe._cluster import workers_now
 from sdpipe.data import digits, digits_mlp
+from sdpipe.driver.cluster import workers_now
 
 from helpers import assert_records_valid, live_process_groups, port_closed, wait_for_epoch
 

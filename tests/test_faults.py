@@ -14,8 +14,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 import sdpipe
-from sdpipe._cluster import workers_now
 from sdpipe.data import digits, digits_mlp
+from sdpipe.driver.cluster import workers_now
 
 from helpers import assert_records_valid, live_process_groups, port_closed, wait_for_epoch
 
@@ -43,7 +43,7 @@ def cluster8():
 
 
 def _warm():
-    import sdpipe._worker  # noqa: F401  (torch and sdpipe's worker code)
+    import sdpipe.worker.loop  # noqa: F401  (torch and sdpipe's worker code)
 
 
 def all_workers_ready(client):
@@ -295,7 +295,7 @@ def test_a_lost_worker_on_a_users_cluster_adds_at_most_ten_lines_to_the_terminal
 def test_a_pipeline_whose_workers_stall_is_dropped_after_the_stall_limit(data, cluster8):
     """Both workers of pipeline 2 frozen (SIGSTOP: no error, no closed connection, nothing recorded): under
     ``none`` nobody waits for them, so only the run's stall limit can end the wait for their tasks."""
-    from sdpipe._watch import stall_limit
+    from sdpipe.driver.watch import stall_limit
 
     train_data, _ = data
     all_workers_ready(cluster8)

@@ -20,10 +20,10 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from sdpipe._comm import RendezvousTimeout, first_lost, make_group, mark_lost
-from sdpipe.protocol import GroupAnswer
-from sdpipe.sync import Scheduled
-from sdpipe.sync.mailbox import Mailbox, MailboxServer
+from sdpipe.wire.protocol import GroupAnswer
+from sdpipe.worker.comm import RendezvousTimeout, first_lost, make_group, mark_lost
+from sdpipe.worker.sync import Scheduled
+from sdpipe.worker.sync.mailbox import Mailbox, MailboxServer
 
 
 @pytest.fixture
@@ -191,8 +191,8 @@ def test_a_rendezvous_given_up_inside_gloo_ends_its_wait(store):
     # member 1 came to the meeting (its count is in) and died before gloo's rendezvous: member 0 is in gloo's C++
     # wait for member 1's address when the loss is marked; giving up ends that wait too (no helper thread left
     # blocked until the store closes)
-    from sdpipe._comm import ARRIVED
-    from sdpipe.protocol import Keys
+    from sdpipe.wire.protocol import Keys
+    from sdpipe.worker.comm import ARRIVED
 
     before = _rendezvous_threads()
     dist.PrefixStore(Keys.group("pipe7"), store).add(ARRIVED, 1)

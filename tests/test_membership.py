@@ -1,9 +1,9 @@
-"""The run's membership state machine on its own (sdpipe/membership.py): named transitions, the sets they keep."""
+"""The run's membership state machine on its own (sdpipe/core/membership.py): named transitions, the sets they keep."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe.membership import Membership
+from sdpipe.core.membership import Membership
 
 
 def test_an_added_pipeline_is_queued_then_joining_then_present():

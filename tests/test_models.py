@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import sdpipe
-from sdpipe._tree import Layout, flatten, header, layout_of, read_header, split, unflatten
 from sdpipe.data import batch_indices, digits
+from sdpipe.worker.tree import Layout, flatten, header, layout_of, read_header, split, unflatten
 
 from helpers import assert_records_valid
 

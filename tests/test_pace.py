@@ -1,4 +1,4 @@
-"""Emulated heterogeneity inside a worker's step (sdpipe._pace): what is stretched, what is not, and by whom.
+"""Emulated heterogeneity inside a worker's step (sdpipe.worker.pace): what is stretched, what is not, and by whom.
 
 Only lower bounds on sleeps are asserted (``time.sleep`` never returns early) and upper bounds far above what the
 measured work could give, so no assertion depends on the machine's speed."""
@@ -6,7 +6,7 @@ measured work could give, so no assertion depends on the machine's speed."""
 import time
 
 from sdpipe import Heterogeneity
-from sdpipe._pace import Pace
+from sdpipe.worker.pace import Pace
 
 
 def test_a_step_is_stretched_by_its_own_time_and_not_by_its_waits():

@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 
 from sdpipe.config import Heterogeneity, TrainConfig, config_keywords, field_docs
-from sdpipe.partition import balanced_cuts, check_cuts, stage_bounds
+from sdpipe.core.partition import balanced_cuts, check_cuts, stage_bounds
 
 
 def test_balanced_cuts_minimizes_heaviest_stage():
@@ -47,8 +47,8 @@ def test_partition_errors():
 def test_partition_sequential_and_list():
     from torch import nn
 
+    from sdpipe.core.partition import partition
     from sdpipe.data import digits_mlp
-    from sdpipe.partition import partition
 
     model = digits_mlp()
     parts = partition(model, 2)

@@ -6,7 +6,7 @@ import math
 import pytest
 
 import sdpipe
-from sdpipe.profiles import (
+from sdpipe.simulation.profiles import (
     BANDWIDTHS,
     BERT_BASE_BLOCKS,
     BERT_BASE_PARAMS,

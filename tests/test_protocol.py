@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdpipe import events
-from sdpipe.protocol import (
+from sdpipe.wire import events
+from sdpipe.wire.protocol import (
     Command,
     ControlMessage,
     GroupAnswer,
@@ -129,7 +129,7 @@ def scheduler():
     """A real Dask scheduler (in this process, no workers) with the group service installed."""
     from distributed import Client, LocalCluster
 
-    from sdpipe._service import ensure_service
+    from sdpipe.service import ensure_service
 
     with LocalCluster(
         n_workers=0,
@@ -170,7 +170,7 @@ def test_the_service_handle_answers_and_fails_with_one_exception_type(scheduler)
 
 
 def _call_socket(sock, message: dict) -> dict:
-    from sdpipe.protocol import decode_frame, encode_frame
+    from sdpipe.wire.protocol import decode_frame, encode_frame
 
     sock.sendall(encode_frame(message))
     size = int.from_bytes(sock.recv(4, socket.MSG_WAITALL), "big")
@@ -220,8 +220,8 @@ def test_a_pipeline_slower_than_a_whole_epoch_leaves_whole_epochs_and_measures_i
 
     import torch.distributed as dist
 
-    from sdpipe import _boundary
-    from sdpipe._boundary import Dispenser
+    from sdpipe.worker import boundary as _boundary
+    from sdpipe.worker.boundary import Dispenser
 
     now = [0.0]
     monkeypatch.setattr(_boundary, "time", types.SimpleNamespace(monotonic=lambda: now[0]))

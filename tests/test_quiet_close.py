@@ -52,7 +52,7 @@ def test_closing_a_notebook_style_cluster_after_training_warns_of_nothing(no_lea
 def test_a_closing_workers_heartbeat_race_is_not_reported():
     """What sdpipe.close_cluster installs in the workers before they close: Dask's report of a heartbeat that met the
     scheduler's closed connection is dropped, any other record passes."""
-    from sdpipe._cluster import QuietClosing
+    from sdpipe.driver.cluster import QuietClosing
 
     def record(msg):
         return logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, msg, (), None)

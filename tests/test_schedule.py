@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from sdpipe.schedule import (
+from sdpipe.core.schedule import (
     Action,
     ScheduleError,
     add_communication,
@@ -24,7 +24,7 @@ from sdpipe.schedule import (
 
 def test_pure_modules_import_without_torch_or_dask():
     code = (
-        "import sys; import sdpipe.schedule, sdpipe.partition, sdpipe.config;"
+        "import sys; import sdpipe.core.schedule, sdpipe.core.partition, sdpipe.config;"
         "bad=[m for m in ('torch','distributed','dask') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

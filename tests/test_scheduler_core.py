@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe.policies import POLICY_PRESETS
-from sdpipe.scheduler import (
+from sdpipe.core.policies import POLICY_PRESETS
+from sdpipe.core.scheduler import (
     WINDOW_RULES,
     DisjointSet,
     GroupScheduler,
@@ -551,7 +551,7 @@ def test_decided_groups_are_ordinary_frozen_groups():
     groups built by it do."""
     import dataclasses
 
-    from sdpipe.scheduler import Group
+    from sdpipe.core.scheduler import Group
 
     s = StageScheduler(0, range(8), SchedulerPolicy(pair_threshold=2))
     out = []

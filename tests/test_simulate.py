@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sdpipe
-from sdpipe import events
-from sdpipe.schedule import build_plan, dry_run
+from sdpipe.core.schedule import build_plan, dry_run
+from sdpipe.core.sync_rules import GLOBAL, STEP, ps_release
 from sdpipe.simulation import SIM_POLICIES, Costs, Network, ring_allreduce_seconds, simulate
 from sdpipe.simulation.proxy import _Ssp
-from sdpipe.sync_rules import GLOBAL, STEP, ps_release
+from sdpipe.wire import events
 
 COSTS = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], weight_bytes=[4e5, 8e5], activation_bytes=[4e4])
 COSTS4 = Costs(forward=[0.002] * 4, backward=[0.004] * 4, weight_bytes=[4e5] * 4, activation_bytes=[4e4] * 3)
@@ -116,7 +116,7 @@ HETERO = sdpipe.Heterogeneity(
 
 @pytest.mark.parametrize("policy", SIM_POLICIES)
 def test_every_record_of_a_simulated_run_fits_the_event_schema(policy):
-    """Every record the simulator makes comes from sdpipe.events; a group names the policy that decided it."""
+    """Every record the simulator makes comes from sdpipe.wire.events; a group names the policy that decided it."""
     costs = dataclasses.replace(COSTS, jitter=0.2, step_overhead=1e-3, optimizer=[1e-4, 2e-4])
     result = simulate(2, 4, costs=costs, policy=policy, steps=30, heterogeneity=HETERO)
     for rec in result.events:
@@ -165,7 +165,7 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
         cluster=shared_cluster,
     ).result(timeout=300)
     costs, net, shown = sdpipe.calibrate(result)
-    stages = sdpipe.partition(digits_cnn(8), 2, (6,))
+    stages = sdpipe.core.partition(digits_cnn(8), 2, (6,))
     assert costs.weight_bytes == tuple(float(sum(p.numel() * 4 for p in m.parameters())) for m in stages)
     assert costs.activation_bytes == (float(stages[0](torch.zeros(16, 64)).numel() * 4),)
     assert all(v > 0 for v in costs.forward + costs.backward + costs.optimizer)

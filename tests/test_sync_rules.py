@@ -1,8 +1,8 @@
-"""The synchronization policies' decisions (sdpipe.sync_rules, sdpipe.data.leaves_tail), without a cluster.
+"""The synchronization policies' decisions (sdpipe.core.sync_rules, sdpipe.data.leaves_tail), without a cluster.
 
 Plain values in, a decision out: unit cases with the worked examples, and hypothesis properties
 (random arrival orders and speeds, then the invariants).  The last tests check the worker-side
-interface of sdpipe.sync that the worker loop codes against, on bare objects.
+interface of sdpipe.worker.sync that the worker loop codes against, on bare objects.
 """
 
 import math
@@ -15,9 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe.data import leaves_tail
-from sdpipe.protocol import GroupAnswer
-from sdpipe.sync_rules import (
+from sdpipe.core.sync_rules import (
     GLOBAL,
     STEP,
     PsRelease,
@@ -31,13 +29,16 @@ from sdpipe.sync_rules import (
     member_weight,
     ps_release,
 )
+from sdpipe.data import leaves_tail
+from sdpipe.wire.protocol import GroupAnswer
 
 FAST = settings(max_examples=100, deadline=None)
 
 
 def test_the_rules_import_neither_torch_nor_dask():
     code = (
-        "import sys, sdpipe.sync_rules; print(sorted(m for m in ('torch', 'distributed', 'dask') if m in sys.modules))"
+        "import sys, sdpipe.core.sync_rules;"
+        "print(sorted(m for m in ('torch', 'distributed', 'dask') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -84,7 +85,8 @@ def test_ps_held_step_pulls_are_the_step_kinds_in_arrival_order():
 
 
 def _simulate_ps(data, clients: int, staleness: int, epochs: int, leave_prob: float):
-    """A parameter server driven by random arrival orders, mirroring sdpipe.sync.ps.PsServer; checks each release."""
+    """A parameter server driven by random arrival orders, mirroring sdpipe.worker.sync.ps.PsServer; checks each
+    release."""
     steps = {c: data.draw(st.integers(0, 6), label=f"steps of {c}") for c in range(clients)}
     clock = {c: 0 for c in range(clients)}
     live, at_global, waiting = set(range(clients)), set(), {}
@@ -156,7 +158,7 @@ def test_gossip_roles_are_a_bipartite_split(pipelines):
 
 
 def _reference_peer(passives, lost, rng):
-    """The draw as sdpipe.sync.GossipPairs made it before the rule was pulled out (draw, drop if lost, again)."""
+    """The draw as sdpipe.worker.sync.GossipPairs made it before the rule was pulled out (draw, drop if lost, again)."""
     passives = list(passives)
     while passives:
         peer = rng.choice(passives)
@@ -332,7 +334,7 @@ def test_leaving_the_tail_is_monotone_and_slower_pipelines_do_not_count(mine, ot
 
 # ------------------------------------------------------------------ the interface the worker loop codes against
 def test_policy_interface_coupled_and_decide_stop():
-    from sdpipe import sync as policy
+    from sdpipe.worker import sync as policy
 
     with pytest.raises(TypeError):
         policy.SyncPolicy()  # abstract: every policy says what it does after a step and at an epoch's end
@@ -372,7 +374,7 @@ def test_ps_server_applies_the_release_rule():
     """The server half on its own (no thread, no store): pushes in, replies out as ps_release decides."""
     import torch
 
-    from sdpipe import sync as policy
+    from sdpipe.worker import sync as policy
 
     class Pg:
         def __init__(self):

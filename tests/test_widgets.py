@@ -23,7 +23,7 @@ def test_core_imports_without_notebook_packages():
         "        if name.split('.')[0] in ('ipywidgets', 'plotly', 'anywidget', 'IPython'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import sdpipe, sdpipe.scheduler, sdpipe.sync\n"
+        "import sdpipe, sdpipe.core.scheduler, sdpipe.worker.sync\n"
         "assert callable(sdpipe.train)\n"
         "try:\n"
         "    import sdpipe.widgets\n"

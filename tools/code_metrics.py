@@ -7,16 +7,17 @@ Counted with :mod:`ast` over ``sdpipe/`` (and ``widgets/`` for long lines):
 
 * the longest functions, classes and modules (lines from ``def``/``class`` to the body's last line, decorators
   excluded), and how many are over the house limits (function 60, class 300, module 700 lines);
-* the places outside ``sdpipe/policies.py`` that spell a policy's name or mode in code (a string constant that
+* the places outside ``sdpipe/core/policies.py`` that spell a policy's name or mode in code (a string constant that
   is not a docstring, in ``sdpipe/`` and ``widgets/``): ``sdpipe`` alone is left out, as it is also the
   package's, the logger's and the program's name;
 * type tests of the policy in the worker (``hasattr(...policy...)``, ``policy.name`` compared with a string);
 * the rule sets ruff checks (``[tool.ruff.lint] select`` in ``pyproject.toml``);
 * lines over 120 characters;
-* ``isinstance`` checks against a policy class (one defined in ``sdpipe/sync/``) outside that module;
+* ``isinstance`` checks against a policy class (one defined in ``sdpipe/worker/sync/``) outside that module;
 * imports of the package's own modules inside functions;
 * test functions that call policy decisions without a cluster: tests in modules without the ``cluster``,
-  ``hosts``, ``browser`` or ``gpu`` markers that reference a name of ``sdpipe.sync`` or ``sdpipe.sync_rules``.
+  ``hosts``, ``browser`` or ``gpu`` markers that reference a name of ``sdpipe.worker.sync`` or
+  ``sdpipe.core.sync_rules``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 120
 POLICY_MODULES = (
-    *tuple(sorted(f"sdpipe/sync/{p.name}" for p in (ROOT / "sdpipe" / "sync").glob("*.py"))),
-    "sdpipe/sync_rules.py",
+    *tuple(sorted(f"sdpipe/worker/sync/{p.name}" for p in (ROOT / "sdpipe" / "worker" / "sync").glob("*.py"))),
+    "sdpipe/core/sync_rules.py",
 )
 #: house limits on a unit's length in lines
 LIMITS = {"function": 60, "class": 300, "module": 700}
-WORKER_MODULES = ("sdpipe/_worker.py", "sdpipe/_boundary.py", "sdpipe/_stage.py")
+WORKER_MODULES = ("sdpipe/worker/loop.py", "sdpipe/worker/boundary.py", "sdpipe/worker/stage.py")
 
 
 def _docstrings(tree: ast.AST) -> set:
@@ -82,7 +83,7 @@ def _spelled() -> set:
     import sys
 
     sys.path.insert(0, str(ROOT))
-    from sdpipe.policies import RECORDS
+    from sdpipe.core.policies import RECORDS
 
     return {x for r in RECORDS.values() for x in (r.name, r.mode)} - {"sdpipe"}
 
@@ -126,7 +127,7 @@ def measure() -> dict:
         long_lines += [f"{rel}:{i}" for i, line in enumerate(text.splitlines(), 1) if len(line) > LIMIT]
         modules.append(("module", rel, len(text.splitlines())))
         tree = ast.parse(text)
-        if rel != "sdpipe/policies.py":
+        if rel != "sdpipe/core/policies.py":
             spellings += _policy_spellings(tree, rel, spelled)
         if rel in WORKER_MODULES:
             type_tests += _policy_type_tests(tree, rel)
@@ -152,7 +153,8 @@ def measure() -> dict:
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(fn):
-                    if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                    own = isinstance(node, ast.ImportFrom) and (node.level >= 1 or (node.module or "").startswith("sdpipe"))
+                    if own:
                         local_imports.append(f"{rel}:{node.lineno}")
     functions = sorted((u for u in units if u[0] == "function"), key=lambda u: -u[2])
     classes = sorted((u for u in units if u[0] == "class"), key=lambda u: -u[2])
@@ -187,7 +189,7 @@ def _policy_tests() -> int:
         imported = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                ("sdpipe.sync", "sdpipe.sync_rules")
+                ("sdpipe.worker.sync", "sdpipe.core.sync_rules")
             ):
                 imported |= {a.asname or a.name for a in node.names}
         used = imported & names

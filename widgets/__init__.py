@@ -12,7 +12,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"sdpipe.widgets needs ipywidgets and plotly: pip install 'sdpipe[notebook]' ({e})") from None
 
-from .dashboard import Dashboard
-from .view import CATEGORIES, RunView
+from sdpipe.widgets.dashboard import Dashboard
+from sdpipe.widgets.view import CATEGORIES, RunView
 
 __all__ = ["CATEGORIES", "Dashboard", "RunView"]

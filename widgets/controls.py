@@ -18,7 +18,7 @@ from __future__ import annotations
 import anywidget
 import traitlets
 
-from sdpipe.checks import number
+from sdpipe.core.checks import number
 
 __all__ = ["ACTIONS", "ControlPanel"]
 

@@ -29,10 +29,9 @@ import traitlets
 from plotly.subplots import make_subplots
 
 from sdpipe.config import LIVE_POLICIES
-from sdpipe.policies import record
-
-from .controls import MAX_STALENESS, ControlPanel
-from .view import CATEGORIES, RunView
+from sdpipe.core.policies import record
+from sdpipe.widgets.controls import MAX_STALENESS, ControlPanel
+from sdpipe.widgets.view import CATEGORIES, RunView
 
 __all__ = ["Dashboard"]
 

@@ -2,10 +2,10 @@
 
 ``sdpipe.simulate(...)`` replays S stages x D pipelines step by step in simulated
 time: each pipeline's step costs what the schedule plan costs with per-action
-costs (``sdpipe.schedule.dry_run``) scaled by the same
+costs (``sdpipe.core.schedule.dry_run``) scaled by the same
 :class:`~sdpipe.Heterogeneity` the runtime applies; after its step every
 worker is ready for its group, and the groups come from the very
-:class:`~sdpipe.scheduler.GroupScheduler` the group service runs.  A group
+:class:`~sdpipe.core.scheduler.GroupScheduler` the group service runs.  A group
 costs a scheduler round trip plus a ring all-reduce of the stage's weights.
 A convergence proxy (one quadratic per worker, averaged with its groups)
 shows the effect of stale mixing.
@@ -36,7 +36,7 @@ all-reduce`` and averages its members' proxies (weighted by progress under
 
 The result is a :class:`sdpipe.RunResult` with the same event records and
 history fields as a real run (times are simulated seconds; every record is
-made by :mod:`sdpipe.events`), so ``Dashboard(result)`` replays a simulated run.
+made by :mod:`sdpipe.wire.events`), so ``Dashboard(result)`` replays a simulated run.
 
 Every policy: ``sdpipe`` and ``allreduce`` through the core; ``ps`` with a server per stage whose link carries
 every push and pull of its stage, answering by the runtime's staleness rule; ``adpsgd`` with random pairs of an
@@ -55,12 +55,12 @@ import gc
 import math
 from typing import Optional
 
-from ..checks import integer, is_number
-from ..config import Heterogeneity, TrainConfig
-from ..policies import SIMULATED_POLICY, names
-from .calibrate import Calibration, calibrate
-from .costs import Costs, Network, ring_allreduce_seconds
-from .trace import _check_trace, spot_trace
+from sdpipe.config import Heterogeneity, TrainConfig
+from sdpipe.core.checks import integer, is_number
+from sdpipe.core.policies import SIMULATED_POLICY, names
+from sdpipe.simulation.calibrate import Calibration, calibrate
+from sdpipe.simulation.costs import Costs, Network, ring_allreduce_seconds
+from sdpipe.simulation.trace import _check_trace, spot_trace
 
 __all__ = [
     "SIM_POLICIES",
@@ -138,7 +138,7 @@ def simulate(
         seed=seed,
     )
     changes = _check_trace(trace, pipelines, policy)
-    from .engine import _Simulation  # the engine loads with the first simulation, not with the costs
+    from sdpipe.simulation.engine import _Simulation  # the engine loads with the first simulation, not with the costs
 
     sim = _Simulation(config, costs=costs, network=network, steps=steps, record=record, lr=lr, noise=noise)
     collecting = gc.isenabled()

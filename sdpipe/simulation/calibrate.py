@@ -8,10 +8,10 @@ import math
 import statistics
 from typing import NamedTuple
 
-from ..config import Heterogeneity, TrainConfig
-from ..policies import record as policy_record
-from ..sync_rules import PAIR, SERVED, gossip_roles
-from .costs import Costs, Network, _step_finish, _step_plan
+from sdpipe.config import Heterogeneity, TrainConfig
+from sdpipe.core.policies import record as policy_record
+from sdpipe.core.sync_rules import PAIR, SERVED, gossip_roles
+from sdpipe.simulation.costs import Costs, Network, _step_finish, _step_plan
 
 __all__ = ["Calibration", "calibrate"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checks import is_number
-from ..config import TrainConfig
-from ..schedule import ASYNC_SCHEDULES, build_plan, dry_run
+from sdpipe.config import TrainConfig
+from sdpipe.core.checks import is_number
+from sdpipe.core.schedule import ASYNC_SCHEDULES, build_plan, dry_run
 
 __all__ = ["Costs", "Network", "ring_allreduce_seconds"]
 
@@ -77,7 +77,7 @@ class Costs:
     @classmethod
     def from_run(cls, result) -> "Costs":
         """Per-stage costs measured in a real run's events (see :func:`calibrate`)."""
-        from .calibrate import calibrate  # calibrate builds Costs
+        from sdpipe.simulation.calibrate import calibrate  # calibrate builds Costs
 
         return calibrate(result).costs
 

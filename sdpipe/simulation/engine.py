@@ -10,15 +10,15 @@ from typing import Optional
 
 import numpy as np
 
-from .. import events
-from .._result import RunResult
-from ..config import Heterogeneity, TrainConfig
-from ..data import TAIL_BATCHES_PER_PIPELINE, smoothed_step_time, tail_goes_faster
-from ..policies import record as policy_record
-from ..scheduler import GroupScheduler
-from ..sync_rules import GLOBAL, PAIR, SERVED, STEP, gossip_roles
-from .costs import Costs, Network, _step_finish, _step_plan, ring_allreduce_seconds
-from .proxy import _Proxy, _Server
+from sdpipe.config import Heterogeneity, TrainConfig
+from sdpipe.core.policies import record as policy_record
+from sdpipe.core.scheduler import GroupScheduler
+from sdpipe.core.sync_rules import GLOBAL, PAIR, SERVED, STEP, gossip_roles
+from sdpipe.data import TAIL_BATCHES_PER_PIPELINE, smoothed_step_time, tail_goes_faster
+from sdpipe.driver.result import RunResult
+from sdpipe.simulation.costs import Costs, Network, _step_finish, _step_plan, ring_allreduce_seconds
+from sdpipe.simulation.proxy import _Proxy, _Server
+from sdpipe.wire import events
 
 __all__ = []
 
@@ -63,7 +63,7 @@ class _Simulation:
         S, D, M = config.stages, config.pipelines, config.microbatches
         self.config, self.costs, self.net = config, costs, network
         self.S, self.D, self.steps, self.record, self.policy = S, D, steps, record, config.policy
-        #: how the replicas meet (:attr:`sdpipe.policies.PolicyRecord.exchange`)
+        #: how the replicas meet (:attr:`sdpipe.core.policies.PolicyRecord.exchange`)
         self.exchange = exchange = policy_record(config.policy).exchange
         self.epochs, self.sync_every = config.epochs, config.sync_every
         self.hetero = hetero = config.heterogeneity or Heterogeneity()
@@ -93,7 +93,7 @@ class _Simulation:
         plan = _step_plan(config)
         finish: dict = {}
         self.step_costs = []  # per pipeline: (per-stage finish, compute, forward seconds of one step)
-        #: per pipeline, what each stage sleeps after its step for a step slowdown f (sdpipe._pace: f - 1 times its
+        #: per pipeline, what each stage sleeps after its step for a step slowdown f (worker.pace: f - 1 times its
         #: own step, the step overhead counted on stage 0; a pipeline's slowdown is stage 0's), or None
         self.stretch: list = []
         for p in range(D):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sync_rules import GLOBAL
+from sdpipe.core.sync_rules import GLOBAL
 
 __all__ = []
 
@@ -148,7 +148,7 @@ class _Proxy:
 
 class _Ssp:
     """A stage's parameter server's stale synchronous parallel bookkeeping, kept incrementally: the decisions of
-    :func:`sdpipe.sync_rules.ps_release` (which the runtime's server calls after every request) in O(1) per
+    :func:`sdpipe.core.sync_rules.ps_release` (which the runtime's server calls after every request) in O(1) per
     request where that function looks at every client (``tests/test_simulate.py`` holds the two to the same
     answers)."""
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import random
 
-from ..checks import is_number
-from ..policies import names
-from ..policies import record as policy_record
+from sdpipe.core.checks import is_number
+from sdpipe.core.policies import names
+from sdpipe.core.policies import record as policy_record
 
 __all__ = ["spot_trace"]
 

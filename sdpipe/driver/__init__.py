@@ -1,0 +1,3 @@
+"""The driver: ``train()``, the ``Run`` handle, launching on a Dask cluster, steering, membership changes,
+watching for failures, the result. Runs in the user's process.
+"""

@@ -1,0 +1,120 @@
+"""What a finished run returns, and how the driver assembles it from the workers' results and the events."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sdpipe.config import TrainConfig
+
+__all__ = ["RunError", "RunResult", "assemble", "history", "plain_config"]
+
+
+class RunError(RuntimeError):
+    """A run ended because a worker failed or was lost."""
+
+
+@dataclass
+class RunResult:
+    """What a finished run returns."""
+
+    models: list
+    """One full ``nn.Sequential`` per pipeline, on the CPU."""
+    history: list
+    """One dict per epoch and pipeline: epoch, pipeline, loss, samples_per_s, ...; with eval data eval_loss and
+    the run's metric under its name (``metric`` says which: "accuracy", "perplexity", a function's name)."""
+    events: list
+    """Every event record of the run, in arrival order."""
+    config: TrainConfig
+    wall_time: float
+    """Seconds from launch to the last worker's end."""
+    stopped: bool = False
+    """True when the run ended early through ``Run.stop``."""
+    steps: dict = field(default_factory=dict)
+    """Steps each pipeline completed."""
+    lost: dict = field(default_factory=dict)
+    """Pipelines lost during the run (a worker process or its Dask worker died) and not taken back: pipeline ->
+    what was lost.  Their entry in ``models`` is None."""
+    left: dict = field(default_factory=dict)
+    """Pipelines that left the run (``Run.remove_pipeline``, or added too late to join): pipeline -> when.
+    Their entry in ``models`` is None."""
+    pipelines: int = 0
+    """Pipeline ids the run handed out: the first ``config.pipelines``, then one per pipeline added."""
+
+    @property
+    def metric(self):
+        """The name of the metric the evaluation reported (its key in ``history``), or None."""
+        return next((h["metric"] for h in self.history if "metric" in h), None)
+
+    @property
+    def finished_pipelines(self) -> list:
+        """The pipelines that ran to the end."""
+        return [p for p in range(len(self.models)) if self.models[p] is not None]
+
+    def max_param_diff(self) -> float:
+        """Largest absolute difference of any parameter between the first finished pipeline and the others."""
+        models = [m for m in self.models if m is not None]
+        ref = models[0].state_dict()
+        worst = 0.0
+        for m in models[1:]:
+            for k, v in m.state_dict().items():
+                worst = max(worst, float((v.float() - ref[k].float()).abs().max()))
+        return worst
+
+
+def history(events: list) -> list:
+    """The ``epoch`` records' metrics, by epoch and pipeline."""
+    rows = [e["metrics"] for e in events if e.get("kind") == "epoch"]
+    return sorted(rows, key=lambda r: (r["epoch"], r["pipeline"]))
+
+
+def plain_config(config: TrainConfig) -> dict:
+    """The configuration as JSON data (a checkpoint's manifest)."""
+    return json.loads(json.dumps(config.to_dict(), default=str))
+
+
+def assemble(
+    config: TrainConfig,
+    stage_modules: list,
+    results: dict,
+    lost: dict,
+    events: list,
+    from_sequential: bool,
+    left: Optional[dict] = None,
+    pipelines: Optional[int] = None,
+) -> RunResult:
+    """The run's :class:`RunResult` from each finished rank's result (its weights, steps, whether it stopped).
+
+    A lost pipeline's model is None, as is that of a pipeline that left.  An ``nn.Sequential`` comes back
+    with its original layer names; a list of stages as one module per stage.
+    """
+    from torch import nn
+
+    left = left or {}
+    pipelines = config.pipelines if pipelines is None else pipelines
+    models = []
+    for p in range(pipelines):
+        if p in lost or p in left:
+            models.append(None)
+            continue
+        parts = []
+        for s in range(config.stages):
+            mod = copy.deepcopy(stage_modules[s])
+            mod.load_state_dict(results[p * config.stages + s]["state"])
+            parts.append(mod)
+        layers = [layer for part in parts for layer in part] if from_sequential else parts
+        models.append(nn.Sequential(*layers))
+    return RunResult(
+        models=models,
+        history=history(events),
+        events=events,
+        config=config,
+        wall_time=max([e["end"] for e in events] + [0.0]),
+        stopped=any(r.get("stopped") for r in results.values()),
+        steps={p: results[p * config.stages]["steps"] for p in range(pipelines) if p not in lost and p not in left},
+        lost=dict(lost),
+        left=dict(left),
+        pipelines=pipelines,
+    )

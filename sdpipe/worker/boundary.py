@@ -1,0 +1,279 @@
+"""What a worker does at a step boundary: read the driver's command, agree with its pipeline, take a batch.
+
+Every pipeline's stage 0 decides what the pipeline does next and sends it down as a
+:class:`~sdpipe.wire.protocol.ControlMessage`; the other stages receive it, pass it on and do the same.  A worked
+case, 3 stages, stage 0 at a boundary::
+
+    stage 0: reads Command(stop=False, hetero=2, ...) -> batch 17 from the shared counter
+             sends ControlMessage(RUN, epoch=1, step=40, batch=17, hetero=2, policy=0) to stage 1
+    stage 1: receives it, sends it on to stage 2, takes heterogeneity version 2, trains batch 17
+    stage 2: receives it, takes heterogeneity version 2, trains batch 17
+
+:class:`PipelineControl` carries the messages (and holds the pipeline while the run is paused);
+:class:`Dispenser` hands out each epoch's batches from the counter all pipelines share, so work follows speed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from sdpipe.config import Heterogeneity
+from sdpipe.data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
+from sdpipe.wire.protocol import Command, ControlMessage, Keys, Op
+from sdpipe.worker.comm import TAG_CTRL, pipeline_lost
+
+__all__ = ["CTL_INTERVAL", "CTL_MAX_AGE", "CommandWatcher", "Dispenser", "PipelineControl", "membership"]
+
+CTL_INTERVAL = 0.1  # seconds: how often a pipeline's stage 0 looks for the driver's commands
+CTL_MAX_AGE = 2.5 * CTL_INTERVAL  # the oldest reading a step acts on
+
+
+class CommandWatcher(threading.Thread):
+    """Stage 0: reads the driver's command key every ``CTL_INTERVAL`` in the background.
+
+    It has its own connection to the run's store, so a step never waits for
+    a store round trip (or for this thread) to learn that nothing changed.
+    """
+
+    def __init__(self, store):
+        super().__init__(name="sdpipe-ctl", daemon=True)
+        self._store = store
+        self._halt = threading.Event()
+        self.latest = None  # (monotonic time, raw value) of the last reading
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.latest = (time.monotonic(), self._store.get(Keys.CTL))
+            except Exception:  # the store is gone (the run ended): steps read it themselves, and fail at once
+                self.latest = None
+                return
+            self._halt.wait(CTL_INTERVAL)
+
+    def close(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
+class PipelineControl:
+    """One worker's side of the control messages: the driver's command (stage 0) and the pipeline's message."""
+
+    def __init__(self, worker, watcher_store=None):
+        self.worker = worker
+        self._cache = None  # (monotonic time, raw value) of the last read
+        self._send = None  # (work, tensor) of the control message in flight to the next stage
+        self.seen = worker.members_version  # stage 0: the last membership change looked at
+        self.watcher = None
+        if watcher_store is not None:
+            self.watcher = CommandWatcher(watcher_store)
+            self.watcher.start()
+
+    def exchange(self, msg: Optional[ControlMessage]) -> ControlMessage:
+        """Stage 0 sends ``msg`` down the pipeline; the others receive (``msg`` None) and pass it on."""
+        w = self.worker
+        if w.link is None:
+            return msg
+        start = time.time()
+        if w.first:
+            t = torch.tensor(msg.encode(), dtype=torch.int64)
+        else:
+            with w.pace.waiting():  # the previous stage's step and its slowdown: not this worker's own
+                t = w.link.recv((ControlMessage.SIZE,), torch.int64, w.stage - 1, TAG_CTRL)
+        if not w.last:
+            # not waited for here: a gloo send completes only once the next stage posted its receive,
+            # i.e. once it finished its previous step; this stage starts its step meanwhile
+            self.wait_sent()
+            self._send = w.link.isend(t, w.stage + 1, TAG_CTRL)
+        got = ControlMessage.decode(t.tolist())
+        if not w.first and got.op is not Op.PAUSE:
+            w.span("wait", got.step, None, start, time.time())
+        return got
+
+    def wait_sent(self) -> None:
+        """Wait for the last control message this stage sent down the pipeline to be received."""
+        if self._send is not None:
+            work, _ = self._send
+            self._send = None
+            work.wait()
+
+    def read(self, max_age: float = 0.0) -> Command:
+        """The driver's :class:`~sdpipe.wire.protocol.Command` as last written.
+
+        ``max_age``: a reading at most this many seconds old is answered
+        without asking the store (a round trip costs a millisecond or more on
+        a busy machine); stage 0's :class:`CommandWatcher` keeps one fresh in the
+        background, so steps never wait for it and the driver's commands act
+        within about ``CTL_INTERVAL``.
+        """
+        now = time.monotonic()
+        latest = self.watcher.latest if self.watcher else None
+        readings = [r for r in (self._cache, latest) if r is not None]
+        if not readings or now - max(r[0] for r in readings) > max_age:
+            self._cache = (now, self.worker.store.get(Keys.CTL))
+            readings.append(self._cache)
+        # two connections' readings may arrive out of order: the driver numbers its writes
+        return max((Command.decode(r[1]) for r in readings), key=lambda c: c.seq)
+
+    def hold(self, step: int, hv: int, pv: int) -> tuple:
+        """Stage 0: hold the pipeline at this step boundary while the run is paused.
+
+        A heartbeat control message goes down the pipeline a few times a
+        second, so the other stages' waits never run into their timeout.
+        Returns (stop, heterogeneity version, policy version) once resumed.
+        """
+        start = time.time()
+        while True:
+            self.exchange(ControlMessage(Op.PAUSE, 0, step, -1, hv, pv))
+            time.sleep(0.2)
+            cmd = self.read()
+            if cmd.stop or not cmd.pause:
+                self.worker.span("pause", step, None, start, time.time())
+                return cmd.stop, cmd.hetero, cmd.policy
+
+    def changes(self, version: int) -> bool:
+        """Stage 0 at a step boundary: look at the membership changes up to ``version`` not seen yet.
+
+        Returns whether the driver asked this pipeline to leave.  Unless it leaves, it claims each join it sees
+        (compare-and-set: the first pipeline to claim a join donates); the claim is acted on by
+        :meth:`take_members`, on every stage of the pipeline.
+        """
+        w = self.worker
+        records = [membership(w.store, v) for v in range(self.seen + 1, version + 1)]
+        leave = any(r["kind"] == "leave" and r["pipeline"] == w.pipeline for r in records)
+        if not leave:
+            for r in records:
+                if r["kind"] == "join":
+                    w.store.compare_set(Keys.join(r["pipeline"], r["generation"], "donor"), "", str(w.pipeline))
+        self.seen = max(self.seen, version)
+        return leave
+
+    def take_members(self, step: int, epoch: int, j, members: int) -> None:
+        """Take up the membership changes up to ``members``: give this stage's state to a joiner this pipeline
+        claimed; a coupled policy changes its members at this step (``j``: the step of the epoch about to run,
+        None at the epoch's end) and forms its group anew once the state is given (the joiner forms it too)."""
+        w = self.worker
+        if members <= w.members_version:
+            return
+        coupled = w.policy.coupled
+        for v in range(w.members_version + 1, members + 1):
+            rec = membership(w.store, v)
+            if rec["kind"] == "join":
+                key = Keys.join(rec["pipeline"], rec["generation"], "donor")
+                if w.store.check([key]) and w.store.get(key).decode() == str(w.pipeline):
+                    after = w.policy.changed(w, rec, epoch, j) if coupled else None
+                    w.donate(rec["pipeline"], rec["generation"], v, epoch, step, after)
+            if coupled:
+                w.policy.change(w, rec, epoch, j)
+        w.members_version = members
+        if coupled:
+            w.policy.connect(w, members)
+
+    def apply(self, step: int, hv: int, pv: int, epoch: int, j, members: int = 0) -> None:
+        """Take up new heterogeneity, a new policy or a change of the pipelines present at this step boundary
+        (same step on every stage)."""
+        w = self.worker
+        self.take_members(step, epoch, j, members)
+        if hv != w.hetero_version:
+            w.hetero = Heterogeneity.from_dict(json.loads(w.store.get(Keys.hetero(hv)).decode()))
+            w.hetero_version = hv
+            w.dispenser.forget()  # its step time was measured under the old heterogeneity
+            now = time.time()
+            w.span("control", step, None, now, now, what="heterogeneity", version=hv, applied_by="worker")
+        if pv != w.policy_version:
+            spec = json.loads(w.store.get(Keys.policy(pv)).decode())
+            w.policy_version = pv
+            if spec["mode"] != w.policy.name:
+                if w.policy.coupled and j is not None:
+                    # leaving the lock-step shards mid-epoch: the shared counter continues after the
+                    # batches every pipeline has taken (this step's included)
+                    w.dispenser.base[epoch] = w.policy.taken(w, epoch, j)
+                w.switch_policy(spec["mode"])
+            now = time.time()
+            w.span("control", step, None, now, now, what="policy", policy=spec["name"], version=pv, applied_by="worker")
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+        self._send = None
+
+
+def membership(store, version: int) -> dict:
+    """Membership change ``version`` (the driver's JSON under :meth:`Keys.members`)."""
+    return json.loads(store.get(Keys.members(version)).decode())
+
+
+class Dispenser:
+    """Stage 0: the batches of each epoch, from the counter shared by all pipelines.
+
+    Each pipeline publishes its step time (an average over recent steps).
+    In the epoch's tail a pipeline leaves the last batches to the others
+    when they would finish all of them before it finished one: so the
+    epoch, and the global sync that ends it, does not wait for a slow
+    pipeline's last step (:func:`sdpipe.data.leaves_tail`).
+
+    A pipeline so slow that the others finish a whole epoch before its one
+    step leaves whole epochs: its estimate, measured in an earlier epoch,
+    counts for ``MAX_AGE`` epochs, after which it takes a batch again to
+    measure itself anew (its speed may have changed); a change of the run's
+    heterogeneity drops the estimate at once (:meth:`forget`).  A pipeline
+    out of an epoch publishes its estimate for the next one, so whoever
+    starts that epoch first already sees the others' speeds.
+    """
+
+    MAX_AGE = 2  # epochs an earlier epoch's step time still decides what a pipeline leaves
+
+    def __init__(self, store, pipeline: int, pipelines: int, batches_per_epoch: int):
+        self.store, self.pipeline, self.pipelines = store, pipeline, pipelines
+        self.batches_per_epoch = batches_per_epoch
+        self.base: dict = {}  # epoch -> batches taken before the shared counter started (a switch mid-epoch)
+        self._last = None  # (epoch, time) of this pipeline's last batch
+        self._step_time = None  # recent seconds per step of this pipeline, all waits included
+        self._step_time_epoch = None  # the epoch it was last measured in
+
+    def forget(self) -> None:
+        """Drop the step-time estimate (the heterogeneity changed): the next batches measure it anew."""
+        self._step_time = self._step_time_epoch = None
+
+    def next(self, epoch: int) -> Optional[int]:
+        """The next batch of ``epoch``, or None when it is used up (or left to the others)."""
+        now = time.monotonic()
+        last = self._last
+        if last is not None and last[0] == epoch:
+            self._step_time = smoothed_step_time(self._step_time, now - last[1])
+            self._step_time_epoch = epoch
+        if self._step_time is not None:
+            self.store.set(Keys.step_time(epoch, self.pipeline), repr(self._step_time))
+        base = self.base.get(epoch, 0)
+        taken = self.store.add(Keys.batches_taken(epoch), 0)
+        remaining = self.batches_per_epoch - base - taken
+        b = None
+        in_tail = remaining <= TAIL_BATCHES_PER_PIPELINE * self.pipelines
+        if remaining > 0 and not (in_tail and self._leave_tail(epoch, remaining)):
+            b = base + self.store.add(Keys.batches_taken(epoch), 1) - 1
+        if b is None or b >= self.batches_per_epoch:
+            self.store.set(Keys.step_time(epoch, self.pipeline), "inf")  # out of this epoch
+            if self._step_time is not None:  # ready for whoever starts the next epoch first
+                self.store.set(Keys.step_time(epoch + 1, self.pipeline), repr(self._step_time))
+            self._last = None
+            return None
+        self._last = (epoch, now)
+        return b
+
+    def _leave_tail(self, epoch: int, remaining: int) -> bool:
+        """The tail rule against the step times the other pipelines still in ``epoch`` published."""
+        if self._step_time_epoch is None or epoch - self._step_time_epoch > self.MAX_AGE:
+            # never measured, or too long ago: a pipeline that fell behind would otherwise keep a
+            # stale estimate, leave every epoch and never measure itself again
+            return False
+        ids = int(self.store.get(Keys.PIPELINE_IDS)) if self.store.check([Keys.PIPELINE_IDS]) else self.pipelines
+        keys = [
+            Keys.step_time(epoch, p) for p in range(ids) if p != self.pipeline and not pipeline_lost(self.store, p)
+        ]  # a lost pipeline takes nothing
+        keys = [k for k in keys if self.store.check([k])]
+        times = [float(v) for v in self.store.multi_get(keys)] if keys else []
+        return leaves_tail(self._step_time, times, remaining)
