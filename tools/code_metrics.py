@@ -153,8 +153,8 @@ def measure() -> dict:
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(fn):
-                    own = isinstance(node, ast.ImportFrom) and (node.level >= 1 or (node.module or "").startswith("sdpipe"))
-                    if own:
+                    module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+                    if isinstance(node, ast.ImportFrom) and (node.level >= 1 or module.startswith("sdpipe")):
                         local_imports.append(f"{rel}:{node.lineno}")
     functions = sorted((u for u in units if u[0] == "function"), key=lambda u: -u[2])
     classes = sorted((u for u in units if u[0] == "class"), key=lambda u: -u[2])
