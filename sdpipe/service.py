@@ -60,7 +60,7 @@ import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
-from sdpipe.core.scheduler import GroupScheduler, Join, Ready, SchedulerPolicy
+from sdpipe.core.scheduler import GroupScheduler, Hurry, Join, Lost, Ready, Retune, SchedulerPolicy, Tick
 from sdpipe.wire import events
 from sdpipe.wire.protocol import GroupAnswer, GroupServiceError, decode_frame, encode_frame
 
@@ -257,7 +257,7 @@ class GroupService(SchedulerPlugin):
         if st is None:
             return
         st.timer = None
-        self._dispatch(run_id, st, st.core.tick(self._now(st)))
+        self._dispatch(run_id, st, st.core.handle(Tick(self._now(st))))
 
     def _drop(self, run_id: str) -> None:
         st = self.runs.pop(run_id, None)
@@ -291,7 +291,7 @@ class GroupService(SchedulerPlugin):
         fut = asyncio.get_running_loop().create_future()
         st.waiters[key] = fut
         try:
-            decisions = st.core.handle(stage, Ready(pipeline, step, self._now(st), bool(global_sync)))
+            decisions = st.core.handle(Ready(pipeline, step, self._now(st), bool(global_sync), stage=stage))
         except ValueError as e:
             st.waiters.pop(key, None)
             raise GroupServiceError(str(e)) from None
@@ -316,7 +316,7 @@ class GroupService(SchedulerPlugin):
             # Nobody came: take the pipeline out so the others do not wait on it, and fail this worker.
             st.waiters.pop(key, None)
             if run_id in self.runs:
-                self._dispatch(run_id, st, st.core.lost(pipeline, self._now(st)))
+                self._dispatch(run_id, st, st.core.handle(Lost(pipeline, self._now(st))))
             return {"error": f"no group for pipeline {pipeline} stage {stage} within {timeout:.0f}s"}
 
     def leave(self, run_id, stage, pipeline, token=None):
@@ -326,7 +326,7 @@ class GroupService(SchedulerPlugin):
         if stage is None and token != st.token:  # taking a whole pipeline out is the driver's call
             raise PermissionError(f"token: does not match run {run_id!r}")
         now = self._now(st)
-        decisions = st.core.lost(pipeline, now) if stage is None else st.core.leave(stage, pipeline, now)
+        decisions = st.core.handle(Lost(pipeline, now, stage=stage))  # stage None: the whole pipeline
         if stage is None:  # the whole pipeline is gone: its workers still waiting get no group
             for (s, p), fut in list(st.waiters.items()):
                 if p == pipeline and not fut.done():
@@ -337,13 +337,13 @@ class GroupService(SchedulerPlugin):
 
     def hurry(self, run_id, stage, pipeline):
         st = self._run(run_id)
-        self._dispatch(run_id, st, st.core.hurry(stage, pipeline, self._now(st)))
+        self._dispatch(run_id, st, st.core.handle(Hurry(pipeline, self._now(st), stage=stage)))
         return {"ok": True}
 
     def join(self, run_id, stage, pipeline, donor):
         st = self._run(run_id)
         try:
-            decisions = st.core.handle(stage, Join(pipeline, self._now(st), donor))
+            decisions = st.core.handle(Join(pipeline, self._now(st), donor, stage=stage))
         except ValueError as e:
             raise GroupServiceError(str(e)) from None
         st.joins[stage, pipeline] = st.joins.get((stage, pipeline), 0) + 1
@@ -354,7 +354,7 @@ class GroupService(SchedulerPlugin):
         st = self._owned(run_id, token)
         st.policy_name = policy_name
         st.version += 1
-        decisions = st.core.set_policy(SchedulerPolicy(**policy), self._now(st))
+        decisions = st.core.handle(Retune(SchedulerPolicy(**policy), self._now(st)))
         self._log(
             st,
             [

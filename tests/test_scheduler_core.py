@@ -13,9 +13,11 @@ from sdpipe.core.scheduler import (
     WINDOW_RULES,
     DisjointSet,
     GroupScheduler,
+    Hurry,
     Join,
     Lost,
     Ready,
+    Retune,
     SchedulerPolicy,
     StageScheduler,
     Tick,
@@ -23,21 +25,8 @@ from sdpipe.core.scheduler import (
 
 
 def check_open_rounds(sched):
-    """What each stage keeps incrementally about its open round agrees with its definition: the workers the
-    round still waits for (rule "arrival") and whether a graph-sync round's members would connect the stage."""
-    for st_ in sched.stages:
-        r = st_.open
-        if r is None:
-            continue
-        if r.expected is not None:
-            members = set(r.members)
-            outstanding = {w for w in r.expected if w not in members and w in st_.live and w not in st_.global_waiting}
-            assert r.missing == outstanding, (r.missing, outstanding)
-        if r.graph:
-            assert st_._graph_connected(r) == st_._connected(r.members)
-    graph = [st_.stage for st_ in sched.stages if st_.open is not None and st_.open.graph]
-    assert len(graph) <= 1 and sched.graph_holder == (graph[0] if graph else None)
-    assert all(st_.may_graph_sync == (sched.graph_holder in (None, st_.stage)) for st_ in sched.stages)
+    """The core's own invariants (GroupScheduler.validate), checked after every event."""
+    sched.validate()
 
 
 def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, jitter=0.5, joins=(), start=None):
@@ -51,7 +40,7 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
     start = range(D) if start is None else start
     sched = GroupScheduler(stages, D, policy)
     for p in set(range(D)) - set(start):  # not there yet: as a pipeline lost before the start
-        sched.lost(p, 0.0)
+        sched.handle(Lost(p, 0.0))
     heap, seq = [], 0
 
     def push(t, kind, *args):
@@ -97,7 +86,7 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
                 s: (set(sched.stages[s].live), sched.stages[s].waiting | sched.stages[s].global_waiting)
                 for s in range(stages)
             }
-            apply(sched.tick(now), before)
+            apply(sched.handle(Tick(now)), before)
             continue
         now, _, kind, args = heapq.heappop(heap)
         before = {
@@ -107,10 +96,10 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
         if kind == "lost":
             lost.add(args[0])
             gen[args[0]] += 1
-            apply(sched.lost(args[0], now), before)
+            apply(sched.handle(Lost(args[0], now)), before)
             continue
         if kind == "leave":
-            apply(sched.leave(args[0], args[1], now), before)
+            apply(sched.handle(Lost(args[1], now, stage=args[0])), before)
             continue
         if kind == "join":
             p, donor = args
@@ -123,7 +112,7 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
                 continue
             lost.discard(p)
             log.append((now, None, (p, donor)))
-            apply(sched.join(p, now, donor), before)
+            apply(sched.handle(Join(p, now, donor)), before)
             for s in range(stages):  # its first step after taking the state
                 push(now + rng.uniform(1 - jitter, 1 + jitter) / speeds[p], "ready", s, p, gen[p])
             continue
@@ -135,7 +124,7 @@ def drive(stages, speeds, policy, steps, losses=(), seed=0, global_every=None, j
         g_sync = step[(s, p)] >= steps or (global_every is not None and step[(s, p)] % global_every == 0)
         before[s][1].add(p)
         if step[(s, p)] % 2:  # the runtime's path (an event object) and the simulator's (GroupScheduler.ready)
-            apply(sched.handle(s, Ready(p, step[(s, p)], now, global_sync=g_sync)), before)
+            apply(sched.handle(Ready(p, step[(s, p)], now, global_sync=g_sync, stage=s)), before)
         else:
             apply(sched.ready(s, p, now, g_sync, step[(s, p)]), before)
     # everything left open must be explained by lost workers
@@ -414,15 +403,15 @@ def test_pairs_above_threshold():
 
 def test_graph_sync_holds_one_stage_at_a_time():
     sched = GroupScheduler(2, 2, SchedulerPolicy(staleness=1, window_init=0.001))
-    assert sched.handle(0, Ready(0, 1, 0.0)) == []  # stage 0 opens a graph round (P=1) and takes the token
+    assert sched.handle(Ready(0, 1, 0.0, stage=0)) == []  # stage 0 opens a graph round (P=1) and takes the token
     assert sched.graph_holder == 0
-    sched.handle(1, Ready(0, 1, 0.0))
+    sched.handle(Ready(0, 1, 0.0, stage=1))
     assert not sched.stages[1].open.graph  # stage 1 forms an ordinary round meanwhile
     [g] = sched.tick(0.002)
     assert (g.stage, g.reason) == (1, "alone")
-    [g] = sched.handle(0, Ready(1, 1, 0.003))
+    [g] = sched.handle(Ready(1, 1, 0.003, stage=0))
     assert (g.stage, g.reason, g.members) == (0, "graph", (0, 1)) and sched.graph_holder is None
-    sched.handle(1, Ready(1, 2, 0.004))
+    sched.handle(Ready(1, 2, 0.004, stage=1))
     assert sched.stages[1].open.graph and sched.graph_holder == 1  # now stage 1 takes its turn
 
 
@@ -638,3 +627,28 @@ def test_a_cycle_of_rounds_across_stages_closes_the_first_opened():
     (g,) = sched.ready(1, 1, 0.5, False, 2)
     assert (g.stage, g.members, g.reason) == (0, (0,), "preempted")
     assert sched.stages[1].waiting == {1} and sched.stages[0].open is None
+
+
+def test_one_entry_point_takes_every_event_and_says_which_stage_it_needs():
+    """handle(event) routes by the event's type and stage: a Lost or Join without a stage is a whole pipeline's,
+    with one a single worker's; Ready and Hurry name their stage; Retune changes every stage's parameters."""
+    sched = GroupScheduler(2, 3, SchedulerPolicy(window="prototype", window_init=10.0, window_max=10.0))
+    sched.handle(Lost(2, 0.0))
+    assert all(st_.live == {0, 1} for st_ in sched.stages)
+    sched.handle(Join(2, 0.1, donor=0, stage=1))
+    assert [st_.live for st_ in sched.stages] == [{0, 1}, {0, 1, 2}]
+    with pytest.raises(ValueError, match="worker: 2 already takes part in stage 1"):
+        sched.handle(Join(2, 0.2, donor=0))  # every stage: stage 1 has it already
+    sched.handle(Lost(2, 0.3, stage=1))
+    sched.handle(Join(2, 0.4, donor=0))
+    assert all(st_.live == {0, 1, 2} for st_ in sched.stages)
+    with pytest.raises(ValueError, match="needs the stage of its worker"):
+        sched.handle(Ready(0, 1, 0.5))
+    assert sched.handle(Ready(0, 1, 0.5, stage=0)) == []
+    [g] = sched.handle(Hurry(0, 0.6, stage=0))  # its epoch's end: the round closes with what it holds
+    assert (g.stage, g.members, g.reason) == (0, (0,), "preempted")
+    sched.handle(Retune(SchedulerPolicy(max_group=2), 0.7))
+    assert all(st_.policy.max_group == 2 for st_ in sched.stages) and sched.policy.max_group == 2
+    with pytest.raises(TypeError, match="is not Ready, Lost, Tick, Join, Hurry or Retune"):
+        sched.handle("ready")
+    sched.validate()

@@ -115,6 +115,7 @@ __all__ = [
     "Join",
     "Lost",
     "Ready",
+    "Retune",
     "SchedulerPolicy",
     "StageScheduler",
     "Tick",
@@ -240,14 +241,18 @@ class Ready:
     step: int
     time: float
     global_sync: bool = False
+    #: the stage whose worker it is (for :meth:`GroupScheduler.handle`; a :class:`StageScheduler` is one stage)
+    stage: Optional[int] = None
 
 
 @dataclass(frozen=True)
 class Lost:
-    """Worker left the stage for good (failure or stop)."""
+    """Worker left the stage for good (failure or stop); with no ``stage``, a whole pipeline is gone (every stage's
+    worker ``worker``)."""
 
     worker: int
     time: float
+    stage: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,8 @@ class Join:
     worker: int
     time: float
     donor: Optional[int] = None
+    #: the stage it joined; None: a whole pipeline joined (every stage took ``donor``'s state)
+    stage: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -275,9 +282,18 @@ class Hurry:
 
     worker: int
     time: float
+    stage: Optional[int] = None
 
 
-Event = Union[Ready, Lost, Tick, Join, Hurry]
+@dataclass(frozen=True)
+class Retune:
+    """The scheduler's parameters change (a live policy change) from now on, in every stage."""
+
+    policy: SchedulerPolicy
+    time: float
+
+
+Event = Union[Ready, Lost, Tick, Join, Hurry, Retune]
 
 
 @dataclass(frozen=True)
@@ -773,7 +789,34 @@ class StageScheduler:
             return self._join(event)
         if isinstance(event, Hurry):
             return self.hurry(event.worker, event.time)
-        raise TypeError(f"event: {event!r} is not Ready, Lost, Tick, Join or Hurry")
+        if isinstance(event, Retune):
+            return self.set_policy(event.policy, event.time)
+        raise TypeError(f"event: {event!r} is not Ready, Lost, Tick, Join, Hurry or Retune")
+
+    def validate(self) -> None:
+        """Check the stage's invariants; an ``AssertionError`` names the first one broken.
+
+        The workers inside the open round are live and are its members; none waits for both its round and the
+        global group; what the stage keeps incrementally about its open round agrees with its definition (the
+        workers rule "arrival" still waits for; whether a graph-sync round's members would connect the stage);
+        the disjoint sets hold every live worker; the windows stay within the policy's bounds."""
+        r = self.open
+        members = set(r.members) if r is not None else set()
+        assert self.waiting == members, f"stage {self.stage}: waiting {self.waiting} != round members {members}"
+        assert members <= self.live, f"stage {self.stage}: round members {members - self.live} are not live"
+        assert not (self.waiting & self.global_waiting), f"stage {self.stage}: in a round and the global group"
+        assert self.global_waiting <= self.live, f"stage {self.stage}: {self.global_waiting - self.live} not live"
+        assert self.live <= set(self.dsu.parent), f"stage {self.stage}: live workers missing from the disjoint sets"
+        assert all(self._live_mask[w] for w in self.live), f"stage {self.stage}: live mask behind live"
+        assert int(self._live_mask.sum()) == len(self.live), f"stage {self.stage}: live mask ahead of live"
+        if r is not None:
+            if r.expected is not None:
+                outstanding = {w for w in r.expected if w not in members and w in self.live}
+                outstanding -= self.global_waiting
+                assert r.missing == outstanding, f"stage {self.stage}: missing {r.missing} != {outstanding}"
+            if r.graph:
+                assert self._graph_connected(r) == self._connected(r.members), f"stage {self.stage}: graph trial"
+        assert self.since_reset >= 0, f"stage {self.stage}: negative update count"
 
     def hurry(self, w: int, now: float) -> list:
         """``handle(Hurry(w, now))``: the open round closes now if ``w`` is in it (else nothing changes)."""
@@ -782,12 +825,16 @@ class StageScheduler:
             return []
         return self._close(now, "preempted")
 
-    def _join(self, ev: Join) -> list:
-        w, donor = ev.worker, ev.donor
+    def check_join(self, w: int, donor: Optional[int]) -> None:
+        """A one-line ``ValueError`` when ``w`` cannot join this stage with ``donor``'s state."""
         if w in self.live:
             raise ValueError(f"worker: {w} already takes part in stage {self.stage}")
         if donor is not None and donor not in self.live:
             raise ValueError(f"donor: {donor} is not a live worker of stage {self.stage} (live: {sorted(self.live)})")
+
+    def _join(self, ev: Join) -> list:
+        w, donor = ev.worker, ev.donor
+        self.check_join(w, donor)
         self.live.add(w)
         self._mark(w, True)
         self.windows[w] = self.policy.window_init
@@ -1014,6 +1061,12 @@ def _cycle(edges: dict) -> list:
     return []
 
 
+def _stage_of(event) -> int:
+    if event.stage is None:
+        raise ValueError(f"event: {event!r} needs the stage of its worker")
+    return event.stage
+
+
 class GroupScheduler:
     """All stages of a run, with the one-graph-sync-at-a-time token (see the module docstring)."""
 
@@ -1042,6 +1095,18 @@ class GroupScheduler:
         g._flags()
         return g
 
+    def validate(self) -> None:
+        """Check every stage's invariants (:meth:`StageScheduler.validate`) and the graph-sync token's: at most
+        one stage holds an open graph-sync round, it is the holder, and the stages' flags follow the holder.
+        The tests run it after every event."""
+        for st in self.stages:
+            st.validate()
+        graph = [st.stage for st in self.stages if st.open is not None and st.open.graph]
+        assert len(graph) <= 1, f"stages {graph} hold graph-sync rounds at once"
+        assert self.graph_holder == (graph[0] if graph else None), f"token at {self.graph_holder}, rounds {graph}"
+        for st in self.stages:
+            assert st.may_graph_sync == (self.graph_holder in (None, st.stage)), f"stage {st.stage}'s flag"
+
     def _flags(self) -> None:
         for st in self.stages:
             st.may_graph_sync = self.graph_holder is None or self.graph_holder == st.stage
@@ -1052,10 +1117,31 @@ class GroupScheduler:
         out = fn()
         return out + self._settle(now)
 
-    def handle(self, stage: int, event: Event) -> list:
-        """Apply ``event`` to ``stage``; returns every decided group (any stage)."""
-        now = event.time
-        return self._apply(now, lambda: self.stages[stage].handle(event))
+    def handle(self, event: Event) -> list:
+        """The one entry point of the group service and the simulator: apply ``event`` (to its ``stage``, or to
+        every stage where an event of a whole pipeline has none) and return every decided group (any stage).
+
+        :meth:`ready` is ``handle(Ready(...))`` without building the event (the simulator's hot path: tens of
+        millions of ready signals in a large simulation)."""
+        kind = type(event)
+        if kind is Ready:
+            return self.ready(_stage_of(event), event.worker, event.time, event.global_sync, event.step)
+        if kind is Tick:
+            return self.tick(event.time)
+        if kind is Lost:
+            if event.stage is None:
+                return self.lost(event.worker, event.time)
+            return self.leave(event.stage, event.worker, event.time)
+        if kind is Join:
+            if event.stage is None:
+                return self.join(event.worker, event.time, event.donor)
+            st = self.stages[event.stage]
+            return self._apply(event.time, lambda: st.handle(event))
+        if kind is Hurry:
+            return self.hurry(_stage_of(event), event.worker, event.time)
+        if kind is Retune:
+            return self.set_policy(event.policy, event.time)
+        raise TypeError(f"event: {event!r} is not Ready, Lost, Tick, Join, Hurry or Retune")
 
     def ready(self, stage: int, worker: int, now: float, global_sync: bool = False, step: Optional[int] = None) -> list:
         """``handle(stage, Ready(worker, step, now, global_sync))`` without building the event (the simulator's
@@ -1105,7 +1191,10 @@ class GroupScheduler:
         return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Lost(worker, now))])
 
     def join(self, worker: int, now: float, donor: Optional[int] = None) -> list:
-        """A whole pipeline joins (or rejoins): every stage's worker ``worker`` took the state of ``donor``'s."""
+        """A whole pipeline joins (or rejoins): every stage's worker ``worker`` took the state of ``donor``'s.
+        Checked in every stage before any changes: a refused join changes nothing."""
+        for st in self.stages:
+            st.check_join(worker, donor)
         return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Join(worker, now, donor))])
 
     def hurry(self, stage: int, worker: int, now: float) -> list:

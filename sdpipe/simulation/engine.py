@@ -12,7 +12,7 @@ import numpy as np
 
 from sdpipe.config import Heterogeneity, TrainConfig
 from sdpipe.core.policies import record as policy_record
-from sdpipe.core.scheduler import GroupScheduler
+from sdpipe.core.scheduler import GroupScheduler, Hurry, Join, Lost, Tick
 from sdpipe.core.sync_rules import GLOBAL, PAIR, SERVED, STEP, gossip_roles
 from sdpipe.data import TAIL_BATCHES_PER_PIPELINE, smoothed_step_time, tail_goes_faster
 from sdpipe.driver.result import RunResult
@@ -300,7 +300,7 @@ class _Simulation:
             if self.overlap:  # a round still open for one of its ready signals closes now (Hurry)
                 for s in range(self.S):
                     if self.averaging[p * self.S + s] is None:
-                        self._apply(self.core.hurry(s, p, t))
+                        self._apply(self.core.handle(Hurry(p, t, stage=s)))
             self._global_when_settled(p)
 
     def _on_epoch(self, t: float, p: int) -> None:
@@ -423,7 +423,7 @@ class _Simulation:
     def _on_tick(self, now: float) -> None:
         """The core's deadline: the rounds whose window ran out close."""
         self.now = now
-        self._apply(self.core.tick(now))
+        self._apply(self.core.handle(Tick(now)))
 
     def _apply(self, decisions) -> None:
         """What the core decided on one of its events (groups, if any), then its next deadline."""
@@ -600,7 +600,7 @@ class _Simulation:
                 self._epoch_row(p, t, False)
             pipe.done = True
             if self.core is not None:
-                self._apply(self.core.lost(p, t))
+                self._apply(self.core.handle(Lost(p, t)))
             donor = None
         else:
             donor = min(self.present) if self.present else None
@@ -614,7 +614,7 @@ class _Simulation:
             if donor is not None:
                 self.proxy.copy(donor, p)
             if self.core is not None:
-                self._apply(self.core.join(p, t, donor))
+                self._apply(self.core.handle(Join(p, t, donor)))
             net = self.net
             transfer = max(net.latency + b / net.bandwidth for b in self.costs.weight_bytes) if donor is not None else 0
             self._push(t + transfer, "start", p)
