@@ -268,7 +268,7 @@ def test_under_overlap_intervals_run_ready_to_ready():
 def test_logged_ready_signals_are_taken_in_as_if_one_by_one(signals, history, reads):
     """Under overlapped averaging a ready signal is logged and the log taken in (in numpy) when the state is read:
     the intervals, medians, spreads, release times and plans are those of taking each signal in at once."""
-    from sdpipe.core.scheduler import _Arrivals
+    from sdpipe.core.scheduler.arrivals import _Arrivals
 
     batched, single = _Arrivals(history, overlap=True), _Arrivals(history, overlap=True)
     now = 0.0

@@ -1,0 +1,260 @@
+"""All stages of a run (:class:`GroupScheduler`): the one entry point, the graph-sync token, cycles broken."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from sdpipe.core.scheduler.policy import SchedulerPolicy
+from sdpipe.core.scheduler.signals import Event, Hurry, Join, Lost, Ready, Retune, Tick
+from sdpipe.core.scheduler.stage import StageScheduler
+
+__all__ = ["GroupScheduler"]
+
+
+#: the parameters of a scheduler given none (a frozen value: one instance serves every scheduler)
+DEFAULT_POLICY = SchedulerPolicy()
+
+
+def _cycle(edges: dict) -> list:
+    """The nodes of one cycle of the directed graph ``edges`` (node -> successors), or [] when it has none."""
+    state: dict = {}  # node -> 1 on the current path, 2 done
+    for root in edges:
+        if root in state:
+            continue
+        path, stack = [], [(root, iter(edges.get(root, ())))]
+        state[root] = 1
+        path.append(root)
+        while stack:
+            node, succ = stack[-1]
+            nxt = next(succ, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                state[node] = 2
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt) :]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, iter(edges.get(nxt, ()))))
+    return []
+
+
+def _stage_of(event) -> int:
+    if event.stage is None:
+        raise ValueError(f"event: {event!r} needs the stage of its worker")
+    return event.stage
+
+
+class GroupScheduler:
+    """All stages of a run, with the one-graph-sync-at-a-time token (see the module docstring)."""
+
+    def __init__(self, stages: int, pipelines: int, policy: SchedulerPolicy = DEFAULT_POLICY):
+        self.stages = [StageScheduler(s, range(pipelines), policy) for s in range(stages)]
+        self.policy = policy
+        self.graph_holder: Optional[int] = None
+        self._deadline: Optional[float] = None  # next_deadline's answer, while ``_deadline_ok``
+        self._deadline_ok = False
+
+    def snapshot(self) -> dict:
+        """Plain data: every stage's state and the graph-sync token."""
+        return {
+            "stages": [st.snapshot() for st in self.stages],
+            "graph_holder": self.graph_holder,
+            "policy": self.policy.to_dict(),
+        }
+
+    @classmethod
+    def restore(cls, snap: dict) -> "GroupScheduler":
+        g = cls.__new__(cls)
+        g.stages = [StageScheduler.restore(st) for st in snap["stages"]]
+        g.policy = SchedulerPolicy(**snap["policy"])
+        g.graph_holder = snap["graph_holder"]
+        g._deadline, g._deadline_ok = None, False
+        g._flags()
+        return g
+
+    def validate(self) -> None:
+        """Check every stage's invariants (:meth:`StageScheduler.validate`) and the graph-sync token's: at most
+        one stage holds an open graph-sync round, it is the holder, and the stages' flags follow the holder.
+        The tests run it after every event."""
+        for st in self.stages:
+            st.validate()
+        graph = [st.stage for st in self.stages if st.open is not None and st.open.graph]
+        assert len(graph) <= 1, f"stages {graph} hold graph-sync rounds at once"
+        assert self.graph_holder == (graph[0] if graph else None), f"token at {self.graph_holder}, rounds {graph}"
+        for st in self.stages:
+            assert st.may_graph_sync == (self.graph_holder in (None, st.stage)), f"stage {st.stage}'s flag"
+
+    def _flags(self) -> None:
+        for st in self.stages:
+            st.may_graph_sync = self.graph_holder is None or self.graph_holder == st.stage
+
+    def _apply(self, now: float, fn) -> list:
+        self._flags()
+        self._deadline_ok = False
+        out = fn()
+        return out + self._settle(now)
+
+    def handle(self, event: Event) -> list:
+        """The one entry point of the group service and the simulator: apply ``event`` (to its ``stage``, or to
+        every stage where an event of a whole pipeline has none) and return every decided group (any stage).
+
+        :meth:`ready` is ``handle(Ready(...))`` without building the event (the simulator's hot path: tens of
+        millions of ready signals in a large simulation)."""
+        kind = type(event)
+        if kind is Ready:
+            return self.ready(_stage_of(event), event.worker, event.time, event.global_sync, event.step)
+        if kind is Tick:
+            return self.tick(event.time)
+        if kind is Lost:
+            if event.stage is None:
+                return self.lost(event.worker, event.time)
+            return self.leave(event.stage, event.worker, event.time)
+        if kind is Join:
+            if event.stage is None:
+                return self.join(event.worker, event.time, event.donor)
+            st = self.stages[event.stage]
+            return self._apply(event.time, lambda: st.handle(event))
+        if kind is Hurry:
+            return self.hurry(_stage_of(event), event.worker, event.time)
+        if kind is Retune:
+            return self.set_policy(event.policy, event.time)
+        raise TypeError(f"event: {event!r} is not Ready, Lost, Tick, Join, Hurry or Retune")
+
+    def ready(self, stage: int, worker: int, now: float, global_sync: bool = False, step: Optional[int] = None) -> list:
+        """``handle(stage, Ready(worker, step, now, global_sync))`` without building the event (the simulator's
+        hot path)."""
+        st = self.stages[stage]
+        before = st.open
+        out = st.ready(worker, now, global_sync, step)
+        if out or st.open is not before:  # a round opened or closed: the deadlines changed (an open one's stays)
+            self._deadline_ok = False
+        # _settle, for an event of one stage: only this stage's round changed, and no other stage can hold an open
+        # graph-sync round (the token keeps the others from opening one while a stage holds it)
+        r, holder = st.open, self.graph_holder
+        graph = r is not None and r.graph
+        if (holder is None and graph) or (holder == stage and not graph):
+            out = out + self._settle(now)  # with _unlock
+        elif r is not None and (graph or r.deadline == math.inf) and len(self.stages) > 1:
+            if self._may_lock(st, worker):
+                out = out + self._unlock(now)
+        return out
+
+    def _may_lock(self, st: StageScheduler, w: int) -> bool:
+        """Whether ``w``'s ready signal into ``st``'s open round without a deadline may have closed a cycle of
+        rounds (:meth:`_unlock`): the round just opened (its waits are new), or a sibling of ``w`` that another
+        such round waits for has reached the step ``w`` waits at (a new wait for this round).  O(stages): a run
+        whose ready signals keep their steps in line never goes further."""
+        if len(st.open.members) == 1:
+            return True
+        k = st._last_step.get(w)
+        if k is None:
+            return False
+        for other in self.stages:
+            o = other.open
+            if other is st or o is None or not (o.graph or o.deadline == math.inf):
+                continue
+            if w in other.waiting or w in other.global_waiting or w not in other.live:
+                continue
+            last = other._last_step.get(w)
+            if last is not None and last >= k:
+                return True
+        return False
+
+    def tick(self, now: float) -> list:
+        return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Tick(now))])
+
+    def lost(self, worker: int, now: float) -> list:
+        """A whole pipeline is gone: remove it from every stage."""
+        return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Lost(worker, now))])
+
+    def join(self, worker: int, now: float, donor: Optional[int] = None) -> list:
+        """A whole pipeline joins (or rejoins): every stage's worker ``worker`` took the state of ``donor``'s.
+        Checked in every stage before any changes: a refused join changes nothing."""
+        for st in self.stages:
+            st.check_join(worker, donor)
+        return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Join(worker, now, donor))])
+
+    def hurry(self, stage: int, worker: int, now: float) -> list:
+        """``worker`` of ``stage`` reached its epoch's end: its open round closes now (see :class:`Hurry`)."""
+        return self._apply(now, lambda: self.stages[stage].hurry(worker, now))
+
+    def leave(self, stage: int, worker: int, now: float) -> list:
+        """One worker left its stage (its pipeline stopped)."""
+        return self._apply(now, lambda: self.stages[stage].handle(Lost(worker, now)))
+
+    def set_policy(self, policy: SchedulerPolicy, now: float) -> list:
+        self.policy = policy
+        return self._apply(now, lambda: [g for st in self.stages for g in st.set_policy(policy, now)])
+
+    def _settle(self, now: float) -> list:
+        """Track which stage holds the graph-sync token (the stages' flags follow it)."""
+        holder = self.graph_holder
+        if holder is not None:
+            r = self.stages[holder].open
+            if r is None or not r.graph:
+                holder = None
+        if holder is None:
+            for st in self.stages:
+                if st.open is not None and st.open.graph:
+                    holder = st.stage
+                    break
+        if holder != self.graph_holder:
+            self.graph_holder = holder
+            self._flags()
+        return self._unlock(now) if len(self.stages) > 1 else []
+
+    def _unlock(self, now: float) -> list:
+        """Close a round that waits, across stages, on itself (see "Rounds that wait on each other" in the module
+        docstring): among the stages' open rounds without a deadline, a round waits for another when a worker it
+        waits for has a sibling (the same pipeline's worker of another stage) held in the other one at a step
+        the worker has already reached, which it must pass before the worker's next step can be made.  The
+        first-opened round of a cycle closes at once with the members it holds ("preempted")."""
+        held = [st for st in self.stages if st.open is not None and (st.open.graph or st.open.deadline == math.inf)]
+        if len(held) < 2:
+            return []
+        where: dict = {}  # pipeline -> [(stage, the step its worker there waits at)]
+        for st in held:
+            steps = st._last_step
+            for w in st.open.members:
+                k = steps.get(w)
+                if k is not None:
+                    where.setdefault(w, []).append((st.stage, k))
+        waits: dict = {}  # stage -> the stages whose rounds hold a worker that its round waits for
+        for st in held:
+            steps, out = st._last_step, set()
+            for w, holds in where.items():
+                if w in st.waiting or w not in st.live or w in st.global_waiting:
+                    continue
+                last = steps.get(w)
+                if last is None:
+                    continue
+                out.update(s for s, k in holds if s != st.stage and last >= k)
+            waits[st.stage] = out
+        cycle = _cycle(waits)
+        if not cycle:
+            return []
+        first = min(cycle, key=lambda s: (self.stages[s].open.opened, s))
+        st = self.stages[first]
+        self._deadline_ok = False
+        out = st._close(now, "preempted")
+        return out + self._settle(now)
+
+    def next_deadline(self) -> Optional[float]:
+        """The earliest of the stages' deadlines (``StageScheduler.next_deadline``, inlined: asked after every
+        event; kept from the last time until a round opens or closes, or an event other than a ready signal
+        comes: the stages are driven through this object)."""
+        if self._deadline_ok:
+            return self._deadline
+        best = None
+        for st in self.stages:
+            r = st.open
+            if r is None or r.graph:
+                continue
+            d = r.deadline
+            if d != math.inf and (best is None or d < best):
+                best = d
+        self._deadline, self._deadline_ok = best, True
+        return best
