@@ -26,6 +26,7 @@ from sdpipe.config import Heterogeneity
 from sdpipe.data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
 from sdpipe.wire.protocol import Command, ControlMessage, Keys, Op
 from sdpipe.worker.comm import TAG_CTRL, pipeline_lost
+from sdpipe.worker.handover import donate
 
 __all__ = ["CTL_INTERVAL", "CTL_MAX_AGE", "CommandWatcher", "Dispenser", "PipelineControl", "membership"]
 
@@ -166,7 +167,7 @@ class PipelineControl:
                 key = Keys.join(rec["pipeline"], rec["generation"], "donor")
                 if w.store.check([key]) and w.store.get(key).decode() == str(w.pipeline):
                     after = w.policy.changed(w, rec, epoch, j) if coupled else None
-                    w.donate(rec["pipeline"], rec["generation"], v, epoch, step, after)
+                    donate(w, rec["pipeline"], rec["generation"], v, epoch, step, after)
             if coupled:
                 w.policy.change(w, rec, epoch, j)
         w.members_version = members

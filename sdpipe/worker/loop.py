@@ -17,16 +17,13 @@ The loop asks its policy (``coupled``, ``decide_stop``), never its type.
 
 from __future__ import annotations
 
-import datetime
 import os
 import random
-import threading
 import time
 import traceback
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from sdpipe.checkpoint import write_rank
 from sdpipe.config import Heterogeneity
@@ -41,113 +38,18 @@ from sdpipe.wire.protocol import (
     Keys,
     Op,
     WorkerSpec,
-    run_prefix,
 )
 from sdpipe.worker.boundary import CTL_MAX_AGE, Dispenser, PipelineControl
 from sdpipe.worker.comm import TAG_TARGET, Link, first_lost, make_group
+from sdpipe.worker.connect import connect_store, nccl_interface, own_address
+from sdpipe.worker.handover import await_state
 from sdpipe.worker.pace import Pace
+from sdpipe.worker.sink import EventSink
 from sdpipe.worker.stage import AsyncStream, evaluate, train_step
 from sdpipe.worker.sync import make_policy, state_tensors
 from sdpipe.worker.tree import rows, to_device
 
-__all__ = ["EventSink", "Training", "Worker", "worker_main"]
-
-
-class EventSink:
-    """Buffers event records and ships them to the driver in batches.
-
-    Batches go through the Dask worker's event log (``log_event``), which the
-    driver subscribes to; the worker never waits for the driver.
-    """
-
-    def __init__(self, topic: str, rank: int, interval: float = 0.1, max_buffer: int = 500):
-        from distributed import get_worker
-
-        self._worker = get_worker()
-        self.topic, self.rank = topic, rank
-        self.interval, self.max_buffer = interval, max_buffer
-        self.buffer: list = []
-        self._lock = threading.Lock()  # policies' server threads add records too
-        self.sent = 0
-        self.batches = 0
-        self._last = time.monotonic()
-
-    def add(self, record: dict) -> None:
-        with self._lock:
-            self.buffer.append(record)
-            due = len(self.buffer) >= self.max_buffer or time.monotonic() - self._last >= self.interval
-        if due:
-            self.flush()
-
-    def flush(self) -> None:
-        with self._lock:
-            self._last = time.monotonic()
-            if not self.buffer:
-                return
-            batch, self.buffer = self.buffer, []
-            seq = self.batches
-            self.batches += 1
-            self.sent += len(batch)
-        self._worker.log_event(self.topic, {"rank": self.rank, "seq": seq, "events": batch})
-
-
-#: seconds a worker may take to reach the run's rendezvous store (a live store answers in milliseconds)
-STORE_CONNECT_TIMEOUT = 20.0
-
-
-def connect_store(spec: WorkerSpec, timeout: float):
-    """A new connection to the run's store (the driver's ``TCPStore``), under the run's key prefix.
-
-    Connecting is bounded by :data:`STORE_CONNECT_TIMEOUT`, not the run's
-    timeout: a store this worker cannot reach is a setting to change, said
-    in one line.  Waits on the connection get the run's timeout.
-    """
-    host, port = spec.store_host, spec.store_port
-    connect = min(timeout, STORE_CONNECT_TIMEOUT)
-    try:
-        base = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect))
-    except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
-        raise ConnectionError(
-            f"cannot reach the run's rendezvous store at {host}:{port} from {own_address()} within {connect:.0f}s "
-            f"({type(e).__name__}); set host= in sdpipe.train to an address of the driver's machine that every "
-            f"worker can reach (and open its port between the machines)"
-        ) from None
-    base.set_timeout(datetime.timedelta(seconds=timeout))
-    return dist.PrefixStore(run_prefix(spec.run_id), base)
-
-
-def own_address() -> str:
-    """The address of this worker's host: the host part of its Dask worker address (its tensors' sockets bind to it)."""
-    from urllib.parse import urlparse
-
-    from distributed import get_worker
-
-    try:
-        addr = get_worker().address
-    except ValueError:  # not inside a Dask worker (a test calling worker code directly)
-        return "127.0.0.1"
-    host = urlparse(addr).hostname if "://" in addr else None
-    return host or "127.0.0.1"
-
-
-def nccl_interface(address: str):
-    """The name of the network interface that holds ``address`` (NCCL's bootstrap binds to it), or None."""
-    import ipaddress
-
-    import psutil
-
-    try:
-        want = ipaddress.ip_address(address)
-    except ValueError:
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        for a in addrs:
-            try:
-                if ipaddress.ip_address(a.address.split("%")[0]) == want:
-                    return name
-            except ValueError:
-                continue
-    return None
+__all__ = ["Training", "Worker", "worker_main"]
 
 
 class Worker:
@@ -354,69 +256,6 @@ class Worker:
             self.optimizer.load_state_dict(state["optimizer"])
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
-
-    def donate(self, joiner: int, generation: int, version: int, epoch: int, step: int, after=None) -> None:
-        """Give this stage's state to pipeline ``joiner`` (it joins the run): weights, optimizer state, where the
-        run is (epoch, step), the policy's mass.  At a step boundary; the group service counts the joiner from
-        now on, unioned with this replica (its model is this one's).  ``after``: a coupled policy's members and
-        shards with the joiner (:meth:`AllReduce.changed`)."""
-        import io
-
-        t = time.time()
-        self.policy.settle(self, step)  # an overlapped averaging in flight lands first
-        state = {
-            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "epoch": epoch,
-            "step": step,
-            "mass": self.policy.mass,
-            "base": self.dispenser.base.get(epoch, 0),
-            "donor": self.pipeline,
-            "members": version,  # the joiner has taken up the membership changes up to its own join
-            "policy": after,
-        }
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        if self.policy.record.uses_service:
-            self.service.join(stage=self.stage, pipeline=joiner, donor=self.pipeline)
-        self.store.set(Keys.join(joiner, generation, f"state/{self.stage}"), buf.getvalue())
-        self.span("control", step, None, t, time.time(), what="donated", to=joiner, bytes=buf.tell())
-
-    def await_state(self) -> Optional[dict]:
-        """A joiner: wait for the state its donor gives (bounded by the run's timeout, not counting a pause);
-        None when the driver gave the join up (the run ended first)."""
-        import io
-
-        key = Keys.join(self.pipeline, self.generation, f"state/{self.stage}")
-        cancel = Keys.join(self.pipeline, self.generation, "cancel")
-        waited, last = 0.0, time.monotonic()
-        while not self.store.check([key]):
-            if self.store.check([cancel]):
-                return None
-            time.sleep(0.05)
-            now = time.monotonic()
-            waited += 0.0 if self.read_ctl(1.0).pause else now - last
-            last = now
-            if waited > self.timeout:
-                raise TimeoutError(
-                    f"pipeline {self.pipeline} stage {self.stage}: no live replica gave its state within the run's "
-                    f"timeout ({self.timeout:.0f}s) to join"
-                )
-        state = torch.load(io.BytesIO(self.store.get(key)), weights_only=False)
-        self.store.delete_key(key)
-        self.module.load_state_dict(state["model"])
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.policy.mass = state["mass"]
-        if state["base"]:
-            self.dispenser.base[state["epoch"]] = state["base"]
-        self.members_version = self.ctl.seen = state["members"]
-        if self.policy.coupled:  # the members form their new group at this step: so does the joiner
-            after = state["policy"]
-            self.policy.setup(self, members=after["members"], version=state["members"], shard=after["shard"])
-        self.store.set(Keys.join(self.pipeline, self.generation, "epoch"), str(state["epoch"]))
-        self.store.add(Keys.join(self.pipeline, self.generation, "loaded"), 1)
-        return state
 
     def checkpoint(self, epoch: int, step: int) -> None:
         """Write this worker's part of the checkpoint after ``epoch`` epochs, then count it in the store."""
@@ -725,12 +564,12 @@ def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, r
             worker.restore(resume)
             step = spec.start_steps[str(worker.pipeline)]
         if join is not None:
-            state = worker.await_state()
+            state = await_state(worker)
             if state is None:
                 result = {"rank": rank, "joined": False, "generation": worker.generation}
                 return result
-            step, start_epoch = state["step"], state["epoch"]
-        first_j = state["policy"]["j"] if join is not None and state.get("policy") else 0
+            step, start_epoch = state.step, state.epoch
+        first_j = state.policy["j"] if join is not None and state.policy else 0
         worker.describe()
         result = Training(worker, X, Y, EX, EY, step, start_epoch, first_j).run()
         return result
