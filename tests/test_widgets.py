@@ -387,3 +387,74 @@ def test_a_run_started_beside_another_says_so_in_its_repr_and_dashboard(data, sh
     alone = sdpipe.train(digits_mlp(), train_data, **kw)
     alone.result(timeout=300)
     assert alone.concurrent is None and "trained on" not in repr(alone)
+
+
+# ------------------------------------------------------------------ the dashboard's pure parts: layout and actions
+def test_the_grid_puts_every_panel_once_wide_or_in_one_column():
+    from sdpipe.widgets import layout
+
+    for stages, workers in [(1, 2), (2, 8), (4, 16)]:
+        keys = set(layout.titles(stages, "accuracy", True))
+        wide, narrow = layout.grid(stages, workers, narrow=False), layout.grid(stages, workers, narrow=True)
+        assert set(wide.pos) == set(narrow.pos) == keys and sorted(wide.ordered) == sorted(keys)
+        assert len(set(wide.pos.values())) == len(keys) and wide.cols == 3 and narrow.cols == 1
+        assert narrow.ordered[0] == "timeline" and narrow.ordered[-1] == "shares"
+        assert [narrow.pos[k][0] for k in narrow.ordered] == list(range(1, len(keys) + 1))
+        assert len(wide.specs) == len(wide.heights) == stages + 3
+        assert wide.height == sum(wide.heights) + layout.ROW_GAP * len(wide.heights) + 80
+    assert layout.grid(2, 16, False).heights[0] > layout.grid(2, 4, False).heights[0]  # a row per worker
+    assert layout.titles(1, "eval_loss", True)["accuracy"] == "held-out loss per epoch"
+    assert layout.titles(1, "loss", False)["accuracy"] == "training loss per epoch (no held-out data given)"
+
+
+def test_titles_wrap_to_their_subplots_and_the_legend_clears_the_first_title():
+    from sdpipe.widgets import layout
+
+    names = layout.titles(2, "accuracy", True)
+    keys = ["timeline", "groups/0", "sizes/0", "loss"]
+    domains = {"timeline": (0.0, 1.0), "groups/0": (0.0, 0.62), "sizes/0": (0.7, 1.0), "loss": (0.36, 0.64)}
+    for width in (600, 1000, 1440):
+        for key, text in zip(keys, layout.wrapped_titles(names, keys, domains, width, 130, 20), strict=True):
+            fits = int((domains[key][1] - domains[key][0]) * max(100.0, width - 150) / layout.TITLE_CHAR_PX)
+            lines = text.split("<br>")
+            assert " ".join(lines) == names[key]
+            assert all(len(line) <= fits or " " not in line for line in lines), (key, width, lines)
+    assert layout.legend_place(False, 2000) == (40, 1.0)
+    top, y = layout.legend_place(True, 2000)
+    assert top == 130 and 1.0 < y < 1.1
+
+
+def test_a_press_becomes_one_call_of_the_run_and_one_line():
+    from types import SimpleNamespace
+
+    from sdpipe import Heterogeneity
+    from sdpipe.widgets import actions
+
+    panel = SimpleNamespace(
+        policy="allreduce", staleness=3, max_group=0, slowdown=[1.0, 3.0, 1.0, 1.0], straggle_prob=0.1,
+        straggle_delay=0.05, remove=2,
+    )  # fmt: skip
+    h = Heterogeneity(slowdown={(3, 1): 4.0, 0: 2.0}, link_delay={1: 0.01})
+    call = actions.plan("policy", panel, h)
+    assert call == actions.Call("set_policy", ("allreduce",), {"staleness": 3, "max_group": None})
+    call = actions.plan("slowdowns", panel, h)
+    # pipeline 1's slider moved to 3x; pipeline 0's shows 1.0 against the run's 2.0: moved, so it goes; the
+    # per-stage slowdown of pipeline 3 stays (its slider shows stage 0's 1.0, as the run has)
+    assert call.method == "set_heterogeneity" and call.kwargs["slowdown"] == {(3, 1): 4.0, 1: 3.0}
+    assert call.kwargs["link_delay"] == {1: 0.01} and call.kwargs["straggle_prob"] == 0.1
+    assert actions.plan("add pipeline", panel, h) == actions.Call("add_pipelines", (1,))
+    assert actions.plan("remove pipeline", panel, h) == actions.Call("remove_pipeline", (2,))
+    assert actions.plan("pause", panel, h) == actions.Call("pause")
+    with pytest.raises(ValueError, match=r"^action: 'rewind' is not one of policy, slowdowns, pause"):
+        actions.plan("rewind", panel, h)
+    said = actions.applied_text("policy", None, panel, 12.34, "10:00:00")
+    assert said == (
+        "10:00:00 policy applied at t = 12.3 s: allreduce (P = 3, max group all); every worker takes it at its "
+        "next step boundary"
+    )
+    said = actions.applied_text("slowdowns", None, panel, 1.0, "10:00:01")
+    assert said.startswith("10:00:01 slowdowns applied at t = 1.0 s: pipeline 1 x3, straggle p 0.1, delay 0.05 s")
+    joins = "pipeline 4 joins once its workers started (a live replica gives it its state)"
+    assert actions.applied_text("add pipeline", [4], panel, 2.0, "c") == f"c add pipeline applied at t = 2.0 s: {joins}"
+    err = actions.refused_text("stop", RuntimeError("run r had already ended (finished)"), "c")
+    assert err == "c stop not applied: RuntimeError: run r had already ended (finished)"

@@ -22,21 +22,21 @@ import threading
 import time
 from typing import Optional
 
-import anywidget
 import ipywidgets as W
 import plotly.graph_objects as go
-import traitlets
 from plotly.subplots import make_subplots
 
 from sdpipe.config import LIVE_POLICIES
 from sdpipe.core.policies import record
+from sdpipe.widgets import actions, layout
 from sdpipe.widgets.controls import MAX_STALENESS, ControlPanel
+from sdpipe.widgets.figure import LiveFigure, WidthProbe
+from sdpipe.widgets.layout import NARROW, TITLE_CHAR_PX, wrap_text
+from sdpipe.widgets.style import COLORS, DASHES, PIPELINE_COLORS, STRIP, SYMBOLS, TEMPLATE, r_list
 from sdpipe.widgets.view import CATEGORIES, RunView
 
-__all__ = ["Dashboard"]
+__all__ = ["COLORS", "NARROW", "SPARE_PIPELINES", "TITLE_CHAR_PX", "Dashboard", "wrap_text"]
 
-#: below this output width (pixels) the panels stack in one column
-NARROW = 900
 #: pipelines that can join a run beyond its first ones and still get their own loss and metric curves
 SPARE_PIPELINES = 8
 #: seconds a redraw waits at most for a browser to have drawn the previous one
@@ -47,231 +47,21 @@ ATTACHED = 30.0
 RESYNC = 10.0
 
 
-#: pixels per character of a subplot title (13 px Open Sans averages about 7; a little more to be safe)
-TITLE_CHAR_PX = 7.5
+class _Panels:
+    """Adds traces to the panels of a figure being built (``pos``: panel -> (row, col)) and sets their axes; keeps
+    each trace's index by key in ``idx``."""
 
+    def __init__(self, fig, pos: dict, idx: dict):
+        self.fig, self.pos, self.idx = fig, pos, idx
 
-def wrap_text(text: str, width: int) -> str:
-    """``text`` broken at spaces into lines of at most ``width`` characters (plotly's ``<br>``); a word longer than
-    a line keeps its own line."""
-    lines: list = []
-    for word in text.split(" "):
-        if lines and len(lines[-1]) + 1 + len(word) <= max(width, 1):
-            lines[-1] += " " + word
-        else:
-            lines.append(word)
-    return "<br>".join(lines)
+    def add(self, key: str, trace, at: str) -> None:
+        self.idx[key] = len(self.fig.data)
+        self.fig.add_trace(trace, row=self.pos[at][0], col=self.pos[at][1])
 
-
-def r_list(xs):
-    """Numbers rounded for the wire (figure updates travel as JSON)."""
-    return [round(x, 5) for x in xs]
-
-
-COLORS = {
-    "compute": "#4C78A8",
-    "communication": "#F58518",
-    "synchronization": "#54A24B",
-    "waiting": "#BAB0AC",
-    "eval": "#B279A2",
-}
-#: membership strip: not in a group, alone, in a group, graph sync, global sync
-STRIP = [
-    [0.0, "#FFFFFF"],
-    [0.2, "#FFFFFF"],
-    [0.2, "#D8D8D8"],
-    [0.4, "#D8D8D8"],
-    [0.4, "#4C78A8"],
-    [0.6, "#4C78A8"],
-    [0.6, "#E45756"],
-    [0.8, "#E45756"],
-    [0.8, "#54A24B"],
-    [1.0, "#54A24B"],
-]
-#: the figure's look: plotly's default background and grid, without its per-trace-type defaults (building
-#: those is a third of a first Dashboard's time; every trace here sets its colours)
-TEMPLATE = {
-    "layout": {
-        "plot_bgcolor": "#E5ECF6",
-        "paper_bgcolor": "white",
-        "font": {"color": "#2a3f5f"},
-        "hovermode": "closest",
-        "xaxis": {
-            "gridcolor": "white",
-            "linecolor": "white",
-            "zerolinecolor": "white",
-            "ticks": "",
-            "automargin": True,
-            "title": {"standoff": 6},
-        },
-        "yaxis": {
-            "gridcolor": "white",
-            "linecolor": "white",
-            "zerolinecolor": "white",
-            "ticks": "",
-            "automargin": True,
-        },
-    }
-}
-#: line dashes and marker symbols of the per-epoch curves, by pipeline
-DASHES = ["solid", "dot", "dash", "dashdot", "longdash", "longdashdot"]
-SYMBOLS = ["circle", "square", "diamond", "triangle-up", "x", "star", "cross", "triangle-down"]
-PIPELINE_COLORS = [
-    "#4C78A8",
-    "#F58518",
-    "#54A24B",
-    "#E45756",
-    "#72B7B2",
-    "#EECA3B",
-    "#B279A2",
-    "#FF9DA6",
-    "#9D755D",
-    "#BAB0AC",
-]
-
-
-def _load_plotly() -> None:
-    """Load the plotly classes and validators the dashboard's figure uses.
-
-    plotly imports each on first use; done here, at ``import sdpipe.widgets``
-    (before a run loads the machine), the first ``Dashboard(run)`` does not
-    pay for it while the workers train.
-    """
-    fig = make_subplots(rows=1, cols=2, figure=go.Figure(layout={"template": TEMPLATE}))
-    fig.add_trace(
-        go.Bar(x=[0], y=[0], base=[0], orientation="h", marker_color="#000000", hoverinfo="name+x"), row=1, col=1
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=[0], y=[0], mode="markers+text", text=[""], marker=dict(symbol="triangle-down"), line=dict(dash="dash")
-        ),
-        row=1,
-        col=1,
-    )
-    fig.add_trace(go.Heatmap(z=[[0]], colorscale=STRIP, hovertemplate="%{x}"), row=1, col=2)
-    fig.update_xaxes(title_text="x", tickangle=0, type="category")
-    fig.update_yaxes(tickvals=[0], ticktext=["a"], autorange="reversed", dtick=1)
-    fig.update_layout(legend=dict(orientation="h"), margin=dict(l=1))
-    fig.update_annotations(font_size=13)
-
-
-_load_plotly()
-
-
-class _Figure(go.FigureWidget):
-    """plotly's FigureWidget, opened with its full state and answering state requests with its current one.
-
-    plotly syncs the traces and layout only when the widget is created and
-    later sends edits as one-off messages, so a front end that builds the
-    model late (or misses the creation's update) draws an empty figure.
-    """
-
-    def __init__(self, figure, lock):
-        self._deferred = True  # open the comm once the figure holds its data (see open)
-        self._state_lock = lock
-        #: set when a browser has drawn the last redraw (plotly's views answer every edit while the kernel is idle;
-        #: the width probe answers also while a cell runs: see _Width)
-        self._drawn = threading.Event()
-        self._drawn_at = None  # monotonic time of the last answer from a browser
-        self._first_drawn = None  # called once, when a browser first answers (see resync)
-        super().__init__(figure)
-        self._deferred = False
-        self.open()
-
-    @traitlets.observe("_js2py_traceDeltas")
-    def _handler_js2py_traceDeltas(self, change):
-        msg = change["new"]
-        with self._state_lock:  # plotly's handler reads the traces the dashboard's thread edits
-            super()._handler_js2py_traceDeltas(change)
-        if msg:
-            self.answered(msg.get("trace_edit_id") == self._last_trace_edit_id)
-
-    def answered(self, last: bool) -> None:
-        """A browser answered that it drew an edit (``last``: the last one sent): plotly's view, or the width probe."""
-        first = self._drawn_at is None
-        self._drawn_at = time.monotonic()
-        if first and self._first_drawn is not None:
-            self._first_drawn()
-        if last:
-            self._drawn.set()
-
-    def open(self):
-        if not getattr(self, "_deferred", False):
-            super().open()
-
-    def get_state(self, key=None, drop_defaults=False):
-        state = super().get_state(key=key, drop_defaults=drop_defaults)
-        if key is None or "_widget_data" in key or "_widget_layout" in key:
-            with self._state_lock:  # the dashboard's thread edits the figure under this lock
-                current = {"_widget_data": copy.deepcopy(self._data), "_widget_layout": copy.deepcopy(self._layout)}
-            for k, value in current.items():
-                if k in state:
-                    state[k] = self.trait_metadata(k, "to_json")(value, self)
-        return state
-
-
-class _Width(anywidget.AnyWidget):
-    """Reports the width (pixels) of the output area it is shown in, and when the page has drawn a redraw.
-
-    Both go as custom messages, which a page sends at once; state updates
-    (plotly's own answers to its edits among them) wait in the page while
-    the kernel runs a cell, e.g. a notebook's cell that awaits the run.
-    ``seq`` is set by the dashboard after each redraw; the page answers it
-    once it has handled every message before it and drawn a frame.
-    """
-
-    _esm = """
-    export default {
-      render({ model, el }) {
-        el.style.width = "100%";
-        el.style.height = "0px";
-        el.dataset.sdpipeWidth = "";
-        // the output area (JupyterLab, Notebook 7) sets the width; elsewhere the widget's container
-        const area = () => el.closest(".jp-OutputArea-output") || el.parentElement || el;
-        let last = 0;
-        const send = () => {
-          // a custom message, as a button's click: state updates wait in the front end while the kernel runs a cell
-          const w = Math.round(area().clientWidth);
-          if (w > 0 && w !== last) { last = w; model.send({ width: w }); }
-        };
-        const observer = new ResizeObserver(() => send());
-        observer.observe(el);
-        requestAnimationFrame(() => { observer.observe(area()); send(); });
-        // the redraw numbered seq has reached this page (messages arrive in order) and a frame was drawn after it
-        const drawn = () => { const n = model.get("seq"); requestAnimationFrame(() => requestAnimationFrame(
-            () => model.send({ drawn: n }))); };
-        model.on("change:seq", drawn);
-        // a live run's dashboard comes into view once, when first shown: after Run All the notebook shows its
-        // last cell, and the dashboard, cells above, would train unseen
-        if (model.get("reveal")) requestAnimationFrame(() => {
-          const box = el.closest(".jp-OutputArea-output") || el.parentElement;
-          if (box && box.scrollIntoView) box.scrollIntoView({ block: "start" });
-          model.send({ revealed: true });
-        });
-        return () => { observer.disconnect(); model.off("change:seq", drawn); };
-      }
-    };
-    """
-    width = traitlets.Int(0)
-    #: the number of the dashboard's last redraw (the page answers it when drawn)
-    seq = traitlets.Int(0).tag(sync=True)
-    #: bring the dashboard into view when a page first shows it (a live run's; cleared once a page did)
-    reveal = traitlets.Bool(False).tag(sync=True)
-
-    def __init__(self, on_drawn=None, **kwargs):
-        super().__init__(**kwargs)
-        self._on_drawn = on_drawn
-        self.on_msg(self._on_width)
-
-    def _on_width(self, _, content, buffers):
-        if not isinstance(content, dict):
-            return
-        if isinstance(content.get("width"), int):
-            self.width = content["width"]
-        if content.get("revealed"):
-            self.reveal = False
-        if isinstance(content.get("drawn"), int) and self._on_drawn is not None:
-            self._on_drawn(content["drawn"])
+    def axes(self, at: str, **kw) -> None:
+        row, col = self.pos[at]
+        self.fig.update_xaxes(row=row, col=col, **{k[2:]: x for k, x in kw.items() if k.startswith("x_")})
+        self.fig.update_yaxes(row=row, col=col, **{k[2:]: x for k, x in kw.items() if k.startswith("y_")})
 
 
 class Dashboard:
@@ -330,221 +120,44 @@ class Dashboard:
 
     # ------------------------------------------------------------ figures
     def _grid(self, narrow: bool):
-        """(template figure, key -> (row, col), height) of the wide (3 columns) or the narrow (1 column) layout."""
-        cfg, n = self.config, len(self.view.workers)
-        S = cfg.stages
-        titles = {
-            "timeline": "Stage timeline (recent seconds)",
-            "stragglers": "Stragglers: compute per step (red: above 2x the median)",
-            "loss": "training loss per step",
-            "accuracy": f"held-out {self.metric.replace('eval_loss', 'loss')} per epoch"
-            if self.held_out
-            else "training loss per epoch (no held-out data given)",
-            "shares": "Whole run: seconds by kind",
-        }
-        for s in range(S):
-            titles[f"groups/{s}"] = (
-                f"stage {s}: who averaged together (blue: group, red: graph sync, green: global, grey: alone)"
-            )
-            titles[f"sizes/{s}"] = f"stage {s}: groups by size"
-        tall = {"timeline": 30 * n + 40, "shares": 22 * n + 30}
-        if narrow:
-            keys = (
-                ["timeline"]
-                + [key for s in range(S) for key in (f"groups/{s}", f"sizes/{s}")]
-                + ["stragglers", "loss", "accuracy", "shares"]
-            )
-            pos = {k: (i + 1, 1) for i, k in enumerate(keys)}
-            specs = [[{}] for _ in keys]
-            heights = [tall.get(k, 150 if k.startswith(("groups", "sizes")) else 220) for k in keys]
-            ordered = keys
-            cols = 1
-        else:
-            pos = {
-                "timeline": (1, 1),
-                "stragglers": (S + 2, 1),
-                "loss": (S + 2, 2),
-                "accuracy": (S + 2, 3),
-                "shares": (S + 3, 1),
-            }
-            for s in range(S):
-                pos[f"groups/{s}"], pos[f"sizes/{s}"] = (2 + s, 1), (2 + s, 3)
-            specs = (
-                [[{"colspan": 3}, None, None]]
-                + [[{"colspan": 2}, None, {}] for _ in range(S)]
-                + [[{}, {}, {}]]
-                + [[{"colspan": 3}, None, None]]
-            )
-            heights = [tall["timeline"]] + [150] * S + [260] + [tall["shares"]]
-            ordered = sorted(pos, key=lambda k: pos[k])
-            cols = 3
-        # pixels between rows: room for a row's tick labels (two lines under the stragglers), its axis title and
-        # the next row's title
-        gap = 90
-        height = sum(heights) + gap * len(heights) + 80
+        """(template figure, key -> (row, col), height) of the wide (3 columns) or the narrow (1 column) layout
+        (:func:`sdpipe.widgets.layout.grid`)."""
+        S = self.config.stages
+        g = layout.grid(S, len(self.view.workers), narrow)
+        names = layout.titles(S, self.metric, self.held_out)
         fig = make_subplots(
-            rows=len(heights),
-            cols=cols,
-            specs=specs,
-            subplot_titles=[titles[k] for k in ordered],
-            row_heights=heights,
-            vertical_spacing=gap / height,
-            horizontal_spacing=0.07 if cols > 1 else 0.0,
+            rows=len(g.heights),
+            cols=g.cols,
+            specs=g.specs,
+            subplot_titles=[names[k] for k in g.ordered],
+            row_heights=g.heights,
+            vertical_spacing=g.spacing,
+            horizontal_spacing=0.07 if g.cols > 1 else 0.0,
             figure=go.Figure(layout={"template": TEMPLATE}),
         )
-        self._titles, self._title_keys = titles, ordered
-        return fig, pos, height
+        self._titles, self._title_keys = names, g.ordered
+        return fig, g.pos, g.height
 
     def _wrap_titles(self, width: float) -> None:
         """Break each subplot title into lines that fit its subplot at a figure ``width`` pixels wide (a title
         wider than its subplot runs into its neighbour's, or out of the figure)."""
         margin = self.figure.layout.margin
-        plot = max(100.0, width - (margin.l or 0) - (margin.r or 0))
-        wrapped = []
-        for key in self._title_keys:
-            lo, hi = self.figure.layout[self._axes[key][0]].domain
-            wrapped.append(wrap_text(self._titles[key], int((hi - lo) * plot / TITLE_CHAR_PX)))
+        domains = {k: self.figure.layout[self._axes[k][0]].domain for k in self._title_keys}
+        wrapped = layout.wrapped_titles(self._titles, self._title_keys, domains, width, margin.l or 0, margin.r or 0)
         if [a.text for a in self.figure.layout.annotations] != wrapped:
             for a, text in zip(self.figure.layout.annotations, wrapped, strict=False):
                 a.text = text
 
     def _build(self, controls: bool) -> None:
         """One FigureWidget with every view as a subplot (the browser loads and draws one plot), plus widgets."""
-        cfg, v = self.config, self.view
-        labels = [v.label(w) for w in v.workers]
-        S, n = cfg.stages, len(labels)
         fig, pos, height = self._grid(narrow=False)
         self._pos = pos
         self._idx = {}
-
-        def add(key, trace, at):
-            self._idx[key] = len(fig.data)
-            fig.add_trace(trace, row=pos[at][0], col=pos[at][1])
-
-        def axes(at, **kw):
-            fig.update_xaxes(row=pos[at][0], col=pos[at][1], **{k[2:]: x for k, x in kw.items() if k.startswith("x_")})
-            fig.update_yaxes(row=pos[at][0], col=pos[at][1], **{k[2:]: x for k, x in kw.items() if k.startswith("y_")})
-
-        for c in CATEGORIES:  # rows are worker indices (small messages); the axis shows their labels
-            add(
-                f"timeline/{c}",
-                go.Bar(
-                    name=c,
-                    orientation="h",
-                    y=[],
-                    x=[],
-                    base=[],
-                    marker_color=COLORS[c],
-                    hoverinfo="name+x",
-                    legendgroup="kinds",
-                ),
-                "timeline",
-            )
-        add(  # overlapped averaging: a thin bar along the bottom of its worker's row, beside the compute it overlaps
-            "timeline/background",
-            go.Bar(
-                name="averaging (background)",
-                orientation="h",
-                y=[],
-                x=[],
-                base=[],
-                width=0.22,
-                offset=0.2,
-                marker_color=COLORS["synchronization"],
-                marker_line=dict(width=1, color="#2E6B2A"),
-                hoverinfo="name+x",
-                legendgroup="kinds",
-            ),
-            "timeline",
-        )
-        add(
-            "timeline/control",
-            go.Scatter(
-                name="control",
-                mode="markers+text",
-                x=[],
-                y=[],
-                text=[],
-                textposition="top center",
-                marker=dict(symbol="triangle-down", size=11, color="black"),
-            ),
-            "timeline",
-        )
-        # every worker's row always shown (a paused run's recent window has no bars in most rows)
-        rows = dict(y_tickvals=list(range(n)), y_ticktext=labels, y_range=[n - 0.5, -0.5], y_autorange=False)
-        axes("timeline", **rows, x_title_text="seconds since launch")
-        for s in range(S):
-            add(
-                f"groups/{s}",
-                go.Heatmap(
-                    z=[[0]],
-                    x=[0],
-                    y=list(range(cfg.pipelines)),
-                    zmin=0,
-                    zmax=4,
-                    colorscale=STRIP,
-                    showscale=False,
-                    xgap=1,
-                    ygap=1,
-                    hovertemplate="formation %{x}<br>pipeline %{y}<extra></extra>",
-                ),
-                f"groups/{s}",
-            )
-            add(
-                f"sizes/{s}",
-                go.Bar(  # groups of the ordinary rounds (global and graph syncs aside); alone in grey, as in the strip
-                    name=f"stage {s} groups by size",
-                    x=[],
-                    y=[],
-                    marker_color=["#D8D8D8"] + ["#4C78A8"] * (cfg.pipelines - 1),
-                    showlegend=False,
-                    hovertemplate="%{y} groups of %{x}<extra></extra>",
-                ),
-                f"sizes/{s}",
-            )
-            axes(f"groups/{s}", y_title_text="pipeline", y_dtick=1)
-            axes(f"sizes/{s}", x_title_text="members", x_type="category")
-        add("stragglers", go.Bar(x=[], y=[], marker_color=[], showlegend=False, name="compute per step"), "stragglers")
-        add(
-            "stragglers/median",
-            go.Scatter(
-                x=[], y=[], mode="lines", line=dict(dash="dash", color="black"), showlegend=False, name="median"
-            ),
-            "stragglers",
-        )
-        axes(
-            "stragglers", y_title_text="seconds", x_title_text="p: pipeline, s: stage", x_tickangle=0, x_automargin=True
-        )
-        for p in range(self._slots):  # the run's pipelines, and room for pipelines that join it
-            color = PIPELINE_COLORS[p % len(PIPELINE_COLORS)]
-            add(
-                f"loss/{p}",
-                go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)),
-                "loss",
-            )
-            add(
-                f"accuracy/{p}",
-                go.Scatter(  # pipelines with the same value each epoch (after a global sync) stay told apart
-                    name=f"pipeline {p}",
-                    x=[],
-                    y=[],
-                    mode="lines+markers",
-                    line=dict(color=color, dash=DASHES[p % len(DASHES)]),
-                    marker=dict(symbol=SYMBOLS[p % len(SYMBOLS)], size=7),
-                    legendgroup=str(p),
-                    showlegend=False,
-                ),
-                "accuracy",
-            )
-        axes("loss", x_title_text="step")
-        axes("accuracy", x_title_text="epoch", x_tick0=0, x_dtick=1)
-        for c in CATEGORIES:
-            add(
-                f"shares/{c}",
-                go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False),
-                "shares",
-            )
-        axes("shares", **rows, x_title_text="seconds")
+        panels = _Panels(fig, pos, self._idx)
+        rows = self._build_timeline(panels)
+        self._build_groups(panels)
+        self._build_curves(panels)
+        self._build_shares(panels, rows)
         fig.update_layout(
             height=height,
             barmode="overlay",
@@ -557,9 +170,9 @@ class Dashboard:
         }
         self._timeline_xaxis = self._axes["timeline"][0]
         self._shares_xaxis = self._axes["shares"][0]
-        self.figure = _Figure(fig, self._lock)
+        self.figure = LiveFigure(fig, self._lock)
         self.figure._first_drawn = self.resync
-        self._width = _Width(on_drawn=self._page_drew, reveal=self.run is not None and not self.run.done())
+        self._width = WidthProbe(on_drawn=self._page_drew, reveal=self.run is not None and not self.run.done())
         self._width.observe(lambda change: self.fit(change["new"]), "width")
         # The header is one line (cut with an ellipsis where the output is narrow) and the lines whose length
         # changes come after the controls, so the controls never move while the run goes on.
@@ -578,6 +191,147 @@ class Dashboard:
             parts[1:1] = [self.panel, self.message]
         self.widget = W.VBox(parts, layout=W.Layout(width="100%"))
 
+    def _build_timeline(self, panels: _Panels) -> dict:
+        """The stage timeline: a bar per kind of time, overlapped averaging and control markers; returns its
+        rows."""
+        labels = [self.view.label(w) for w in self.view.workers]
+        n = len(labels)
+        for c in CATEGORIES:  # rows are worker indices (small messages); the axis shows their labels
+            panels.add(
+                f"timeline/{c}",
+                go.Bar(
+                    name=c,
+                    orientation="h",
+                    y=[],
+                    x=[],
+                    base=[],
+                    marker_color=COLORS[c],
+                    hoverinfo="name+x",
+                    legendgroup="kinds",
+                ),
+                "timeline",
+            )
+        # overlapped averaging: a thin bar along the bottom of its worker's row, beside the compute it overlaps
+        panels.add(
+            "timeline/background",
+            go.Bar(
+                name="averaging (background)",
+                orientation="h",
+                y=[],
+                x=[],
+                base=[],
+                width=0.22,
+                offset=0.2,
+                marker_color=COLORS["synchronization"],
+                marker_line=dict(width=1, color="#2E6B2A"),
+                hoverinfo="name+x",
+                legendgroup="kinds",
+            ),
+            "timeline",
+        )
+        panels.add(
+            "timeline/control",
+            go.Scatter(
+                name="control",
+                mode="markers+text",
+                x=[],
+                y=[],
+                text=[],
+                textposition="top center",
+                marker=dict(symbol="triangle-down", size=11, color="black"),
+            ),
+            "timeline",
+        )
+        # every worker's row always shown (a paused run's recent window has no bars in most rows)
+        rows = dict(y_tickvals=list(range(n)), y_ticktext=labels, y_range=[n - 0.5, -0.5], y_autorange=False)
+        panels.axes("timeline", **rows, x_title_text="seconds since launch")
+        return rows
+
+    def _build_groups(self, panels: _Panels) -> None:
+        """Per stage: who averaged together (a strip of formations) and the groups' sizes."""
+        cfg = self.config
+        S = cfg.stages
+        for s in range(S):
+            panels.add(
+                f"groups/{s}",
+                go.Heatmap(
+                    z=[[0]],
+                    x=[0],
+                    y=list(range(cfg.pipelines)),
+                    zmin=0,
+                    zmax=4,
+                    colorscale=STRIP,
+                    showscale=False,
+                    xgap=1,
+                    ygap=1,
+                    hovertemplate="formation %{x}<br>pipeline %{y}<extra></extra>",
+                ),
+                f"groups/{s}",
+            )
+            panels.add(
+                f"sizes/{s}",
+                go.Bar(  # groups of the ordinary rounds (global and graph syncs aside); alone in grey, as in the strip
+                    name=f"stage {s} groups by size",
+                    x=[],
+                    y=[],
+                    marker_color=["#D8D8D8"] + ["#4C78A8"] * (cfg.pipelines - 1),
+                    showlegend=False,
+                    hovertemplate="%{y} groups of %{x}<extra></extra>",
+                ),
+                f"sizes/{s}",
+            )
+            panels.axes(f"groups/{s}", y_title_text="pipeline", y_dtick=1)
+            panels.axes(f"sizes/{s}", x_title_text="members", x_type="category")
+
+    def _build_curves(self, panels: _Panels) -> None:
+        """The stragglers (compute per step against the median), the loss per step and the per-epoch curves."""
+        panels.add(
+            "stragglers", go.Bar(x=[], y=[], marker_color=[], showlegend=False, name="compute per step"), "stragglers"
+        )
+        panels.add(
+            "stragglers/median",
+            go.Scatter(
+                x=[], y=[], mode="lines", line=dict(dash="dash", color="black"), showlegend=False, name="median"
+            ),
+            "stragglers",
+        )
+        panels.axes(
+            "stragglers", y_title_text="seconds", x_title_text="p: pipeline, s: stage", x_tickangle=0, x_automargin=True
+        )
+        for p in range(self._slots):  # the run's pipelines, and room for pipelines that join it
+            color = PIPELINE_COLORS[p % len(PIPELINE_COLORS)]
+            panels.add(
+                f"loss/{p}",
+                go.Scatter(name=f"pipeline {p}", x=[], y=[], mode="lines", line_color=color, legendgroup=str(p)),
+                "loss",
+            )
+            panels.add(
+                f"accuracy/{p}",
+                go.Scatter(  # pipelines with the same value each epoch (after a global sync) stay told apart
+                    name=f"pipeline {p}",
+                    x=[],
+                    y=[],
+                    mode="lines+markers",
+                    line=dict(color=color, dash=DASHES[p % len(DASHES)]),
+                    marker=dict(symbol=SYMBOLS[p % len(SYMBOLS)], size=7),
+                    legendgroup=str(p),
+                    showlegend=False,
+                ),
+                "accuracy",
+            )
+        panels.axes("loss", x_title_text="step")
+        panels.axes("accuracy", x_title_text="epoch", x_tick0=0, x_dtick=1)
+
+    def _build_shares(self, panels: _Panels, rows: dict) -> None:
+        """Whole run: seconds by kind, per worker (the timeline's rows)."""
+        for c in CATEGORIES:
+            panels.add(
+                f"shares/{c}",
+                go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False),
+                "shares",
+            )
+        panels.axes("shares", **rows, x_title_text="seconds")
+
     def fit(self, width: int) -> None:
         """Size the figure to an output area ``width`` pixels wide: three columns from ``NARROW`` up, else one."""
         if not width or width < 200 or abs(width - 16 - (self.figure.layout.width or 0)) < 8:
@@ -594,11 +348,7 @@ class Dashboard:
                     dict(a.to_plotly_json(), font_size=13) for a in fig.layout.annotations
                 ]
                 self.figure.layout.height = height
-                # one column: the legend (above the plots) would sit on the first title, centred above it: it goes
-                # above that title, with room in the top margin for its rows
-                top = 130 if narrow else 40
-                self.figure.layout.margin.t = top
-                self.figure.layout.legend.y = 1 + 36 / max(1, height - top - 40) if narrow else 1.0
+                self.figure.layout.margin.t, self.figure.layout.legend.y = layout.legend_place(narrow, height)
                 self.narrow = narrow
             self.figure.layout.width = width - 16  # the output area's padding and a scroll bar
         with self._lock:  # after the batch: inside it the layout still reads as before (the domains above)
@@ -673,42 +423,21 @@ class Dashboard:
             self._panel_state = now
 
     def _press(self, action: str, error: Optional[Exception] = None) -> None:
-        """A control panel button was pressed (its values are the panel's now)."""
-        run, panel = self.run, self.panel
+        """A control panel button was pressed (its values are the panel's now): the run's call for it
+        (:func:`sdpipe.widgets.actions.plan`), or the panel's own refusal (``error``)."""
+        run = self.run
         if error is not None:
 
-            def refuse():
+            def call():
                 raise error
 
-            self._act(action, refuse)
-        elif action == "policy":
-            self._act(
-                "policy",
-                lambda: run.set_policy(panel.policy, staleness=panel.staleness, max_group=panel.max_group or None),
-            )
-        elif action == "slowdowns":
-            # the run's slowdowns, with those of the pipelines whose slider now shows another value replaced (a
-            # per-stage slowdown set from code stays unless its pipeline's slider was moved)
-            h = run.heterogeneity
-            moved = {p: x for p, x in enumerate(panel.slowdown) if x != h.slowdown_of(p, 0)}
-            slow = {k: x for k, x in h.slowdown.items() if (k[0] if isinstance(k, tuple) else k) not in moved}
-            slow.update({p: x for p, x in moved.items() if x > 1.0})
-            self._act(
-                "slowdowns",
-                lambda: run.set_heterogeneity(
-                    slowdown=slow,
-                    straggle_prob=panel.straggle_prob,
-                    straggle_delay=panel.straggle_delay,
-                    link_delay=dict(run.heterogeneity.link_delay),
-                    compute_slowdown=dict(run.heterogeneity.compute_slowdown),
-                ),
-            )
-        elif action == "add pipeline":
-            self._act(action, lambda: run.add_pipelines(1))
-        elif action == "remove pipeline":
-            self._act(action, lambda: run.remove_pipeline(panel.remove))
         else:
-            self._act(action, {"pause": run.pause, "resume": run.resume, "stop": run.stop}[action])
+            planned = actions.plan(action, self.panel, run.heterogeneity)
+
+            def call():
+                return getattr(run, planned.method)(*planned.args, **planned.kwargs)
+
+        self._act(action, call)
 
     def _act(self, what: str, fn) -> None:
         """Run a control call; say in the message line what was applied and when, or why not (never raises)."""
@@ -720,37 +449,16 @@ class Dashboard:
             answer = fn()
             if what == "stop" and answer is False:
                 raise RuntimeError(f"run {run.run_id} had already ended ({run.status})")
-            t = time.time() - run.t0
-            text = f"{clock} {what} applied at t = {t:.1f} s: " + (
-                "the pipelines stop at their next step boundary"
-                if what == "stop"
-                else "every worker holds at its next step boundary"
-                if what == "pause"
-                else "the workers go on from where they held"
-                if what == "resume"
-                else f"pipeline {answer[0]} joins once its workers started (a live replica gives it its state)"
-                if what == "add pipeline"
-                else f"pipeline {self.panel.remove} leaves at its next step boundary"
-                if what == "remove pipeline"
-                else f"{self._applied(what)}; every worker takes it at its next step boundary"
-            )
+            text = actions.applied_text(what, answer, self.panel, time.time() - run.t0, clock)
             self.message.value = f"<span style='color:#1a7f37'>{html.escape(text)}</span>"
         except Exception as e:  # shown to the user, the run goes on
-            text = f"{clock} {what} not applied: {type(e).__name__}: {e}"
+            text = actions.refused_text(what, e, clock)
             self.message.value = f"<span style='color:#b00; overflow-wrap:anywhere'>{html.escape(text)}</span>"
         if self.panel is not None:  # the panel shows the run's values again (what a refused press sent is gone)
             with self._lock:
                 self._panel_state = {}
                 self._follow_run()
         self._poke.set()  # the header and the timeline show what the press did at the next redraw, now
-
-    def _applied(self, what: str) -> str:
-        """What a policy or slowdowns press applied, in a few words."""
-        p = self.panel
-        if what == "policy":
-            return f"{p.policy} (P = {p.staleness}, max group {p.max_group or 'all'})"
-        slow = ", ".join(f"pipeline {i} x{x:g}" for i, x in enumerate(p.slowdown) if x > 1.0) or "no slowdown"
-        return f"{slow}, straggle p {p.straggle_prob:g}, delay {p.straggle_delay:g} s"
 
     # ------------------------------------------------------------ updates
     def refresh(self, fetch: bool = True, full: bool = True) -> int:
@@ -763,7 +471,7 @@ class Dashboard:
                 self.view.status = self.run.status
                 new = len(events)
             self._draw(full)
-            self._width.seq += 1  # the page answers it when drawn (see _Width)
+            self._width.seq += 1  # the page answers it when drawn (see WidthProbe)
             self.redraws.append(time.monotonic())
             if len(self.redraws) > 1000:
                 del self.redraws[:500]
