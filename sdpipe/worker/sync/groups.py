@@ -67,7 +67,7 @@ class GroupPolicy(SyncPolicy):
         self.groups: dict = {}  # group name -> its process group
         self.mass = 1.0
 
-    def _ask(self, worker, step: int, global_sync: bool) -> dict:
+    def _ask(self, worker, step: int, global_sync: bool) -> GroupAnswer:
         """The group service's answer for this worker at ``step``."""
         return worker.ask_group(step, global_sync=global_sync)
 
