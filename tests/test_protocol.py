@@ -16,7 +16,11 @@ from sdpipe.wire.protocol import (
     GroupServiceClient,
     GroupServiceError,
     Keys,
+    MembershipChange,
     Op,
+    PairRequest,
+    PolicyChange,
+    ServerRequest,
     decode_frame,
     encode_frame,
     run_prefix,
@@ -53,6 +57,20 @@ def test_a_group_answer_round_trips_through_a_frame(round_, members, reason, ove
     assert GroupAnswer.from_wire(decode_frame(frame[4:])) == answer
     # a field the reader does not know (a newer service) is left aside
     assert GroupAnswer.from_wire({**answer.to_wire(), "later": 1}) == answer
+
+
+def test_the_store_payloads_round_trip_through_their_encodings():
+    """What the driver and the workers leave in the run's store and mailboxes, each typed with its encoding."""
+    for change in (PolicyChange("scheduled", "allreduce"), PolicyChange("none", "none")):
+        assert PolicyChange.decode(change.encode().encode()) == change
+    for m in (MembershipChange("join", 5, 2), MembershipChange("leave", 3)):
+        assert MembershipChange.decode(m.encode().encode()) == m
+    with pytest.raises(ValueError, match=r"^kind: 'stay' is not 'join' or 'leave'$"):
+        MembershipChange("stay", 1)
+    for r in (ServerRequest("step", 3, 17), ServerRequest("global", 0, 40), ServerRequest("leave", 2)):
+        assert ServerRequest.decode(r.encode()) == r
+    assert ServerRequest.decode("leave,2") == ServerRequest("leave", 2)  # a leave says no step
+    assert PairRequest.decode(PairRequest(4, 9).encode()) == PairRequest(4, 9)
 
 
 def test_command_next_advances_the_sequence_and_keeps_the_rest():

@@ -22,7 +22,7 @@ from sdpipe.config import LIVE_POLICIES, Heterogeneity
 from sdpipe.core.checks import is_integer
 from sdpipe.core.policies import SWITCHED_MODE, record
 from sdpipe.wire import events
-from sdpipe.wire.protocol import Command, GroupServiceClient, Keys
+from sdpipe.wire.protocol import Command, GroupServiceClient, Keys, MembershipChange, PolicyChange
 
 __all__ = ["ControlPlane", "Steering"]
 
@@ -41,7 +41,7 @@ class ControlPlane:
         self.lock = threading.Lock()
         self.command = Command()
         store.set(Keys.hetero(0), json.dumps(heterogeneity.to_dict()))
-        store.set(Keys.policy(0), json.dumps({"mode": mode, "name": policy_name}))
+        store.set(Keys.policy(0), PolicyChange(mode, policy_name).encode())
         self._write()
 
     def set_pipeline_ids(self, n: int) -> None:
@@ -49,11 +49,11 @@ class ControlPlane:
         with self.lock:
             self._store.set(Keys.PIPELINE_IDS, str(n))
 
-    def change_members(self, change: dict) -> int:
+    def change_members(self, change: MembershipChange) -> int:
         """Publish one change of the pipelines present (a join or a leave) as the next version; returns it."""
         with self.lock:
             version = self.command.members + 1
-            self._store.set(Keys.members(version), json.dumps(change))
+            self._store.set(Keys.members(version), change.encode())
             self._write(members=version)
         return version
 
@@ -84,7 +84,7 @@ class ControlPlane:
             self.service.set_policy(params, name)
             if self.mode != SWITCHED_MODE:
                 version = self.command.policy + 1
-                self._store.set(Keys.policy(version), json.dumps({"mode": SWITCHED_MODE, "name": name}))
+                self._store.set(Keys.policy(version), PolicyChange(SWITCHED_MODE, name).encode())
                 self._write(policy=version)
                 self.mode = SWITCHED_MODE
 

@@ -34,7 +34,7 @@ from sdpipe.core.membership import Membership
 from sdpipe.core.policies import names, of_mode
 from sdpipe.driver.cluster import free_workers, quiet_run_failures, run_bounded
 from sdpipe.wire import events
-from sdpipe.wire.protocol import Keys
+from sdpipe.wire.protocol import Keys, MembershipChange
 
 __all__ = ["Elastic"]
 
@@ -130,7 +130,7 @@ class Elastic:
         if len(self.pipelines) == 1:
             raise ValueError(f"pipeline: {pipeline} is the run's last pipeline; stop the run instead (run.stop())")
         self._members.ask_to_leave(pipeline)
-        self._control.change_members({"kind": "leave", "pipeline": pipeline})
+        self._control.change_members(MembershipChange("leave", pipeline))
         self._record("leave", pipeline=pipeline)
 
     # ------------------------------------------------------------ checks
@@ -246,7 +246,7 @@ class Elastic:
             self._members.rejoined(p)
         start = time.monotonic()
         self._await_count(p, Keys.join(p, g, "ready"), S, ranks, "connect")
-        version = self._control.change_members({"kind": "join", "pipeline": p, "generation": g})
+        version = self._control.change_members(MembershipChange("join", p, g))
         self._await_count(p, Keys.join(p, g, "loaded"), S, ranks, "take a replica's state")
         donor = int(self._run_store.get(Keys.join(p, g, "donor")))
         self._members.joined(p, int(self._run_store.get(Keys.join(p, g, "epoch"))))

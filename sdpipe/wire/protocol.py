@@ -26,6 +26,7 @@ Nothing here imports torch or Dask at import time: the Dask scheduler process im
 from __future__ import annotations
 
 import enum
+import json
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -38,7 +39,11 @@ __all__ = [
     "GroupServiceClient",
     "GroupServiceError",
     "Keys",
+    "MembershipChange",
     "Op",
+    "PairRequest",
+    "PolicyChange",
+    "ServerRequest",
     "WorkerSpec",
     "decode_frame",
     "encode_frame",
@@ -167,6 +172,81 @@ class Command:
         return replace(self, seq=self.seq + 1, **changes)
 
 
+# ------------------------------------------------------------------ store payloads
+@dataclass(frozen=True)
+class PolicyChange:
+    """Under :meth:`Keys.policy` (a version): the mode the workers run from that version on and the policy's name
+    (the driver writes it, every worker reads it at its next step boundary)."""
+
+    mode: str
+    name: str
+
+    def encode(self) -> str:
+        return json.dumps({"mode": self.mode, "name": self.name})
+
+    @classmethod
+    def decode(cls, raw) -> "PolicyChange":
+        d = json.loads(raw.decode() if isinstance(raw, (bytes, bytearray)) else raw)
+        return cls(d["mode"], d["name"])
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """Under :meth:`Keys.members` (a version): one change of the pipelines present, a join (with the joiner's
+    generation) or a leave."""
+
+    kind: str  # "join" | "leave"
+    pipeline: int
+    generation: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("join", "leave"):
+            raise ValueError(f"kind: {self.kind!r} is not 'join' or 'leave'")
+
+    def encode(self) -> str:
+        return json.dumps({"kind": self.kind, "pipeline": self.pipeline, "generation": self.generation})
+
+    @classmethod
+    def decode(cls, raw) -> "MembershipChange":
+        d = json.loads(raw.decode() if isinstance(raw, (bytes, bytearray)) else raw)
+        return cls(d["kind"], int(d["pipeline"]), int(d.get("generation", 0)))
+
+
+@dataclass(frozen=True)
+class ServerRequest:
+    """A request in a parameter server's mailbox: a worker's push and pull after a step (``kind`` "step") or at an
+    epoch's global sync ("global"), or its leaving ("leave"). Encoded ``"kind,client,step"``."""
+
+    kind: str
+    client: int
+    step: int = -1
+
+    def encode(self) -> str:
+        return f"{self.kind},{self.client},{self.step}"
+
+    @classmethod
+    def decode(cls, text: str) -> "ServerRequest":
+        kind, client, *rest = text.split(",")
+        return cls(kind, int(client), int(rest[0]) if rest else -1)
+
+
+@dataclass(frozen=True)
+class PairRequest:
+    """A request in a passive gossip worker's mailbox: active pipeline ``active`` asks to average after its
+    ``step``. Encoded ``"active,step"``."""
+
+    active: int
+    step: int
+
+    def encode(self) -> str:
+        return f"{self.active},{self.step}"
+
+    @classmethod
+    def decode(cls, text: str) -> "PairRequest":
+        active, step = text.split(",")
+        return cls(int(active), int(step))
+
+
 # ------------------------------------------------------------------ the group service's answer
 @dataclass(frozen=True)
 class GroupAnswer:
@@ -279,8 +359,8 @@ class Keys:
 
     @staticmethod
     def members(version: int) -> str:
-        """The driver: one change of the pipelines present as JSON, for :attr:`Command.members`:
-        ``{"kind": "join", "pipeline", "generation"}`` or ``{"kind": "leave", "pipeline"}``."""
+        """The driver: one change of the pipelines present (:class:`MembershipChange`), for
+        :attr:`Command.members`."""
         return f"members/{version}"
 
     @staticmethod

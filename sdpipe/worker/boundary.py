@@ -24,7 +24,7 @@ import torch
 
 from sdpipe.config import Heterogeneity
 from sdpipe.data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
-from sdpipe.wire.protocol import Command, ControlMessage, Keys, Op
+from sdpipe.wire.protocol import Command, ControlMessage, Keys, MembershipChange, Op, PolicyChange
 from sdpipe.worker.comm import TAG_CTRL, pipeline_lost
 from sdpipe.worker.handover import donate
 
@@ -145,11 +145,11 @@ class PipelineControl:
         """
         w = self.worker
         records = [membership(w.store, v) for v in range(self.seen + 1, version + 1)]
-        leave = any(r["kind"] == "leave" and r["pipeline"] == w.pipeline for r in records)
+        leave = any(r.kind == "leave" and r.pipeline == w.pipeline for r in records)
         if not leave:
             for r in records:
-                if r["kind"] == "join":
-                    w.store.compare_set(Keys.join(r["pipeline"], r["generation"], "donor"), "", str(w.pipeline))
+                if r.kind == "join":
+                    w.store.compare_set(Keys.join(r.pipeline, r.generation, "donor"), "", str(w.pipeline))
         self.seen = max(self.seen, version)
         return leave
 
@@ -163,11 +163,11 @@ class PipelineControl:
         coupled = w.policy.coupled
         for v in range(w.members_version + 1, members + 1):
             rec = membership(w.store, v)
-            if rec["kind"] == "join":
-                key = Keys.join(rec["pipeline"], rec["generation"], "donor")
+            if rec.kind == "join":
+                key = Keys.join(rec.pipeline, rec.generation, "donor")
                 if w.store.check([key]) and w.store.get(key).decode() == str(w.pipeline):
                     after = w.policy.changed(w, rec, epoch, j) if coupled else None
-                    donate(w, rec["pipeline"], rec["generation"], v, epoch, step, after)
+                    donate(w, rec.pipeline, rec.generation, v, epoch, step, after)
             if coupled:
                 w.policy.change(w, rec, epoch, j)
         w.members_version = members
@@ -186,16 +186,16 @@ class PipelineControl:
             now = time.time()
             w.span("control", step, None, now, now, what="heterogeneity", version=hv, applied_by="worker")
         if pv != w.policy_version:
-            spec = json.loads(w.store.get(Keys.policy(pv)).decode())
+            spec = PolicyChange.decode(w.store.get(Keys.policy(pv)))
             w.policy_version = pv
-            if spec["mode"] != w.policy.name:
+            if spec.mode != w.policy.name:
                 if w.policy.coupled and j is not None:
                     # leaving the lock-step shards mid-epoch: the shared counter continues after the
                     # batches every pipeline has taken (this step's included)
                     w.dispenser.base[epoch] = w.policy.taken(w, epoch, j)
-                w.switch_policy(spec["mode"])
+                w.switch_policy(spec.mode)
             now = time.time()
-            w.span("control", step, None, now, now, what="policy", policy=spec["name"], version=pv, applied_by="worker")
+            w.span("control", step, None, now, now, what="policy", policy=spec.name, version=pv, applied_by="worker")
 
     def close(self) -> None:
         if self.watcher is not None:
@@ -203,9 +203,9 @@ class PipelineControl:
         self._send = None
 
 
-def membership(store, version: int) -> dict:
-    """Membership change ``version`` (the driver's JSON under :meth:`Keys.members`)."""
-    return json.loads(store.get(Keys.members(version)).decode())
+def membership(store, version: int) -> MembershipChange:
+    """Membership change ``version`` (the driver's, under :meth:`Keys.members`)."""
+    return MembershipChange.decode(store.get(Keys.members(version)))
 
 
 class Dispenser:

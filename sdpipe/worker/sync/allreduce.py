@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from sdpipe.wire.protocol import Keys
+from sdpipe.wire.protocol import Keys, MembershipChange
 from sdpipe.worker.comm import RendezvousTimeout, allreduce_mean_
 from sdpipe.worker.sync.base import SyncPolicy
 
@@ -64,14 +64,14 @@ class AllReduce(SyncPolicy):
             return None
         return first + self.members.index(worker.pipeline)
 
-    def changed(self, worker, change: dict, epoch: int, j) -> dict:
+    def changed(self, worker, change: MembershipChange, epoch: int, j) -> dict:
         """The members and shards after ``change`` (a join or a leave) taken at the boundary of step ``j`` of
         ``epoch`` (None: at the epoch's end, so from the next epoch on).  Returns them as a joiner needs them."""
         shard = dict(self.shard)
         if j is not None:
             shard[epoch] = (self.taken(worker, epoch, j - 1), j)
-        p = change["pipeline"]
-        members = sorted(set(self.members) | {p}) if change["kind"] == "join" else [m for m in self.members if m != p]
+        p = change.pipeline
+        members = sorted(set(self.members) | {p}) if change.kind == "join" else [m for m in self.members if m != p]
         return {"members": members, "shard": shard, "j": j or 0}
 
     def change(self, worker, change: dict, epoch: int, j) -> None:

@@ -8,7 +8,7 @@ import time
 import torch
 
 from sdpipe.core import sync_rules as rules
-from sdpipe.wire.protocol import Keys
+from sdpipe.wire.protocol import Keys, PairRequest
 from sdpipe.worker.comm import flatten, pipeline_lost, unflatten_
 from sdpipe.worker.sync.allreduce import stage_group
 from sdpipe.worker.sync.base import TAG_SERVE, failure, state_tensors
@@ -66,7 +66,7 @@ class GossipPairs(GroupPolicy):
             self.server.start()
 
     def _serve(self, text: str) -> None:
-        active, _step = (int(x) for x in text.split(","))
+        active = PairRequest.decode(text).active
         start = time.time()
         with self.lock:
             mine = flatten(self.tensors, self.device)
@@ -117,7 +117,7 @@ class GossipPairs(GroupPolicy):
             return
         start = time.time()
         worker.delay_link()
-        Mailbox(self.store, Keys.gossip_mailbox(worker.stage, peer)).put(f"{worker.pipeline},{step}")
+        Mailbox(self.store, Keys.gossip_mailbox(worker.stage, peer)).put(PairRequest(worker.pipeline, step).encode())
         mine = flatten(self.tensors, self.device)
         theirs = torch.empty_like(mine)
         pair = sorted((worker.pipeline, peer))

@@ -8,7 +8,7 @@ import time
 import torch
 
 from sdpipe.core import sync_rules as rules
-from sdpipe.wire.protocol import Keys
+from sdpipe.wire.protocol import Keys, ServerRequest
 from sdpipe.worker.comm import flatten, unflatten_
 from sdpipe.worker.sync.base import TAG_SERVE, SyncPolicy, state_tensors
 from sdpipe.worker.sync.mailbox import Mailbox, MailboxServer
@@ -47,8 +47,8 @@ class PsServer:
         self.thread.start()
 
     def _serve(self, text: str) -> None:
-        kind, client = text.split(",")[:2]
-        client = int(client)
+        request = ServerRequest.decode(text)
+        kind, client = request.kind, request.client
         if kind == "leave":
             self.live.discard(client)
             self.waiting.pop(client, None)
@@ -149,9 +149,9 @@ class ParameterServer(SyncPolicy):
         worker.delay_link()
         delta = flatten(self.tensors, self.device).sub_(self.pulled)
         if self.host:
-            w = self.server.exchange_local(delta, f"{kind},0,{step}", worker.timeout)
+            w = self.server.exchange_local(delta, ServerRequest(kind, 0, step).encode(), worker.timeout)
         else:
-            self.mailbox.put(f"{kind},{worker.pipeline},{step}")
+            self.mailbox.put(ServerRequest(kind, worker.pipeline, step).encode())
             self.pg.send([delta], 0, TAG_SERVE).wait()
             w = torch.empty_like(delta)
             self.pg.recv([w], 0, TAG_SERVE).wait()
@@ -178,7 +178,7 @@ class ParameterServer(SyncPolicy):
     def leave(self, worker) -> None:
         if self.pg is not None and not self.left:
             self.left = True
-            self.mailbox.put(f"leave,{worker.pipeline}")
+            self.mailbox.put(ServerRequest("leave", worker.pipeline).encode())
 
     def close(self, failed: bool = False) -> None:
         try:
