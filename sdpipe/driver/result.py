@@ -102,7 +102,7 @@ def assemble(
         parts = []
         for s in range(config.stages):
             mod = copy.deepcopy(stage_modules[s])
-            mod.load_state_dict(results[p * config.stages + s]["state"])
+            mod.load_state_dict(results[p * config.stages + s].state)
             parts.append(mod)
         layers = [layer for part in parts for layer in part] if from_sequential else parts
         models.append(nn.Sequential(*layers))
@@ -112,8 +112,8 @@ def assemble(
         events=events,
         config=config,
         wall_time=max([e["end"] for e in events] + [0.0]),
-        stopped=any(r.get("stopped") for r in results.values()),
-        steps={p: results[p * config.stages]["steps"] for p in range(pipelines) if p not in lost and p not in left},
+        stopped=any(r.stopped for r in results.values()),
+        steps={p: results[p * config.stages].steps for p in range(pipelines) if p not in lost and p not in left},
         lost=dict(lost),
         left=dict(left),
         pipelines=pipelines,

@@ -106,7 +106,7 @@ class RunWatcher:
             results = self._collect()
             if error is not None and not isinstance(error, LostWorker):
                 error = self._root_cause() or error
-            run._inbox.wait_for({r: res["events"] for r, res in results.items()}, run.run_id)
+            run._inbox.wait_for({r: res.events for r, res in results.items()}, run.run_id)
             if error is None:
                 run._result = assemble(
                     self.config,
@@ -387,9 +387,9 @@ class RunWatcher:
         }
         for rank, res in results.items():  # pipelines that left, or gave their join up as the run ended
             p = rank // S
-            if res.get("left"):
-                run._members.leave(p, f"removed at step {res['steps']}")
-            elif res.get("joined") is False:
+            if res.left:
+                run._members.leave(p, f"removed at step {res.steps}")
+            elif not res.joined:
                 run._members.leave(p, "the run ended before it joined")
             run._members.ended(p)
         finished = {rank // S for rank in results}

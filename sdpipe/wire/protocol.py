@@ -44,6 +44,7 @@ __all__ = [
     "PairRequest",
     "PolicyChange",
     "ServerRequest",
+    "WorkerResult",
     "WorkerSpec",
     "decode_frame",
     "encode_frame",
@@ -245,6 +246,28 @@ class PairRequest:
     def decode(cls, text: str) -> "PairRequest":
         active, step = text.split(",")
         return cls(int(active), int(step))
+
+
+# ------------------------------------------------------------------ a worker's result
+@dataclass
+class WorkerResult:
+    """What a worker's task returns to the driver when it ends without an error."""
+
+    rank: int
+    #: its pipeline's generation (a rejoin launches new tasks under a new one)
+    generation: int = 0
+    #: the stage's weights at the end (on the CPU); None for a joiner that gave its join up
+    state: Optional[dict] = None
+    #: the steps it took
+    steps: int = 0
+    #: it stopped because the driver asked (``Run.stop``), not at the run's end
+    stopped: bool = False
+    #: its pipeline left the run (``Run.remove_pipeline``)
+    left: bool = False
+    #: False for a joiner whose join the driver gave up before a replica gave it its state
+    joined: bool = True
+    #: the event records it sent (the driver waits until it has received them all)
+    events: int = 0
 
 
 # ------------------------------------------------------------------ the group service's answer

@@ -37,6 +37,7 @@ from sdpipe.wire.protocol import (
     GroupServiceError,
     Keys,
     Op,
+    WorkerResult,
     WorkerSpec,
 )
 from sdpipe.worker.boundary import CTL_MAX_AGE, Dispenser, PipelineControl
@@ -356,14 +357,14 @@ class Training:
                 break
         w.ctl.wait_sent()
         state = {k: v.detach().cpu().clone() for k, v in w.module.state_dict().items()}
-        return {
-            "rank": w.rank,
-            "state": state,
-            "steps": self.step,
-            "stopped": self.stopped and not self.left,
-            "left": self.left,
-            "generation": w.generation,
-        }
+        return WorkerResult(
+            rank=w.rank,
+            generation=w.generation,
+            state=state,
+            steps=self.step,
+            stopped=self.stopped and not self.left,
+            left=self.left,
+        )
 
     def _epoch(self, epoch: int) -> None:
         w, cfg = self.w, self.w.cfg
@@ -546,11 +547,12 @@ class Training:
         w.sink.add(events.epoch(w.pipeline, w.stage, self.step, time.time() - w.t0, rec))
 
 
-def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, resume=None, join=None) -> dict:
-    """Entry point of a worker task; returns its final stage weights.
+def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, resume=None, join=None) -> WorkerResult:
+    """Entry point of a worker task; returns its :class:`~sdpipe.wire.protocol.WorkerResult` (its final stage
+    weights among it).
 
     ``resume``: this rank's state from a checkpoint (weights, optimizer, random states).  ``join``: the rank's
-    pipeline joins the running run (see :class:`Worker`); it returns ``{"joined": False}`` when the driver gave
+    pipeline joins the running run (see :class:`Worker`); its result says ``joined=False`` when the driver gave
     the join up before a replica gave it its state.
     """
     torch.set_num_threads(1)
@@ -566,7 +568,7 @@ def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, r
         if join is not None:
             state = await_state(worker)
             if state is None:
-                result = {"rank": rank, "joined": False, "generation": worker.generation}
+                result = WorkerResult(rank=rank, generation=worker.generation, joined=False)
                 return result
             step, start_epoch = state.step, state.epoch
         first_j = state.policy["j"] if join is not None and state.policy else 0
@@ -587,4 +589,4 @@ def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, r
             worker.close(result is None)
         sink.flush()
         if result is not None:
-            result["events"] = sink.sent  # counted after closing: policy server threads record too
+            result.events = sink.sent  # counted after closing: policy server threads record too
