@@ -19,6 +19,7 @@ from sdpipe.wire.protocol import (
     MembershipChange,
     Op,
     PairRequest,
+    PeerLost,
     PolicyChange,
     ServerRequest,
     decode_frame,
@@ -272,3 +273,19 @@ def test_a_pipeline_slower_than_a_whole_epoch_leaves_whole_epochs_and_measures_i
     slow.forget()  # the heterogeneity changed
     assert epoch(3 + Dispenser.MAX_AGE) == 1
     assert fast._step_time == pytest.approx(0.1)
+
+
+def test_a_peers_failure_is_typed_where_torch_says_it_and_keeps_its_step():
+    """gloo raises a plain RuntimeError with its text; the worker turns it into PeerLost (the driver tests the
+    type), keeping the step the driver's line names; other errors pass as they are."""
+    from sdpipe.driver.watch import is_comm_failure
+    from sdpipe.worker.comm import as_peer_lost
+
+    torch_error = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:15257")
+    torch_error.sdpipe_step = (12, 1)
+    lost = as_peer_lost(torch_error)
+    assert isinstance(lost, PeerLost) and is_comm_failure(lost) and lost.sdpipe_step == (12, 1)
+    assert str(lost) == f"RuntimeError: {torch_error}"
+    assert as_peer_lost(lost) is lost
+    own = ValueError("stage 1's output is NaN")
+    assert as_peer_lost(own) is own and not is_comm_failure(own)

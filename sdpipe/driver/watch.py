@@ -28,7 +28,7 @@ from sdpipe.core.policies import of_mode
 from sdpipe.driver.cluster import workers_now
 from sdpipe.driver.result import RunError, assemble, plain_config
 from sdpipe.wire import events
-from sdpipe.wire.protocol import Keys
+from sdpipe.wire.protocol import Keys, PeerLost
 from sdpipe.worker.comm import mark_lost
 
 __all__ = ["RunWatcher", "stall_limit"]
@@ -37,15 +37,6 @@ log = logging.getLogger("sdpipe")
 
 #: Seconds a communication failure waits for the loss of a worker of its own pipeline to show.
 LOSS_GRACE = 10.0
-_COMM_FAILURES = (
-    "Connection closed by peer",
-    "Connection reset",
-    "Timed out",
-    "timed out",
-    "Broken pipe",
-    "aborted",
-    "Socket closed",
-)
 
 
 class LostWorker(RunError):
@@ -65,7 +56,8 @@ def is_cancelled(exc) -> bool:
 
 
 def is_comm_failure(exc) -> bool:
-    return exc is not None and any(m in str(exc) for m in _COMM_FAILURES)
+    """The worker's exchange with a peer failed on the wire (:class:`~sdpipe.wire.protocol.PeerLost`)."""
+    return isinstance(exc, PeerLost)
 
 
 def is_worker_death(exc) -> bool:

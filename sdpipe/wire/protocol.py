@@ -42,6 +42,7 @@ __all__ = [
     "MembershipChange",
     "Op",
     "PairRequest",
+    "PeerLost",
     "PolicyChange",
     "ServerRequest",
     "WorkerResult",
@@ -246,6 +247,13 @@ class PairRequest:
     def decode(cls, text: str) -> "PairRequest":
         active, step = text.split(",")
         return cls(int(active), int(step))
+
+
+# ------------------------------------------------------------------ a worker's failure
+class PeerLost(RuntimeError):
+    """A worker's exchange with a peer failed on the wire: the connection closed, reset or timed out (the peer's
+    process may have died). Raised by the worker in place of torch's error (its text in the message); the
+    driver waits a moment for a loss to show before it counts as the run's error."""
 
 
 # ------------------------------------------------------------------ a worker's result

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from sdpipe.wire.protocol import Keys
+from sdpipe.wire.protocol import Keys, PeerLost
 from sdpipe.worker import tree as _tree
 
 TAG_CTRL, TAG_ACT, TAG_GRAD, TAG_TARGET = 0, 1, 2, 3
@@ -257,6 +257,29 @@ class Link:
     def recv_like(self, tensors: list, src: int, tag: int) -> list:
         """Receive one tensor of each of ``tensors``' shapes and dtypes (the gradients of tensors sent before)."""
         return [self.recv(tuple(t.shape), t.dtype, src, tag) for t in tensors]
+
+
+#: what torch's errors say when a peer's connection failed (gloo raises a plain RuntimeError with its message)
+PEER_FAILURES = (
+    "Connection closed by peer",
+    "Connection reset",
+    "Timed out",
+    "timed out",
+    "Broken pipe",
+    "aborted",
+    "Socket closed",
+)
+
+
+def as_peer_lost(error: BaseException) -> BaseException:
+    """``error`` as a :class:`~sdpipe.wire.protocol.PeerLost` when torch's text says a peer's connection failed
+    (the one place sdpipe reads torch's messages), else ``error`` itself."""
+    if isinstance(error, PeerLost) or not any(m in str(error) for m in PEER_FAILURES):
+        return error
+    lost = PeerLost(f"{type(error).__name__}: {error}")
+    if hasattr(error, "sdpipe_step"):  # the driver's one line names the step
+        lost.sdpipe_step = error.sdpipe_step
+    return lost
 
 
 def mark_lost(store, pipeline: int, why: str) -> None:

@@ -41,7 +41,7 @@ from sdpipe.wire.protocol import (
     WorkerSpec,
 )
 from sdpipe.worker.boundary import CTL_MAX_AGE, Dispenser, PipelineControl
-from sdpipe.worker.comm import TAG_TARGET, Link, first_lost, make_group
+from sdpipe.worker.comm import TAG_TARGET, Link, as_peer_lost, first_lost, make_group
 from sdpipe.worker.connect import connect_store, nccl_interface, own_address
 from sdpipe.worker.handover import await_state
 from sdpipe.worker.pace import Pace
@@ -581,6 +581,9 @@ def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, r
         # process group among them) and so its connections open: a peer still waiting in it would sit out
         # its whole timeout instead of failing now
         traceback.clear_frames(e.__traceback__)
+        lost = as_peer_lost(e)
+        if lost is not e:
+            raise lost from None  # typed for the driver; torch's text is in its message
         raise
     finally:
         if worker is not None:
