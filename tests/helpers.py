@@ -52,3 +52,15 @@ def assert_records_valid(events: list) -> None:
 
     bad = [(e, problems(e)) for e in events if problems(e)]
     assert not bad, f"{len(bad)} of {len(events)} records do not fit the schema; first: {bad[0]}"
+
+
+def train_on(cluster, *args, timeout: float = 300, **options):
+    """``sdpipe.train(*args, cluster=cluster, **options)`` to its end: its records fit the schema, and it left
+    no process group and no policy server thread in the cluster's workers; returns its result."""
+    import sdpipe
+
+    result = sdpipe.train(*args, cluster=cluster, **options).result(timeout=timeout)
+    assert_records_valid(result.events)
+    assert live_process_groups(cluster) == 0
+    assert server_threads(cluster) == []
+    return result

@@ -8,7 +8,7 @@ import pytest
 import sdpipe
 from sdpipe.data import digits, digits_mlp
 
-from helpers import assert_records_valid, live_process_groups, server_threads
+from helpers import live_process_groups, server_threads, train_on
 
 pytestmark = pytest.mark.cluster
 
@@ -25,7 +25,8 @@ def _final(result):
 
 def test_adpsgd_pairs_active_with_passive_and_ends_epochs_in_sync(data, shared_cluster):
     train_data, eval_data = data
-    result = sdpipe.train(
+    result = train_on(
+        shared_cluster,
         digits_mlp(),
         train_data,
         eval_data=eval_data,
@@ -33,9 +34,7 @@ def test_adpsgd_pairs_active_with_passive_and_ends_epochs_in_sync(data, shared_c
         pipelines=2,
         policy="adpsgd",
         epochs=6,
-        cluster=shared_cluster,
-    ).result(timeout=300)
-    assert_records_valid(result.events)
+    )
     assert all(h["accuracy"] >= 0.88 for h in _final(result)), _final(result)
     assert result.max_param_diff() < 1e-6  # the global sync at each epoch end
     syncs = [e for e in result.events if e["kind"] == "sync"]
@@ -56,7 +55,8 @@ def test_ps_bounds_staleness_and_pulls_the_same_weights_at_epoch_end(data, share
     train_data, eval_data = data
     s = 1
     hetero = sdpipe.Heterogeneity(slowdown={1: 6.0})
-    result = sdpipe.train(
+    result = train_on(
+        shared_cluster,
         digits_mlp(),
         train_data,
         eval_data=eval_data,
@@ -66,9 +66,7 @@ def test_ps_bounds_staleness_and_pulls_the_same_weights_at_epoch_end(data, share
         epochs=4,
         heterogeneity=hetero,
         scheduler={"staleness": s},
-        cluster=shared_cluster,
-    ).result(timeout=300)
-    assert_records_valid(result.events)
+    )
     assert all(h["accuracy"] >= 0.88 for h in _final(result)), _final(result)
     assert result.max_param_diff() < 1e-6
     # while the slow pipeline trains an epoch, no pipeline starts a step more than s steps (plus the one in flight)

@@ -9,7 +9,7 @@ import pytest
 import sdpipe
 from sdpipe.data import digits, digits_mlp
 
-from helpers import assert_records_valid, live_process_groups
+from helpers import assert_records_valid, live_process_groups, train_on
 
 pytestmark = pytest.mark.cluster
 
@@ -121,7 +121,8 @@ def test_overlapped_averaging_corrects_weights_and_conserves_the_mass(data, shar
     computes; each member applies the correction at its next boundary. The progress masses still add up, the
     global syncs still leave identical replicas, and the averaging spans overlap the members' compute."""
     train_data, eval_data = data
-    result = sdpipe.train(
+    result = train_on(
+        shared_cluster,
         digits_mlp(hidden=256),
         train_data,
         eval_data=eval_data,
@@ -132,9 +133,7 @@ def test_overlapped_averaging_corrects_weights_and_conserves_the_mass(data, shar
         batch_size=32,
         scheduler={"overlap": True},
         heterogeneity=sdpipe.Heterogeneity(slowdown={2: 2.0}),
-        cluster=shared_cluster,
-    ).result(timeout=300)
-    assert_records_valid(result.events)
+    )
     assert min(h["accuracy"] for h in result.history if h["epoch"] == 2) >= 0.85
     assert result.max_param_diff() < 1e-6
     syncs = [e for e in result.events if e["kind"] == "sync" and not e.get("failed")]
