@@ -19,10 +19,19 @@ from dataclasses import fields
 from typing import Optional
 
 from sdpipe.config import Heterogeneity, TrainConfig, field_docs
-from sdpipe.core.policies import SIMULATED_POLICY, names
+from sdpipe.core.policies import NAMES, SIMULATED_POLICY, names, record
+from sdpipe.core.scheduler import SchedulerPolicy
 
 #: the field types that one command-line word gives, and how to read it
-_SCALARS = {int: int, float: float, str: str, Optional[str]: str, Optional[int]: int, bool: bool}
+_SCALARS = {
+    int: int,
+    float: float,
+    str: str,
+    Optional[str]: str,
+    Optional[int]: int,
+    Optional[float]: float,
+    bool: bool,
+}
 
 
 def _flag_fields(cls) -> dict[str, type]:
@@ -93,6 +102,37 @@ def _add_slowdowns(parser) -> None:
     _add_fields(group, Heterogeneity, ["straggle_prob", "straggle_delay"])
 
 
+def _add_scheduler(parser) -> None:
+    """``--scheduler-field`` flags for the group scheduler's parameters (the fields of ``SchedulerPolicy``), written
+    from the dataclass; a flag left out keeps the policy's preset."""
+    group = parser.add_argument_group(
+        "scheduler",
+        "the group scheduler's parameters (the fields of sdpipe.core.scheduler.SchedulerPolicy); the flags given "
+        "change the policy's preset",
+    )
+    kinds, docs = _flag_fields(SchedulerPolicy), {k: _plain(v) for k, v in field_docs(SchedulerPolicy).items()}
+    metavars = {int: "N", float: "X", str: "TEXT"}
+    for name, kind in kinds.items():
+        flag = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind, "metavar": metavars[kind]}
+        group.add_argument(
+            f"--scheduler-{name.replace('_', '-')}",
+            dest=f"scheduler_{name}",
+            default=argparse.SUPPRESS,  # left out: the policy's preset
+            help=(docs[name].replace("%", "%%") or name.replace("_", " ")) + " (default: the policy's preset)",
+            **flag,
+        )
+
+
+def _scheduler(args, policy: str):
+    """The group scheduler's parameters the flags set (``--scheduler-...``) over ``policy``'s preset, or None."""
+    given = {
+        name: getattr(args, f"scheduler_{name}")
+        for name in _flag_fields(SchedulerPolicy)
+        if getattr(args, f"scheduler_{name}", None) is not None
+    }
+    return record(policy).scheduler.updated(**given) if given else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = _Help
     parser = argparse.ArgumentParser(prog="sdpipe", description="Heterogeneity-aware pipeline-parallel training.")
@@ -139,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         TrainConfig,
     )
     _add_slowdowns(t)
+    _add_scheduler(t)
     m = sub.add_parser(
         "simulate",
         help="simulate a run in simulated time on the scheduler core",
@@ -172,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--sync-every", type=int, default=1, help="a global sync every this many epochs (and the last)")
     m.add_argument("--seed", type=int, default=0, help="seed of the simulated jitter and straggles")
     _add_slowdowns(m)
+    _add_scheduler(m)
     return parser
 
 
@@ -267,6 +309,7 @@ def _simulate(args) -> int:
         steps=args.steps,
         heterogeneity=hetero,
         network=network,
+        scheduler=_scheduler(args, args.policy) if args.policy in NAMES else None,
         seed=args.seed,
         record=False,
         epochs=args.epochs,
@@ -324,6 +367,8 @@ def _check(args) -> tuple[TrainConfig, dict]:
     """The run's options from the flags and their one-line errors, before torch, the data or any worker load
     (well under a second)."""
     options = {name: getattr(args, name) for name in _flag_fields(TrainConfig)}
+    if args.policy in NAMES and _scheduler(args, args.policy) is not None:  # a bad policy: TrainConfig says so
+        options["scheduler"] = _scheduler(args, args.policy)
     if args.slowdown or args.straggle_prob:
         options["heterogeneity"] = Heterogeneity(
             slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay

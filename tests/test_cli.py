@@ -236,3 +236,25 @@ def test_a_script_with_the_main_guard_trains(tmp_path, no_leaks):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "accuracy 0." in out.stdout
+
+
+def test_cli_scheduler_flags_change_the_policys_preset():
+    """Every number, string and yes/no field of SchedulerPolicy is a --scheduler-... flag of train and simulate;
+    those given change the chosen policy's preset (to TrainConfig.scheduler), the others keep it."""
+    from dataclasses import fields
+
+    from sdpipe.cli import _check, _scheduler, build_parser
+    from sdpipe.core.policies import record
+    from sdpipe.core.scheduler import SchedulerPolicy
+
+    parser = build_parser()
+    for command in ("train", "simulate"):
+        dests = {a.dest for a in parser._subparsers._group_actions[0].choices[command]._actions}
+        assert {f"scheduler_{f.name}" for f in fields(SchedulerPolicy)} <= dests
+    args = parser.parse_args(["train", "--policy", "allreduce", "--scheduler-staleness", "3", "--no-scheduler-overlap"])
+    assert _scheduler(args, "allreduce") == record("allreduce").scheduler.updated(staleness=3, overlap=False)
+    config = _check(args)[0]
+    assert config.scheduler_policy() == record("allreduce").scheduler.updated(staleness=3, overlap=False)
+    args = parser.parse_args(["simulate", "--policy", "none"])
+    assert _scheduler(args, "none") is None  # no flag given: the policy's preset stands
+    assert not [k for k in vars(args) if k.startswith("scheduler_")]
