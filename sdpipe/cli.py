@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = _Help
     parser = argparse.ArgumentParser(prog="sdpipe", description="Heterogeneity-aware pipeline-parallel training.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub, fmt)
+    _simulate_parser(sub, fmt)
+    return parser
+
+
+def _train_parser(sub, fmt) -> None:
+    """``sdpipe train``: the built-in examples, the run's fields, heterogeneity and the scheduler."""
     t = sub.add_parser(
         "train",
         help="train a built-in example (digits MLP or CNN, a GPT-style character model, a small ResNet)",
@@ -180,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_slowdowns(t)
     _add_scheduler(t)
+
+
+def _simulate_parser(sub, fmt) -> None:
+    """``sdpipe simulate``: the shape, the costs and network, heterogeneity and the scheduler."""
     m = sub.add_parser(
         "simulate",
         help="simulate a run in simulated time on the scheduler core",
@@ -214,7 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed of the simulated jitter and straggles")
     _add_slowdowns(m)
     _add_scheduler(m)
-    return parser
 
 
 def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
