@@ -244,6 +244,14 @@ class TrainConfig:
     """Folder the checkpoints go to (``epoch-NNNN`` folders and a ``latest`` file); workers must reach it."""
 
     def __post_init__(self):
+        # in the order of the fields: a config with several bad fields is told about the first
+        self._check_shape()
+        self._check_training()
+        self._check_parts()
+        self._check_run()
+
+    def _check_shape(self) -> None:
+        """Stages, pipelines, policy, schedule and batches."""
         integer("stages", self.stages)
         integer("pipelines", self.pipelines)
         if self.policy not in POLICIES:
@@ -267,6 +275,9 @@ class TrainConfig:
                 f"batch_size: {self.batch_size} is not divisible into {self.microbatches} micro-batches; "
                 f"use a multiple of microbatches"
             )
+
+    def _check_training(self) -> None:
+        """Epochs, the optimizer, the cut, the device and the seed."""
         integer("epochs", self.epochs)
         integer("sync_every", self.sync_every)
         if self.optimizer not in OPTIMIZERS:
@@ -283,6 +294,9 @@ class TrainConfig:
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("backend: 'nccl' needs device='cuda'")
         integer("seed", self.seed, 0)
+
+    def _check_parts(self) -> None:
+        """The heterogeneity and the scheduler's parameters (a dict of them becomes a SchedulerPolicy)."""
         if self.heterogeneity is not None:
             if not isinstance(self.heterogeneity, Heterogeneity):
                 raise ValueError(
@@ -297,6 +311,9 @@ class TrainConfig:
                     f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, "
                     f"got {type(self.scheduler).__name__}"
                 )
+
+    def _check_run(self) -> None:
+        """The timeout, the store's host and the checkpoints."""
         number("timeout", self.timeout, 0.0, lo_open=True)
         if self.host is not None and (not isinstance(self.host, str) or not self.host):
             raise ValueError(
