@@ -53,7 +53,7 @@ def stage_param_bytes(model_fn, stages: int, cuts=None) -> list:
     """Bytes of each stage's parameters under sdpipe's own cut (or ``cuts``)."""
     import sdpipe
 
-    parts = sdpipe.core.partition(model_fn(), stages, cuts=cuts)
+    parts = sdpipe.partition(model_fn(), stages, cuts=cuts)
     return [sum(p.numel() * p.element_size() for p in m.parameters()) for m in parts]
 
 

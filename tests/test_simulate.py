@@ -165,7 +165,7 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
         cluster=shared_cluster,
     ).result(timeout=300)
     costs, net, shown = sdpipe.calibrate(result)
-    stages = sdpipe.core.partition(digits_cnn(8), 2, (6,))
+    stages = sdpipe.partition(digits_cnn(8), 2, (6,))
     assert costs.weight_bytes == tuple(float(sum(p.numel() * 4 for p in m.parameters())) for m in stages)
     assert costs.activation_bytes == (float(stages[0](torch.zeros(16, 64)).numel() * 4),)
     assert all(v > 0 for v in costs.forward + costs.backward + costs.optimizer)
