@@ -124,7 +124,10 @@ def _add_scheduler(parser) -> None:
 
 
 def _scheduler(args, policy: str):
-    """The group scheduler's parameters the flags set (``--scheduler-...``) over ``policy``'s preset, or None."""
+    """The group scheduler's parameters the flags set (``--scheduler-...``) over ``policy``'s preset, or None (none
+    given, or a policy that is not one: TrainConfig says so in its words)."""
+    if policy not in NAMES:
+        return None
     given = {
         name: getattr(args, f"scheduler_{name}")
         for name in _flag_fields(SchedulerPolicy)
@@ -319,7 +322,7 @@ def _simulate(args) -> int:
         steps=args.steps,
         heterogeneity=hetero,
         network=network,
-        scheduler=_scheduler(args, args.policy) if args.policy in NAMES else None,
+        scheduler=_scheduler(args, args.policy),
         seed=args.seed,
         record=False,
         epochs=args.epochs,
@@ -377,8 +380,9 @@ def _check(args) -> tuple[TrainConfig, dict]:
     """The run's options from the flags and their one-line errors, before torch, the data or any worker load
     (well under a second)."""
     options = {name: getattr(args, name) for name in _flag_fields(TrainConfig)}
-    if args.policy in NAMES and _scheduler(args, args.policy) is not None:  # a bad policy: TrainConfig says so
-        options["scheduler"] = _scheduler(args, args.policy)
+    scheduler = _scheduler(args, args.policy)
+    if scheduler is not None:
+        options["scheduler"] = scheduler
     if args.slowdown or args.straggle_prob:
         options["heterogeneity"] = Heterogeneity(
             slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay
