@@ -171,7 +171,7 @@ def sim_part(args, names) -> list:
     net = sdpipe.Network(bandwidth=10e9 / 8, latency=50e-6, scheduler_rtt=0.0005)
     rows = []
     for D in (int(x) for x in args.sim_pipelines.split(",")):
-        common = dict(costs=costs, steps=args.sim_steps, heterogeneity=hetero, network=net, seed=1)
+        common = dict(costs=costs, steps=args.sim_steps, epochs=1, heterogeneity=hetero, network=net, seed=1)
         t = time.time()
         ideal = sdpipe.simulate(4, D, policy="none", record=False, **common)
         ideal_rate = sum(h["samples"] for h in ideal.history) / ideal.wall_time

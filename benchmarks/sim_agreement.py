@@ -135,6 +135,7 @@ def main(argv=None) -> int:
                 sdpipe.simulate(
                     S,
                     D,
+                    epochs=1,
                     costs=costs,
                     network=net,
                     policy=policy,

@@ -86,6 +86,7 @@ def main(argv=None) -> int:
             r = sdpipe.simulate(
                 S,
                 D,
+                epochs=1,
                 costs=costs,
                 network=net,
                 policy=policy,

@@ -46,7 +46,7 @@ else:  # a revision from before the profiles: the same numbers, spelled out
 hetero = sdpipe.Heterogeneity(straggle_prob=0.1, straggle_delay=0.05)
 t = time.perf_counter()
 r = sdpipe.simulate(4, D, costs=costs, network=net, policy="sdpipe", steps=steps, heterogeneity=hetero,
-                    batch_size=128, record=record)
+                    batch_size=128, record=record, epochs=1)
 took = time.perf_counter() - t
 print(json.dumps({"seconds": took, "events": len(r.events), "simulated_s": r.wall_time,
                   "samples": sum(h["samples"] for h in r.history)}))

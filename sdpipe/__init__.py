@@ -10,13 +10,14 @@ from sdpipe.core.partition import partition
 from sdpipe.driver.cluster import close as close_cluster
 from sdpipe.driver.run import Run, RunError, RunResult
 from sdpipe.driver.train import train
-from sdpipe.simulation import Costs, Network, calibrate, profiles, simulate, spot_trace
+from sdpipe.simulation import Costs, Network, Proxy, calibrate, profiles, simulate, spot_trace
 
 __all__ = [
     "Checkpoint",
     "Costs",
     "Heterogeneity",
     "Network",
+    "Proxy",
     "Run",
     "RunError",
     "RunResult",

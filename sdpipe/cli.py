@@ -19,8 +19,9 @@ from dataclasses import fields
 from typing import Optional
 
 from sdpipe.config import Heterogeneity, TrainConfig, field_docs
-from sdpipe.core.policies import NAMES, SIMULATED_POLICY, names, record
+from sdpipe.core.policies import NAMES, record
 from sdpipe.core.scheduler import SchedulerPolicy
+from sdpipe.simulation import SIMULATED_FIELDS, Network, Proxy
 
 #: the field types that one command-line word gives, and how to read it
 _SCALARS = {
@@ -40,9 +41,9 @@ def _flag_fields(cls) -> dict[str, type]:
     return {f.name: _SCALARS[hints[f.name]] for f in fields(cls) if f.init and hints[f.name] in _SCALARS}
 
 
-def _add_fields(group, cls, names=None) -> None:
-    """``--field-name`` flags for ``cls``'s fields ``names`` (default: all that make sense), written from the
-    dataclass: its type, its default, its docstring as the help."""
+def _add_fields(group, cls, names=None, prefix: str = "") -> None:
+    """``--[prefix-]field-name`` flags for ``cls``'s fields ``names`` (default: all that make sense), written from
+    the dataclass: its type, its default, its docstring as the help (``args.[prefix_]field_name``)."""
     kinds, docs = _flag_fields(cls), {k: _plain(v) for k, v in field_docs(cls).items()}
     defaults = {f.name: f.default for f in fields(cls)}
     for name in names or kinds:
@@ -51,8 +52,10 @@ def _add_fields(group, cls, names=None) -> None:
         choices = re.search(r"one of ([a-z0-9\-]+(?:, [a-z0-9\-]+)+)", docs[name])
         if choices:  # the usage line lists them (the values are still checked by TrainConfig, in its words)
             kind = dict(kind, metavar="{" + choices.group(1).replace(", ", ",") + "}")
+        flag = f"{prefix}_{name}" if prefix else name
         group.add_argument(
-            f"--{name.replace('_', '-')}",
+            f"--{flag.replace('_', '-')}",
+            dest=flag,
             default=defaults[name],
             help=docs[name].replace("%", "%%") or name.replace("_", " "),
             **kind,
@@ -192,40 +195,50 @@ def _train_parser(sub, fmt) -> None:
     _add_scheduler(t)
 
 
+#: the fields of TrainConfig that ``sdpipe simulate`` takes as flags (the heterogeneity and the scheduler have
+#: their own groups of flags)
+_SIMULATED_FLAGS = ("stages", "pipelines", *(f for f in SIMULATED_FIELDS if f not in ("heterogeneity", "scheduler")))
+
+
 def _simulate_parser(sub, fmt) -> None:
-    """``sdpipe simulate``: the shape, the costs and network, heterogeneity and the scheduler."""
+    """``sdpipe simulate``: the run's fields (train's, with its defaults), the costs, the network, the proxy,
+    heterogeneity and the scheduler."""
     m = sub.add_parser(
         "simulate",
         help="simulate a run in simulated time on the scheduler core",
         formatter_class=fmt,
-        description="Simulate a run with uniform per-stage costs and print its throughput.",
+        description="Simulate a run with uniform per-stage costs (or a workload profile) and print its throughput.",
     )
-    m.add_argument("--stages", type=int, default=4, help="stages S")
-    m.add_argument("--pipelines", type=int, default=64, help="pipelines D")
-    m.add_argument(
-        "--policy",
-        default=SIMULATED_POLICY,
-        metavar="{" + ",".join(names(simulated=True)) + "}",
-        help="the synchronization policy simulated",
+    _add_fields(
+        m.add_argument_group("run", "the fields of sdpipe.TrainConfig the simulator models (train's defaults)"),
+        TrainConfig,
+        list(_SIMULATED_FLAGS),
     )
-    _add_fields(m, TrainConfig, ["schedule", "microbatches", "batch_size"])
-    m.add_argument("--steps", type=int, default=200, help="steps' worth of batches per pipeline")
-    m.add_argument("--forward", type=float, default=0.002, help="seconds of forward per micro-batch and stage")
-    m.add_argument("--backward", type=float, default=0.004, help="seconds of backward per micro-batch and stage")
-    m.add_argument("--weight-bytes", type=float, default=4e5, help="bytes of a stage's weights")
-    m.add_argument("--activation-bytes", type=float, default=4e4, help="bytes of a micro-batch's activation")
-    m.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s of a link")
-    m.add_argument(
+    m.add_argument("--steps", type=int, default=200, help="steps' worth of batches per pipeline and epoch")
+    costs = m.add_argument_group("costs", "every stage's costs (sdpipe.Costs, the same for every stage)")
+    costs.add_argument("--forward", type=float, default=0.002, help="seconds of forward per micro-batch and stage")
+    costs.add_argument("--backward", type=float, default=0.004, help="seconds of backward per micro-batch and stage")
+    costs.add_argument("--weight-bytes", type=float, default=4e5, help="bytes of a stage's weights")
+    costs.add_argument("--activation-bytes", type=float, default=4e4, help="bytes of a micro-batch's activation")
+    costs.add_argument(
         "--profile",
         default=None,
         help="a workload profile instead of the uniform costs: resnet50 or bert-base (sdpipe.profiles), on --gpu, "
         "priced for micro-batches of --batch-size / --microbatches samples",
     )
-    m.add_argument("--gpu", default="V100", help="the GPU type of --profile: V100 or A100")
-    m.add_argument("--gbit", type=float, default=None, help="links of this many Gbit/s (instead of --bandwidth)")
-    m.add_argument("--epochs", type=int, default=1, help="epochs of --steps each")
-    m.add_argument("--sync-every", type=int, default=1, help="a global sync every this many epochs (and the last)")
-    m.add_argument("--seed", type=int, default=0, help="seed of the simulated jitter and straggles")
+    costs.add_argument("--gpu", default="V100", help="the GPU type of --profile: V100 or A100")
+    net = m.add_argument_group("network", "the links and the services' round trips (the fields of sdpipe.Network)")
+    _add_fields(net, Network)
+    net.add_argument(
+        "--gbit",
+        type=float,
+        default=None,
+        help="a cluster network of links of this many Gbit/s (sdpipe.profiles.network, 0.5 ms round trips) instead "
+        "of the flags above",
+    )
+    _add_fields(
+        m.add_argument_group("proxy", "the convergence proxy (the fields of sdpipe.Proxy)"), Proxy, prefix="proxy"
+    )
     _add_slowdowns(m)
     _add_scheduler(m)
 
@@ -289,8 +302,7 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
 
 
 def _simulate(args) -> int:
-    from sdpipe import Costs, Network, simulate
-    from sdpipe.simulation import profiles
+    from sdpipe.simulation import Costs, profiles, simulate
 
     S = args.stages
     if args.profile is not None:
@@ -306,28 +318,18 @@ def _simulate(args) -> int:
             weight_bytes=[args.weight_bytes] * S,
             activation_bytes=[args.activation_bytes] * (S - 1),
         )
-    network = Network(bandwidth=args.bandwidth) if args.gbit is None else profiles.network(args.gbit)
-    hetero = Heterogeneity(
+    if args.gbit is not None:
+        network = profiles.network(args.gbit)
+    else:
+        network = Network(**{f.name: getattr(args, f.name) for f in fields(Network)})
+    options = {name: getattr(args, name) for name in _SIMULATED_FLAGS}
+    options["scheduler"] = _scheduler(args, args.policy)
+    options["heterogeneity"] = Heterogeneity(
         slowdown=dict(args.slowdown), straggle_prob=args.straggle_prob, straggle_delay=args.straggle_delay
     )
+    proxy = Proxy(**{f.name: getattr(args, f"proxy_{f.name}") for f in fields(Proxy)})
     t = time.time()
-    result = simulate(
-        S,
-        args.pipelines,
-        costs=costs,
-        policy=args.policy,
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        heterogeneity=hetero,
-        network=network,
-        scheduler=_scheduler(args, args.policy),
-        seed=args.seed,
-        record=False,
-        epochs=args.epochs,
-        sync_every=args.sync_every,
-    )
+    result = simulate(costs=costs, steps=args.steps, network=network, proxy=proxy, record=False, **options)
     samples = sum(h["samples"] for h in result.history)
     shares = sorted(h["share"] for h in result.history)
     print(

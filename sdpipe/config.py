@@ -228,7 +228,8 @@ class TrainConfig:
     heterogeneity: Optional[Heterogeneity] = None
     """Emulated stragglers and slow links, or None."""
     scheduler: Optional[Any] = None
-    """Group-scheduler parameters for "sdpipe": a sdpipe.core.scheduler.SchedulerPolicy or a dict of its fields."""
+    """Group-scheduler parameters: a sdpipe.core.scheduler.SchedulerPolicy, or a dict of the fields that change the
+    policy's preset; None: the preset."""
     timeout: float = 120.0
     """Seconds any single wait (rendezvous, receive, collective) may take."""
     host: Optional[str] = None
@@ -304,8 +305,8 @@ class TrainConfig:
                 )
             self.heterogeneity.check_workers(self.pipelines, self.stages)
         if self.scheduler is not None:
-            if isinstance(self.scheduler, dict):
-                object.__setattr__(self, "scheduler", SchedulerPolicy().updated(**self.scheduler))
+            if isinstance(self.scheduler, dict):  # the fields given, over the chosen policy's preset
+                object.__setattr__(self, "scheduler", record(self.policy).scheduler.updated(**self.scheduler))
             elif not isinstance(self.scheduler, SchedulerPolicy):
                 raise ValueError(
                     f"scheduler: must be a SchedulerPolicy, a dict of its fields or None, "
@@ -417,13 +418,15 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-def config_keywords(func):
-    """Give ``func(..., **options)`` every :class:`TrainConfig` field as a keyword-only parameter.
+def config_keywords(func=None, *, only: Optional[tuple] = None):
+    """Give ``func(..., **options)`` every :class:`TrainConfig` field (or those named in ``only``) as a keyword-only
+    parameter.
 
-    ``options`` only ever holds TrainConfig fields: an unknown keyword raises Python's own one-line
-    ``TypeError`` with the allowed names.  ``inspect.signature(func)`` and ``help(func)`` list the fields with
-    their defaults after ``func``'s own keyword-only parameters, and ``func.__doc__`` ends with each field's
-    docstring::
+    ``options`` only ever holds those fields: an unknown keyword raises Python's own one-line ``TypeError`` with
+    the allowed names (a TrainConfig field left out of ``only`` is named as one ``func`` does not take).
+    ``inspect.signature(func)`` and ``help(func)`` list the fields with their defaults after ``func``'s own
+    keyword-only parameters, and ``func.__doc__`` ends with each field's docstring.  A field may also be one of
+    ``func``'s own positional parameters (``func`` passes it on itself): it is then listed there, once::
 
         @config_keywords
         def train(model, train_data, *, eval_data=None, **options):
@@ -431,7 +434,12 @@ def config_keywords(func):
 
         train(model, data, stages=4)    # options == {"stages": 4}
         train(model, data, stagez=4)    # TypeError: train() got an unexpected keyword argument 'stagez'; ...
+
+        @config_keywords(only=("stages", "pipelines", "policy"))
+        def simulate(stages, pipelines, *, costs, **options): ...
     """
+    if func is None:
+        return functools.partial(config_keywords, only=only)
     sig = inspect.signature(func)
     params = list(sig.parameters.values())
     var = [p for p in params if p.kind is p.VAR_KEYWORD]
@@ -440,12 +448,18 @@ def config_keywords(func):
             f"config_keywords: {func.__qualname__}() needs a **options parameter for the TrainConfig fields"
         )
     own = [p for p in params if p.kind is not p.VAR_KEYWORD]
-    config_fields = [f for f in fields(TrainConfig) if f.init]
-    clash = sorted({p.name for p in own} & {f.name for f in config_fields})
+    every = [f for f in fields(TrainConfig) if f.init]
+    unknown = sorted(set(only or ()) - {f.name for f in every})
+    if unknown:
+        raise TypeError(f"config_keywords: only= names no TrainConfig field: {', '.join(unknown)}")
+    positional = {p.name for p in own if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    clash = sorted({p.name for p in own} & {f.name for f in every} - positional)
     if clash:
         raise TypeError(
             f"config_keywords: {func.__qualname__}() has parameters that are TrainConfig fields: {', '.join(clash)}"
         )
+    config_fields = [f for f in every if (only is None or f.name in only) and f.name not in positional]
+    left_out = {f.name for f in every} - {f.name for f in config_fields} - positional
     hints = typing.get_type_hints(TrainConfig)
     added = [
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f), annotation=hints[f.name])
@@ -458,6 +472,10 @@ def config_keywords(func):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         for name in kwargs:
+            if name in left_out:
+                raise TypeError(
+                    f"{func.__qualname__}() does not take the TrainConfig field {name!r}; keywords are {listed}"
+                )
             if name not in allowed:
                 near = difflib.get_close_matches(name, sorted(allowed), n=1)
                 hint = f" (did you mean {near[0]!r}?)" if near else ""

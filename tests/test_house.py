@@ -100,7 +100,7 @@ def test_the_worker_never_tests_its_policys_type():
 
 def test_every_record_is_whole_and_consistent():
     assert policies.NAMES == ("sdpipe", "allreduce", "ps", "adpsgd", "none")
-    assert policies.DEFAULT in policies.NAMES and policies.SIMULATED_POLICY in policies.NAMES
+    assert policies.DEFAULT in policies.NAMES
     for r in policies.RECORDS.values():
         assert policies.record(r.name) is r and policies.of_mode(r.mode) is r and policies.of_mode(r.name) is r
         assert r.exchange in policies.EXCHANGES and r.colour.startswith("#")

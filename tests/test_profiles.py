@@ -327,9 +327,9 @@ def test_network_and_layouts():
 
 def test_a_profile_runs_in_the_simulator():
     costs = resnet50(4)
-    result = sdpipe.simulate(4, 4, costs=costs, network=network(10), steps=5, policy="sdpipe")
+    result = sdpipe.simulate(4, 4, epochs=1, costs=costs, network=network(10), steps=5, policy="sdpipe")
     assert result.steps == {0: 5, 1: 5, 2: 5, 3: 5}
     # each step runs its 4 micro-batches through the heaviest stage at least
     assert result.wall_time >= 5 * 4 * max(compute(costs))
-    result = sdpipe.simulate(4, 4, costs=bert_base(4), network=network(25), steps=3, policy="allreduce")
+    result = sdpipe.simulate(4, 4, epochs=1, costs=bert_base(4), network=network(25), steps=3, policy="allreduce")
     assert result.steps == {0: 3, 1: 3, 2: 3, 3: 3} and result.wall_time > 0

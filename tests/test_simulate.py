@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import sdpipe
 from sdpipe.core.schedule import build_plan, dry_run
 from sdpipe.core.sync_rules import GLOBAL, STEP, ps_release
-from sdpipe.simulation import SIM_POLICIES, Costs, Network, ring_allreduce_seconds, simulate
+from sdpipe.simulation import SIM_POLICIES, Costs, Network, Proxy, ring_allreduce_seconds, simulate
 from sdpipe.simulation.proxy import _Ssp
 from sdpipe.wire import events
 
@@ -27,7 +27,7 @@ def test_allreduce_step_is_the_overhead_the_plan_and_the_collective():
 
     net = Network(bandwidth=1e8, latency=1e-4, scheduler_rtt=1e-3)
     costs = dataclasses.replace(COSTS, step_overhead=2e-3)
-    result = simulate(2, 2, costs=costs, policy="allreduce", steps=20, network=net)
+    result = simulate(2, 2, epochs=1, costs=costs, policy="allreduce", steps=20, network=net)
 
     def cost(a):
         message = 4e4 / 1e8 + 1e-4 if a.op in ("SF", "SB") else 0.0
@@ -42,8 +42,8 @@ def test_allreduce_step_is_the_overhead_the_plan_and_the_collective():
 
 
 def test_sdpipe_leaves_the_straggler_out_and_beats_allreduce():
-    sd = simulate(2, 4, costs=COSTS, policy="sdpipe", steps=60, heterogeneity=STRAGGLER)
-    ar = simulate(2, 4, costs=COSTS, policy="allreduce", steps=60, heterogeneity=STRAGGLER)
+    sd = simulate(2, 4, epochs=1, costs=COSTS, policy="sdpipe", steps=60, heterogeneity=STRAGGLER)
+    ar = simulate(2, 4, epochs=1, costs=COSTS, policy="allreduce", steps=60, heterogeneity=STRAGGLER)
     rate = lambda r: sum(h["samples"] for h in r.history) / r.wall_time
     assert rate(sd) > 1.8 * rate(ar)
     share = {h["pipeline"]: h["share"] for h in sd.history}
@@ -56,15 +56,19 @@ def test_sdpipe_leaves_the_straggler_out_and_beats_allreduce():
 
 
 def test_mixing_keeps_the_replicas_closer_than_no_sync():
-    sd = simulate(2, 4, costs=COSTS, policy="sdpipe", steps=60, heterogeneity=STRAGGLER, noise=2.0)
-    none = simulate(2, 4, costs=COSTS, policy="none", steps=60, heterogeneity=STRAGGLER, noise=2.0)
+    sd = simulate(
+        2, 4, epochs=1, costs=COSTS, policy="sdpipe", steps=60, heterogeneity=STRAGGLER, proxy=Proxy(noise=2.0)
+    )
+    none = simulate(
+        2, 4, epochs=1, costs=COSTS, policy="none", steps=60, heterogeneity=STRAGGLER, proxy=Proxy(noise=2.0)
+    )
     assert max(h["loss"] for h in sd.history) < max(h["loss"] for h in none.history)
 
 
 def test_a_simulated_run_replays_in_the_dashboard():
     from sdpipe.widgets import Dashboard
 
-    dash = Dashboard(simulate(2, 4, costs=COSTS, policy="sdpipe", steps=30, heterogeneity=STRAGGLER))
+    dash = Dashboard(simulate(2, 4, epochs=1, costs=COSTS, policy="sdpipe", steps=30, heterogeneity=STRAGGLER))
     assert len(dash.trace("timeline/compute").x) > 0 and any(any(row) for row in dash.trace("groups/0").z)
     assert len(dash.trace("loss/0").y) > 10
 
@@ -74,7 +78,7 @@ def test_a_simulated_run_replays_in_the_dashboard():
     [
         (
             dict(policy="gossip"),
-            "policy: 'gossip' is not one of sdpipe, allreduce, ps, adpsgd, none (the simulator's policies)",
+            "policy: 'gossip' is not one of sdpipe, allreduce, ps, adpsgd, none",
         ),
         (dict(epochs=0), "epochs: must be an integer >= 1, got 0"),
         (dict(steps=0), "steps: must be an integer >= 1, got 0"),
@@ -82,7 +86,7 @@ def test_a_simulated_run_replays_in_the_dashboard():
     ],
 )
 def test_bad_input_is_named(kwargs, message):
-    args = {**dict(costs=COSTS, policy="sdpipe", steps=5), **kwargs}
+    args = {**dict(costs=COSTS, policy="sdpipe", steps=5, epochs=1), **kwargs}
     with pytest.raises(ValueError) as e:
         simulate(2, 2, **args)
     assert str(e.value) == message
@@ -100,9 +104,9 @@ def test_jitter_makes_lock_step_wait_for_the_slowest():
     import dataclasses
 
     jittery = dataclasses.replace(COSTS, jitter=0.3)
-    calm = simulate(2, 8, costs=COSTS, policy="allreduce", steps=40, record=False)
-    ar = simulate(2, 8, costs=jittery, policy="allreduce", steps=40, record=False)
-    alone = simulate(2, 8, costs=jittery, policy="none", steps=40, record=False, seed=3)
+    calm = simulate(2, 8, epochs=1, costs=COSTS, policy="allreduce", steps=40, record=False)
+    ar = simulate(2, 8, epochs=1, costs=jittery, policy="allreduce", steps=40, record=False)
+    alone = simulate(2, 8, epochs=1, costs=jittery, policy="none", steps=40, record=False, seed=3)
     assert ar.wall_time > 1.2 * calm.wall_time
     assert alone.wall_time < 1.15 * calm.wall_time
     with pytest.raises(ValueError, match=r"costs.jitter: needs 1 finite numbers >= 0 \(one per stage\), got \(-1.0,\)"):
@@ -118,7 +122,7 @@ HETERO = sdpipe.Heterogeneity(
 def test_every_record_of_a_simulated_run_fits_the_event_schema(policy):
     """Every record the simulator makes comes from sdpipe.wire.events; a group names the policy that decided it."""
     costs = dataclasses.replace(COSTS, jitter=0.2, step_overhead=1e-3, optimizer=[1e-4, 2e-4])
-    result = simulate(2, 4, costs=costs, policy=policy, steps=30, heterogeneity=HETERO)
+    result = simulate(2, 4, epochs=1, costs=costs, policy=policy, steps=30, heterogeneity=HETERO)
     for rec in result.events:
         assert events.problems(rec) == [], rec
         events.validate(rec)
@@ -135,7 +139,7 @@ def test_every_record_of_a_simulated_run_fits_the_event_schema(policy):
 
 @pytest.mark.parametrize("policy", SIM_POLICIES)
 def test_a_seed_replays_the_same_run_and_recording_changes_nothing(policy):
-    kwargs = dict(costs=dataclasses.replace(COSTS, jitter=0.2), policy=policy, steps=25, heterogeneity=HETERO)
+    kwargs = dict(costs=dataclasses.replace(COSTS, jitter=0.2), policy=policy, epochs=1, steps=25, heterogeneity=HETERO)
     a, b = simulate(2, 4, seed=7, **kwargs), simulate(2, 4, seed=7, **kwargs)
     quiet = simulate(2, 4, seed=7, record=False, **kwargs)
     assert a.events == b.events and a.history == b.history and a.wall_time == b.wall_time
@@ -180,6 +184,7 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
     sim = simulate(
         2,
         2,
+        epochs=1,
         costs=costs,
         network=net,
         heterogeneity=shown,
@@ -196,7 +201,7 @@ def test_calibrate_reads_costs_sizes_and_slowdown_from_a_real_run(shared_cluster
     [
         (lambda: sdpipe.calibrate("run"), "result: must be a sdpipe.RunResult of a real run (run.result()), got str"),
         (lambda: simulate(2, 2, costs=COSTS, network="fast"), "network: must be a sdpipe.Network, got str"),
-        (lambda: simulate(2, 2, costs=COSTS, lr="a"), "lr: must be a finite number >= 0, got 'a'"),
+        (lambda: simulate(2, 2, costs=COSTS, proxy=Proxy(lr="a")), "proxy.lr: must be a finite number >= 0, got 'a'"),
         (lambda: simulate(0, 2, costs=COSTS), "stages: must be an integer >= 1, got 0"),
         (
             lambda: Costs(forward="fast", backward=[0.1]),
@@ -223,7 +228,7 @@ def test_a_run_goes_on_while_every_worker_waits_in_an_open_round():
         step_overhead=0.02,
         jitter=0.05,
     )
-    result = simulate(S, D, costs=costs, microbatches=4, steps=steps)
+    result = simulate(S, D, policy="sdpipe", epochs=1, costs=costs, microbatches=4, steps=steps)
     assert sum(h["samples"] for h in result.history) == steps * D * 32
     assert sum(e["kind"] == "group" and e["reason"] == "global" for e in result.events) == S
 
@@ -234,8 +239,8 @@ def test_an_asynchronous_schedule_steps_at_its_steady_state_without_flush(schedu
     (no fill, no flush) and its updates; 1F1B's lasts its flushed plan."""
     costs = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], optimizer=[1e-3, 1e-3])
     net = Network(latency=0.0)  # sends free
-    flush = simulate(2, 1, costs=costs, policy="none", schedule="1f1b", steps=40, network=net)
-    steady = simulate(2, 1, costs=costs, policy="none", schedule=schedule, steps=40, network=net)
+    flush = simulate(2, 1, epochs=1, costs=costs, policy="none", schedule="1f1b", steps=40, network=net)
+    steady = simulate(2, 1, epochs=1, costs=costs, policy="none", schedule=schedule, steps=40, network=net)
     updates = 4 if schedule == "async-1f1b" else 1  # per step of 4 micro-batches
     assert steady.wall_time == pytest.approx(40 * (4 * (0.003 + 0.006) + updates * 1e-3), rel=1e-6)
     flushed = dry_run(build_plan("1f1b", 2, 4), {"F": 0.0025, "B": 0.005}).makespan  # at least this much
@@ -253,7 +258,15 @@ def test_a_trace_of_preemptions_and_returns_follows_the_scheduler_core(overlap):
         whats = [w for _, w, q in trace if q == p]
         assert whats == ["leave", "join"] * (len(whats) // 2)
     result = simulate(
-        2, 8, costs=COSTS, policy="sdpipe", steps=150, trace=trace, scheduler={"overlap": overlap}, noise=0.5
+        2,
+        8,
+        epochs=1,
+        costs=COSTS,
+        policy="sdpipe",
+        steps=150,
+        trace=trace,
+        scheduler={"overlap": overlap},
+        proxy=Proxy(noise=0.5),
     )
     assert not [e for e in result.events if events.problems(e)]
     changes = sorted(
@@ -296,7 +309,7 @@ def test_bad_traces_are_named_in_one_line():
         (dict(trace=[(-1, "leave", 1)]), "trace: needs (seconds >= 0"),
     ]:
         with pytest.raises(ValueError) as e:
-            simulate(2, 4, costs=COSTS, steps=10, **kwargs)
+            simulate(2, 4, costs=COSTS, steps=10, **{"policy": "sdpipe", "epochs": 1, **kwargs})
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"^mean_down: must be a finite number > 0, got 0$"):
         sdpipe.spot_trace(4, preemptions_per_min=1, mean_down=0, duration=10)
@@ -339,8 +352,8 @@ def test_ps_is_bound_by_its_server_links_where_sdpipe_is_not():
     costs = Costs(forward=[1e-3] * 2, backward=[2e-3] * 2, weight_bytes=[1e7, 1e7])
     net = Network(bandwidth=1e9, latency=0.0, scheduler_rtt=1e-4)
     for D in (8, 16):
-        ps = simulate(2, D, costs=costs, network=net, policy="ps", steps=40)
-        sd = simulate(2, D, costs=costs, network=net, policy="sdpipe", steps=40)
+        ps = simulate(2, D, epochs=1, costs=costs, network=net, policy="ps", steps=40)
+        sd = simulate(2, D, epochs=1, costs=costs, network=net, policy="sdpipe", steps=40)
         # the host (pipeline 0) pushes in memory; every other push takes 1e7 / 1e9 s of the link into the server
         pushes = [e for e in ps.events if e["kind"] == "sync" and e["stage"] == 0 and e["pipeline"] != 0]
         busy = len(pushes) * 1e7 / 1e9
@@ -356,7 +369,9 @@ def test_ps_holds_a_fast_pipeline_within_the_staleness_bound_of_a_slow_one():
     slow = sdpipe.Heterogeneity(slowdown={2: 5.0})
     ahead = {}
     for staleness in (1, 4):
-        r = simulate(2, 3, costs=costs, policy="ps", steps=60, scheduler={"staleness": staleness}, heterogeneity=slow)
+        r = simulate(
+            2, 3, epochs=1, costs=costs, policy="ps", steps=60, scheduler={"staleness": staleness}, heterogeneity=slow
+        )
         syncs = [e for e in r.events if e["kind"] == "sync" and e["stage"] == 0]
         sent = sorted(e["start"] for e in syncs if e["pipeline"] == 2 and e["reason"] == "ps")
         running_until = min(e["start"] for e in syncs if e["pipeline"] == 2 and e["reason"] == "global")
@@ -370,7 +385,7 @@ def test_ps_holds_a_fast_pipeline_within_the_staleness_bound_of_a_slow_one():
 
 
 def test_adpsgd_pairs_an_active_with_a_passive_and_serves_one_exchange_at_a_time():
-    result = simulate(2, 8, costs=COSTS, policy="adpsgd", steps=40, heterogeneity=HETERO)
+    result = simulate(2, 8, epochs=1, costs=COSTS, policy="adpsgd", steps=40, heterogeneity=HETERO)
     pairs = [e for e in result.events if e["kind"] == "sync" and e["reason"] == "pair"]
     assert pairs and all(sorted(p % 2 for p in e["group"]) == [0, 1] for e in pairs)
     served = {}
@@ -390,7 +405,7 @@ def test_gossip_mixes_slower_than_scheduled_groups():
     replicas further apart (a higher loss) than sdpipe's groups, and far closer than no mixing."""
 
     def late_loss(policy, seed):
-        r = simulate(4, 16, costs=COSTS4, policy=policy, steps=100, heterogeneity=STRAGGLES, seed=seed)
+        r = simulate(4, 16, epochs=1, costs=COSTS4, policy=policy, steps=100, heterogeneity=STRAGGLES, seed=seed)
         losses = [e["loss"] for e in r.events if e["kind"] == "optimizer" and "loss" in e]
         return sum(losses[len(losses) // 2 :]) / (len(losses) - len(losses) // 2)
 
@@ -421,8 +436,8 @@ def test_every_policy_steps_faster_without_the_flush_of_a_synchronous_schedule(p
     """An asynchronous schedule's steady-state step has no fill and drain: under every policy the same work
     takes less simulated time than under 1F1B, and every batch is still trained."""
     costs = Costs(forward=[0.002] * 4, backward=[0.004] * 4, weight_bytes=[1e5] * 4, activation_bytes=[1e4] * 3)
-    flushed = simulate(4, 4, costs=costs, policy=policy, schedule="1f1b", steps=30)
-    steady = simulate(4, 4, costs=costs, policy=policy, schedule="async-1f1b", steps=30)
+    flushed = simulate(4, 4, epochs=1, costs=costs, policy=policy, schedule="1f1b", steps=30)
+    steady = simulate(4, 4, epochs=1, costs=costs, policy=policy, schedule="async-1f1b", steps=30)
     assert steady.wall_time < 0.8 * flushed.wall_time
     assert sum(h["samples"] for h in steady.history) == sum(h["samples"] for h in flushed.history) == 30 * 4 * 32
 
@@ -439,7 +454,7 @@ def test_proxy_steps_taken_in_together_equal_steps_one_at_a_time(steps, settle_a
     of stepping and averaging one at a time, bit for bit."""
     from sdpipe.simulation.proxy import _Proxy
 
-    together, alone = _Proxy(3, 4, 7, 0.1, 1.0), _Proxy(3, 4, 7, 0.1, 1.0)
+    together, alone = _Proxy(3, 4, 7, Proxy(0.1, 1.0)), _Proxy(3, 4, 7, Proxy(0.1, 1.0))
     for i, w in enumerate(steps):
         together.learn(w)
         alone.learn(w)
@@ -462,10 +477,41 @@ def test_proxy_steps_taken_in_together_equal_steps_one_at_a_time(steps, settle_a
 def test_a_proxy_step_is_the_formula_on_the_streams_next_numbers():
     from sdpipe.simulation.proxy import _Proxy
 
-    proxy, twin = _Proxy(2, 3, 5, 0.2, 0.5), _Proxy(2, 3, 5, 0.2, 0.5)
+    proxy, twin = _Proxy(2, 3, 5, Proxy(0.2, 0.5)), _Proxy(2, 3, 5, Proxy(0.2, 0.5))
     before = proxy.x[4].tolist()
     proxy.learn(4)
     proxy.settle()
     z = twin._normals(4).tolist()
     assert proxy.x[4].tolist() == [0.8 * x - 0.2 * 0.5 * n for x, n in zip(before, z, strict=True)]
     assert proxy.mass.tolist() == [1.0, 1.0, 1.0, 1.0, 2.0, 1.0]
+
+
+def test_simulate_takes_the_runs_fields_with_their_defaults_and_only_those_it_models():
+    """The run's fields are train()'s (one home per default: TrainConfig); the fields the simulator does not model
+    are refused in one line, naming what it takes."""
+    import inspect
+
+    from sdpipe.config import TrainConfig
+    from sdpipe.simulation import SIMULATED_FIELDS
+
+    params = inspect.signature(simulate).parameters
+    defaults = TrainConfig()
+    assert all(params[name].default == getattr(defaults, name) for name in SIMULATED_FIELDS)
+    assert list(params)[:2] == ["stages", "pipelines"] and "optimizer" not in params
+    with pytest.raises(TypeError) as e:
+        simulate(2, 2, costs=COSTS, optimizer="sgd")
+    assert str(e.value).startswith("simulate() does not take the TrainConfig field 'optimizer'; keywords are costs,")
+    r = simulate(2, 2, costs=COSTS, steps=3)  # the defaults: allreduce, 10 epochs
+    assert {g["policy"] for g in r.events if g["kind"] == "group"} == {"allreduce"}
+    assert {h["epoch"] for h in r.history} == set(range(defaults.epochs))
+    with pytest.raises(ValueError, match=r"^proxy.noise: must be a finite number >= 0, got -1$"):
+        Proxy(noise=-1)
+
+
+def test_a_scheduler_dict_changes_the_chosen_policys_preset():
+    from sdpipe.config import TrainConfig
+    from sdpipe.core.policies import record
+
+    for policy in ("sdpipe", "allreduce", "none"):
+        config = TrainConfig(policy=policy, scheduler={"staleness": 3})
+        assert config.scheduler_policy() == record(policy).scheduler.updated(staleness=3)

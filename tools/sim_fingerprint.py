@@ -19,7 +19,7 @@ def fingerprints() -> list:
     costs = sdpipe.Costs(forward=[0.002] * 2, backward=[0.004] * 2, weight_bytes=[4e5] * 2, activation_bytes=[4e4])
     hetero = sdpipe.Heterogeneity(slowdown={3: 4.0}, straggle_prob=0.05, straggle_delay=0.01)
     runs = [
-        (policy, dict(policy=policy, steps=20, heterogeneity=hetero, seed=1))
+        (policy, dict(policy=policy, steps=20, epochs=1, heterogeneity=hetero, seed=1))
         for policy in ("sdpipe", "allreduce", "ps", "adpsgd", "none")
     ]
     trace = sdpipe.spot_trace(8, preemptions_per_min=20, mean_down=0.3, duration=2.0, seed=3)

@@ -24,7 +24,6 @@ __all__ = [
     "NAMES",
     "POLICY_PRESETS",
     "RECORDS",
-    "SIMULATED_POLICY",
     "SWITCHED_MODE",
     "PolicyRecord",
     "names",
@@ -159,9 +158,6 @@ RECORDS: dict[str, PolicyRecord] = {
 
 #: the policy of a run that names none (every replica averaged after every step: the familiar baseline)
 DEFAULT = "allreduce"
-
-#: the policy ``sdpipe.simulate`` and ``sdpipe simulate`` take when none is named (the method studied)
-SIMULATED_POLICY = "sdpipe"
 
 #: every policy's name, in the order the docs and the command line list them
 NAMES: tuple = tuple(RECORDS)

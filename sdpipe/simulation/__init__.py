@@ -52,21 +52,22 @@ real run's events; ``docs/simulator.md`` has the model and its agreement with re
 from __future__ import annotations
 
 import gc
-import math
-from typing import Optional
 
-from sdpipe.config import Heterogeneity, TrainConfig
-from sdpipe.core.checks import integer, is_number
-from sdpipe.core.policies import SIMULATED_POLICY, names
+from sdpipe.config import TrainConfig, config_keywords
+from sdpipe.core.checks import integer
+from sdpipe.core.policies import names
 from sdpipe.simulation.calibrate import Calibration, calibrate
 from sdpipe.simulation.costs import Costs, Network, ring_allreduce_seconds
+from sdpipe.simulation.proxy import Proxy
 from sdpipe.simulation.trace import _check_trace, spot_trace
 
 __all__ = [
+    "SIMULATED_FIELDS",
     "SIM_POLICIES",
     "Calibration",
     "Costs",
     "Network",
+    "Proxy",
     "calibrate",
     "ring_allreduce_seconds",
     "simulate",
@@ -74,73 +75,65 @@ __all__ = [
 ]
 
 SIM_POLICIES = names(simulated=True)
-#: the network a simulation assumes when given none (a frozen value: one instance serves every call)
+#: the TrainConfig fields a simulation models (besides stages and pipelines); the others (the optimizer, the
+#: device, the cut, ...) have no part in simulated time, and ``simulate`` does not take them
+SIMULATED_FIELDS = (
+    "policy",
+    "schedule",
+    "microbatches",
+    "update_every",
+    "batch_size",
+    "epochs",
+    "sync_every",
+    "heterogeneity",
+    "scheduler",
+    "seed",
+)
+#: the network and the proxy a simulation assumes when given none (frozen values: one instance serves every call)
 DEFAULT_NETWORK = Network()
+DEFAULT_PROXY = Proxy()
 
 
+@config_keywords(only=SIMULATED_FIELDS)
 def simulate(
     stages: int,
     pipelines: int,
     *,
     costs: Costs,
-    policy: str = SIMULATED_POLICY,
-    schedule: str = "1f1b",
-    microbatches: int = 4,
-    batch_size: int = 32,
     steps: int = 100,
-    heterogeneity: Optional[Heterogeneity] = None,
     network: Network = DEFAULT_NETWORK,
-    scheduler=None,
-    seed: int = 0,
+    proxy: Proxy = DEFAULT_PROXY,
     record: bool = True,
-    lr: float = 0.1,
-    noise: float = 1.0,
     trace=None,
-    epochs: int = 1,
-    sync_every: int = 1,
+    **options,
 ):
     """Simulate ``epochs`` epochs of ``steps`` steps' worth of batches per pipeline; returns a
     :class:`sdpipe.RunResult`.
 
-    Under ``allreduce`` every pipeline takes ``steps`` steps per epoch; under the other policies the ``steps x
-    pipelines`` batches of an epoch go to whichever pipeline asks next (work follows speed).  Every
+    The run's fields are :func:`sdpipe.train`'s, with the same defaults and checks (a ``TrainConfig``); the
+    simulation's own parts are the ``costs`` of each stage, the ``network``, the convergence ``proxy`` and
+    ``steps``.  Under ``allreduce`` every pipeline takes ``steps`` steps per epoch; under the other policies the
+    ``steps x pipelines`` batches of an epoch go to whichever pipeline asks next (work follows speed).  Every
     ``sync_every`` epochs, and after the last, the epoch ends with a global sync (none under ``none``).
-    ``record=False`` keeps only the history
-    (for very large simulations).  ``trace``: ``(seconds, "leave" | "join", pipeline)`` changes of the pipelines
-    present (see :func:`spot_trace`); pipelines absent at the end are in ``result.lost``, and ``control``
-    records ``left`` / ``joined`` mark the changes.
+    ``record=False`` keeps only the history (for very large simulations).  ``trace``: ``(seconds, "leave" |
+    "join", pipeline)`` changes of the pipelines present (see :func:`spot_trace`); pipelines absent at the end
+    are in ``result.lost``, and ``control`` records ``left`` / ``joined`` mark the changes.
     """
-    if policy not in SIM_POLICIES:
-        raise ValueError(f"policy: {policy!r} is not one of {', '.join(SIM_POLICIES)} (the simulator's policies)")
-    integer("stages", stages)
-    integer("pipelines", pipelines)
-    if not isinstance(network, Network):
-        raise ValueError(f"network: must be a sdpipe.Network, got {type(network).__name__}")
-    for name, v in (("lr", lr), ("noise", noise)):
-        if not is_number(v) or not (0 <= v < math.inf):
-            raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
-    if not isinstance(costs, Costs):
-        raise ValueError(f"costs: must be a sdpipe.Costs, got {type(costs).__name__}")
+    config = TrainConfig(stages=stages, pipelines=pipelines, **options)
+    if config.policy not in SIM_POLICIES:
+        raise ValueError(
+            f"policy: {config.policy!r} is not one of {', '.join(SIM_POLICIES)} (the simulator's policies)"
+        )
+    for name, value, kind in (("costs", costs, Costs), ("network", network, Network), ("proxy", proxy, Proxy)):
+        if not isinstance(value, kind):
+            raise ValueError(f"{name}: must be a sdpipe.{kind.__name__}, got {type(value).__name__}")
     if costs.stages != stages:
         raise ValueError(f"costs: has {costs.stages} stages, the simulation {stages}")
     integer("steps", steps)
-    config = TrainConfig(
-        stages=stages,
-        pipelines=pipelines,
-        policy=policy,
-        schedule=schedule,
-        microbatches=microbatches,
-        batch_size=batch_size,
-        epochs=epochs,
-        sync_every=sync_every,
-        heterogeneity=heterogeneity,
-        scheduler=scheduler,
-        seed=seed,
-    )
-    changes = _check_trace(trace, pipelines, policy)
+    changes = _check_trace(trace, pipelines, config.policy)
     from sdpipe.simulation.engine import _Simulation  # the engine loads with the first simulation, not with the costs
 
-    sim = _Simulation(config, costs=costs, network=network, steps=steps, record=record, lr=lr, noise=noise)
+    sim = _Simulation(config, costs=costs, network=network, proxy=proxy, steps=steps, record=record)
     collecting = gc.isenabled()
     gc.disable()  # millions of records and no cycles among them: the cyclic collector would scan them over and over
     try:

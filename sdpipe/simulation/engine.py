@@ -17,7 +17,7 @@ from sdpipe.core.sync_rules import GLOBAL, PAIR, SERVED, STEP, gossip_roles
 from sdpipe.data import TAIL_BATCHES_PER_PIPELINE, smoothed_step_time, tail_goes_faster
 from sdpipe.driver.result import RunResult
 from sdpipe.simulation.costs import Costs, Network, _step_finish, _step_plan, ring_allreduce_seconds
-from sdpipe.simulation.proxy import _Proxy, _Server
+from sdpipe.simulation.proxy import Proxy, _Proxy, _Server
 from sdpipe.wire import events
 
 __all__ = []
@@ -57,9 +57,7 @@ class _Simulation:
     """One simulated run: a timeline of ``(kind, data)`` events, one handler per kind, and the scheduler core's
     deadlines as ticks in between (see the module's docstring)."""
 
-    def __init__(
-        self, config: TrainConfig, *, costs: Costs, network: Network, steps: int, record: bool, lr: float, noise: float
-    ):
+    def __init__(self, config: TrainConfig, *, costs: Costs, network: Network, proxy: Proxy, steps: int, record: bool):
         S, D, M = config.stages, config.pipelines, config.microbatches
         self.config, self.costs, self.net = config, costs, network
         self.S, self.D, self.steps, self.record, self.policy = S, D, steps, record, config.policy
@@ -82,7 +80,7 @@ class _Simulation:
         # the core's next deadline (None: nothing to time), a function of its state: asked again after each of
         # its events (see _apply), not at every one of ours
         self.deadline: Optional[float] = self.core.next_deadline() if self.core is not None else None
-        self.proxy = _Proxy(S, D, config.seed, lr, noise)
+        self.proxy = _Proxy(S, D, config.seed, proxy)
         self.rng = random.Random(config.seed)  # adpsgd's peers
         self._timing = np.random.default_rng([config.seed, 2])  # jitter and straggles, drawn in blocks
         self._draws: list = []

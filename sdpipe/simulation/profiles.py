@@ -8,7 +8,7 @@ answer "what would SDPipe do for this model on this cluster" without a cluster::
     import sdpipe
 
     costs = sdpipe.profiles.resnet50(stages=4, gpu="V100")
-    result = sdpipe.simulate(4, 16, costs=costs, network=sdpipe.profiles.network(10), policy="sdpipe")
+    result = sdpipe.simulate(4, 16, costs=costs, network=sdpipe.profiles.network(10), policy="sdpipe", epochs=1)
 
 The costs are per micro-batch of ``microbatch`` samples (32 here); ``simulate`` counts samples by
 its ``batch_size``, so pass ``batch_size=microbatch x microbatches`` (128 for its default 4

@@ -3,11 +3,32 @@ parameter server's stale-synchronous release rule, and its server."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
+from sdpipe.core.checks import is_number
 from sdpipe.core.sync_rules import GLOBAL
 
-__all__ = []
+__all__ = ["Proxy"]
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """The convergence proxy's parameters: every worker steps ``x -= lr * (x + noise * N(0, 1))`` on the bowl
+    ``mean(x ** 2)`` and its groups average its point (a stand-in for training, apart from the run's optimizer)."""
+
+    lr: float = 0.1
+    """Step size of each worker's step on its bowl."""
+    noise: float = 1.0
+    """Standard deviation of each step's gradient noise (in units of the gradient)."""
+
+    def __post_init__(self):
+        for name in ("lr", "noise"):
+            v = getattr(self, name)
+            if not is_number(v) or not (0 <= v < math.inf):
+                raise ValueError(f"proxy.{name}: must be a finite number >= 0, got {v!r}")
 
 
 class _Proxy:
@@ -26,8 +47,8 @@ class _Proxy:
 
     __slots__ = ("a", "b", "buf", "gen", "i", "log", "mass", "pending", "stages", "x")
 
-    def __init__(self, stages: int, pipelines: int, seed: int, lr: float, noise: float):
-        self.stages, self.a, self.b = stages, 1.0 - lr, lr * noise
+    def __init__(self, stages: int, pipelines: int, seed: int, proxy: Proxy):
+        self.stages, self.a, self.b = stages, 1.0 - proxy.lr, proxy.lr * proxy.noise
         self.gen = np.random.default_rng([seed, 1])
         init = self.gen.normal(0.0, 3.0, size=(stages, 4))
         self.x = init[np.arange(pipelines * stages) % stages]  # by worker: its point
