@@ -447,6 +447,12 @@ def _train(args) -> int:
     except Exception as e:  # the run's error in one line (its workers' tracebacks are in the Dask logs)
         print(f"sdpipe: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    _summary(args, run, result)
+    return 0
+
+
+def _summary(args, run, result) -> None:
+    """The run's summary: samples/s from the first step, the last epoch per pipeline, the held-out metric."""
     last = max(h["epoch"] for h in result.history)
     rows = [h for h in result.history if h["epoch"] == last]
     samples = sum(h["samples"] for h in result.history)
@@ -477,7 +483,6 @@ def _train(args) -> int:
         print(f"  pipeline {p} did not finish: {what}")
     for folder in run.checkpoints:
         print(f"  checkpoint: {folder}")
-    return 0
 
 
 def main(argv=None) -> int:

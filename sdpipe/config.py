@@ -441,25 +441,7 @@ def config_keywords(func=None, *, only: Optional[tuple] = None):
     if func is None:
         return functools.partial(config_keywords, only=only)
     sig = inspect.signature(func)
-    params = list(sig.parameters.values())
-    var = [p for p in params if p.kind is p.VAR_KEYWORD]
-    if not var:
-        raise TypeError(
-            f"config_keywords: {func.__qualname__}() needs a **options parameter for the TrainConfig fields"
-        )
-    own = [p for p in params if p.kind is not p.VAR_KEYWORD]
-    every = [f for f in fields(TrainConfig) if f.init]
-    unknown = sorted(set(only or ()) - {f.name for f in every})
-    if unknown:
-        raise TypeError(f"config_keywords: only= names no TrainConfig field: {', '.join(unknown)}")
-    positional = {p.name for p in own if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    clash = sorted({p.name for p in own} & {f.name for f in every} - positional)
-    if clash:
-        raise TypeError(
-            f"config_keywords: {func.__qualname__}() has parameters that are TrainConfig fields: {', '.join(clash)}"
-        )
-    config_fields = [f for f in every if (only is None or f.name in only) and f.name not in positional]
-    left_out = {f.name for f in every} - {f.name for f in config_fields} - positional
+    own, config_fields, left_out = _taken_fields(func, sig, only)
     hints = typing.get_type_hints(TrainConfig)
     added = [
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f), annotation=hints[f.name])
@@ -487,6 +469,29 @@ def config_keywords(func=None, *, only: Optional[tuple] = None):
     wrapper.__signature__ = sig.replace(parameters=[*own, *added])
     wrapper.__doc__ = (inspect.cleandoc(func.__doc__ or "") + "\n\n" + _options_section(config_fields, hints)).lstrip()
     return wrapper
+
+
+def _taken_fields(func, sig: inspect.Signature, only: Optional[tuple]) -> tuple[list, list, set]:
+    """``func``'s own parameters, the TrainConfig fields it takes as keywords and those it does not take; a
+    ``TypeError`` for a ``func`` that cannot take them (no ``**options``, a keyword-only parameter named as a field)."""
+    params = list(sig.parameters.values())
+    if not [p for p in params if p.kind is p.VAR_KEYWORD]:
+        raise TypeError(
+            f"config_keywords: {func.__qualname__}() needs a **options parameter for the TrainConfig fields"
+        )
+    own = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    every = [f for f in fields(TrainConfig) if f.init]
+    unknown = sorted(set(only or ()) - {f.name for f in every})
+    if unknown:
+        raise TypeError(f"config_keywords: only= names no TrainConfig field: {', '.join(unknown)}")
+    positional = {p.name for p in own if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    clash = sorted({p.name for p in own} & {f.name for f in every} - positional)
+    if clash:
+        raise TypeError(
+            f"config_keywords: {func.__qualname__}() has parameters that are TrainConfig fields: {', '.join(clash)}"
+        )
+    taken = [f for f in every if (only is None or f.name in only) and f.name not in positional]
+    return own, taken, {f.name for f in every} - {f.name for f in taken} - positional
 
 
 def _options_section(config_fields: list, hints: Mapping[str, Any]) -> str:

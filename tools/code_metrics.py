@@ -6,7 +6,7 @@
 Counted with :mod:`ast` over ``sdpipe/`` (and ``widgets/`` for long lines):
 
 * the longest functions, classes and modules (lines from ``def``/``class`` to the body's last line, decorators
-  excluded), and how many are over the house limits (function 60, class 300, module 700 lines);
+  and the unit's own docstring excluded), and how many are over the house limits (function 60, class 300, module 700 lines);
 * the places outside ``sdpipe/core/policies.py`` that spell a policy's name or mode in code (a string constant that
   is not a docstring, in ``sdpipe/`` and ``widgets/``): ``sdpipe`` alone is left out, as it is also the
   package's, the logger's and the program's name;
@@ -89,10 +89,20 @@ def _spelled() -> set:
 
 
 def _units(tree: ast.AST, path: str):
+    """Each function and class with its length: from ``def``/``class`` to its last line, less its own docstring
+    (an API's reference text, as ``help()`` shows it, is not code of the unit)."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             kind = "class" if isinstance(node, ast.ClassDef) else "function"
-            yield kind, f"{path}:{node.name}", node.end_lineno - node.lineno + 1
+            lines = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                lines -= first.end_lineno - first.lineno + 1
+            yield kind, f"{path}:{node.name}", lines
 
 
 def _policy_classes() -> set:

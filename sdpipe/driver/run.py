@@ -143,6 +143,15 @@ class Run(Steering, Elastic):
         self._from_sequential = from_sequential
         self._stage_modules = stage_modules
         self._emulated = cluster if isinstance(cluster, EmulatedHosts) else None
+        self._init_state()
+        _RUNS.add(self)
+        self._init_membership()
+        if cluster is not None:
+            self._connect_existing(cluster, security)
+        Launcher(self, spec, data, cluster, security, resume).start()
+
+    def _init_state(self) -> None:
+        """The run's own state: its events, its life (launched, done, result or error), its Dask and store handles."""
         self._inbox = EventInbox()
         self._done, self._launched = threading.Event(), threading.Event()
         self._result: Optional[RunResult] = None
@@ -159,18 +168,16 @@ class Run(Steering, Elastic):
         self._startup = "connecting to the Dask cluster"
         self._began, self._ended = time.monotonic(), None
         self._scheduler: Optional[str] = None  # the Dask scheduler's address, once connected
-        _RUNS.add(self)
-        self._init_membership()
-        if cluster is not None:
-            # an existing cluster: reached (bounded) and checked here, so a wrong address or too few workers
-            # raises from train() itself; an embedded cluster starts in the background
-            self._client, self._cluster, self._own_client = connect(cluster, config, security)
-            try:
-                count_workers(self._client, config)
-            except BaseException:
-                self._cleanup()
-                raise
-        Launcher(self, spec, data, cluster, security, resume).start()
+
+    def _connect_existing(self, cluster, security) -> None:
+        """An existing cluster is reached (bounded) and checked here, so that a wrong address or too few workers
+        raises from train() itself; an embedded cluster starts in the background."""
+        self._client, self._cluster, self._own_client = connect(cluster, self.config, security)
+        try:
+            count_workers(self._client, self.config)
+        except BaseException:
+            self._cleanup()
+            raise
 
     # ------------------------------------------------------------ start-up
     @property

@@ -120,15 +120,7 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
     sample, targets = source.sample(config.microbatch_size)
     layouts, output = _probe_layouts(stage_modules, sample)
     metric = _check_loss_and_metric(loss_fn, metric, output, targets)
-    resume = None
-    start = {}
-    if resume_from is not None:
-        resume = _check_resume(resume_from, config, stage_modules)
-        most = max(resume.steps.values())
-        start = {
-            "start_epoch": resume.epoch,
-            "start_steps": {str(p): resume.steps.get(p, most) for p in range(config.pipelines)},
-        }
+    resume, start = _resumed(resume_from, config, stage_modules)
     _check_security(security, cluster)
     spec = WorkerSpec(
         run_id=uuid.uuid4().hex[:10],
@@ -158,6 +150,19 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
         resume=resume,
         security=security,
     )
+
+
+def _resumed(resume_from, config: TrainConfig, stage_modules) -> tuple:
+    """The checkpoint a run resumes from (checked against the run) and where each pipeline starts; (None, {})."""
+    if resume_from is None:
+        return None, {}
+    resume = _check_resume(resume_from, config, stage_modules)
+    most = max(resume.steps.values())
+    start = {
+        "start_epoch": resume.epoch,
+        "start_steps": {str(p): resume.steps.get(p, most) for p in range(config.pipelines)},
+    }
+    return resume, start
 
 
 def _check_device(config: TrainConfig, cluster) -> None:

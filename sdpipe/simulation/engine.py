@@ -134,6 +134,7 @@ class _Simulation:
         # its events (see _CoreRounds.apply), not at every one of ours
         self.deadline: Optional[float] = None
         self.sync = EXCHANGE_OF[exchange](self)
+        self._sync_ready = self.sync.on_ready  # bound once: a call per worker step
 
     def _push(self, t: float, kind: str, data) -> None:
         due = self.at.get(t)
@@ -285,7 +286,7 @@ class _Simulation:
             if s == self.S - 1:
                 rec["loss"] = self.proxy.loss(p)
             self.records.append(rec)
-        self.sync.on_ready(t, data)
+        self._sync_ready(t, data)
 
     def _global_done(self, p: int, end: float) -> None:
         """One of p's stages ends the epoch's global sync at ``end``; after the last, p's ``epoch``."""

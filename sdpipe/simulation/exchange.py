@@ -65,6 +65,7 @@ class _CoreRounds:
     def __init__(self, sim: _Simulation):
         self.sim = sim
         config, S, D = sim.config, sim.S, sim.D
+        self.S = S
         self.core = GroupScheduler(S, D, config.scheduler_policy())
         sim.deadline = self.core.next_deadline()
         self.overlap = sim.exchange == "groups" and self.core.policy.overlap
@@ -92,7 +93,7 @@ class _CoreRounds:
 
     def _ready_overlapped(self, t: float, data: tuple) -> None:
         p, s, step = data
-        sim, w = self.sim, p * self.sim.S + s
+        sim, w = self.sim, p * self.S + s
         averaging = self.averaging
         end = averaging[w]
         if (end is None or end > t) and step - self.asked[w] < self.max_lag:

@@ -95,6 +95,20 @@ class Worker:
         self._server_store = None
         self.service = GroupServiceClient(self.run_id, worker=sink._worker)
 
+        self._build_stage(spec, cfg)
+        self.steps_per_epoch = spec.steps_per_epoch
+        self.hetero_version = 0
+        self.policy_version = 0
+        self.dispenser = Dispenser(self.store, self.pipeline, self.pipelines, spec.batches_per_epoch)
+        self.reader = None  # stage 0 on a stream: its pipeline's shard (set with the data, in Training)
+        self.ctl = PipelineControl(self, connect_store(spec, self.timeout) if self.first else None)
+        self._take_policy(cfg, join)
+        self.store.add(Keys.join(self.pipeline, self.generation, "ready") if join else Keys.RANKS_READY, 1)
+
+    # ----------------------------------------------------------- set-up
+    def _build_stage(self, spec: WorkerSpec, cfg: dict) -> None:
+        """This worker's stage: its module on its device, its optimizer, the layouts and plan of its schedule, and the
+        link to its pipeline's neighbours."""
         self.module = spec.stage_modules[self.stage].to(self.device)
         self.module.train()
         self.loss_fn = spec.loss_fn
@@ -115,12 +129,9 @@ class Worker:
                 self.device,
                 self.backend,
             )
-        self.steps_per_epoch = spec.steps_per_epoch
-        self.hetero_version = 0
-        self.policy_version = 0
-        self.dispenser = Dispenser(self.store, self.pipeline, self.pipelines, spec.batches_per_epoch)
-        self.reader = None  # stage 0 on a stream: its pipeline's shard (set with the data, in Training)
-        self.ctl = PipelineControl(self, connect_store(spec, self.timeout) if self.first else None)
+
+    def _take_policy(self, cfg: dict, join: Optional[dict]) -> None:
+        """The sync policy in force (a joiner's: the one its join names) set up; the command watcher closed if not."""
         try:
             # a joiner takes the policy in force (a live switch may have changed it since the start)
             self.policy = make_policy(join["mode"] if join else cfg["policy"])
@@ -134,9 +145,7 @@ class Worker:
             # connection warning then
             self.ctl.close()
             raise
-        self.store.add(Keys.join(self.pipeline, self.generation, "ready") if join else Keys.RANKS_READY, 1)
 
-    # ----------------------------------------------------------- set-up
     def _make_optimizer(self, cfg: dict):
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:  # a stage of parameter-free layers (a lone activation) has nothing to update

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -10,6 +9,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from sdpipe.core.scheduler.arrivals import _Arrivals, _Round
+from sdpipe.core.scheduler.connectivity import Connectivity
 from sdpipe.core.scheduler.dsu import DisjointSet
 from sdpipe.core.scheduler.policy import SchedulerPolicy
 from sdpipe.core.scheduler.signals import Event, Group, Hurry, Join, Lost, Ready, Retune, Tick, _decided
@@ -30,13 +30,13 @@ class StageScheduler:
         self.windows = {w: self.policy.window_init for w in self.live}
         self.round = 0
         self.open: Optional[_Round] = None
-        self.dsu = DisjointSet(self.live)
-        self.since_reset = 0  # updates (the members' steps since their last ready signals) since the union connected
+        self.global_waiting: set = set()
+        #: the connectivity bound: the union of the groups since the last reset, and the updates since
+        self.bound = Connectivity(self.live, self.global_waiting)
         #: worker -> the step of its last ready signal, and how many steps the one waiting now counts for (a worker
         #: whose averaging was still in flight goes on without ready signals: its steps still count as updates)
         self._last_step: dict = {}
         self._updates: dict = {}
-        self.global_waiting: set = set()
         self.waiting: set = set()  # workers inside the open round
         #: set by GroupScheduler: whether this stage holds (or may take) the graph-sync token
         self.may_graph_sync = True
@@ -54,54 +54,18 @@ class StageScheduler:
             mask = self._live_mask = np.concatenate([mask, np.zeros(max(worker + 1, 2 * len(mask)) - len(mask), bool)])
         mask[worker] = live
 
-    def _available(self) -> set:
-        return self.live - self.global_waiting
+    @property
+    def dsu(self) -> DisjointSet:
+        """The union of the groups since the sync graph last connected the stage (:class:`Connectivity`)."""
+        return self.bound.dsu
 
-    def _available_count(self) -> int:
-        """``len(self._available())`` without building the set (global waiters are always live)."""
-        return len(self.live) - len(self.global_waiting)
-
-    def _surely_split(self, components: int) -> bool:
-        """True when a union with ``components`` components cannot connect the available workers.
-
-        Each item that is not available (gone, or waiting for the global
-        group) can account for at most one component, so more components than
-        that plus one means split.  This spares an O(D) check per event.
-        """
-        unavailable = len(self.dsu.parent) - self._available_count()
-        return components - unavailable > 1
-
-    def _connected(self, extra=()) -> bool:
-        """Whether the groups since the last reset (plus a group of ``extra``) connect the available workers."""
-        trial = self.dsu
-        if extra:
-            if self._surely_split(self.dsu.count - self.dsu.merges(extra)):
-                return False
-            trial = self.dsu.copy()
-            trial.union(extra)
-        elif self._surely_split(self.dsu.count):
-            return False
-        if len(self.dsu.parent) == self._available_count():
-            # every item of the union is available (live workers are always items), and extra ones are too
-            return trial.count <= 1
-        return self._one_component(trial, extra)
-
-    def _one_component(self, dsu: "DisjointSet", extra=()) -> bool:
-        """Whether ``dsu`` holds the available workers and ``extra`` in one component (``dsu.connects`` of them,
-        stopping at the first worker outside the first one's component)."""
-        root, find, global_waiting = None, dsu.find, self.global_waiting
-        for w in itertools.chain(self.live, extra):
-            if w in global_waiting:
-                continue
-            r = find(w)
-            if root is None:
-                root = r
-            elif r != root:
-                return False
-        return True
+    @property
+    def since_reset(self) -> int:
+        """Updates since the sync graph last connected the stage."""
+        return self.bound.since_reset
 
     def needs_graph_sync(self) -> bool:
-        return self.since_reset >= (self.policy.staleness - 1) * self._available_count() and not self._connected()
+        return self.bound.needs_graph_sync(self.policy.staleness)
 
     def next_deadline(self) -> Optional[float]:
         """When a Tick could close the open round (None: nothing to time)."""
@@ -174,7 +138,7 @@ class StageScheduler:
                 outstanding -= self.global_waiting
                 assert r.missing == outstanding, f"stage {self.stage}: missing {r.missing} != {outstanding}"
             if r.graph:
-                assert self._graph_connected(r) == self._connected(r.members), f"stage {self.stage}: graph trial"
+                assert self.bound.graph_connected(r) == self.bound.connected(r.members), f"stage {self.stage}: trial"
         assert self.since_reset >= 0, f"stage {self.stage}: negative update count"
 
     def hurry(self, w: int, now: float) -> list:
@@ -197,9 +161,7 @@ class StageScheduler:
         self.live.add(w)
         self._mark(w, True)
         self.windows[w] = self.policy.window_init
-        self.dsu.find(w)  # a component of its own, or (with a donor) the donor's: its model is the donor's
-        if donor is not None:
-            self.dsu.union([donor, w])
+        self.bound.joined(w, donor)
         r = self.open
         if r is not None:
             r.trial = None  # the union changed under a graph-sync round's trial
@@ -278,8 +240,7 @@ class StageScheduler:
             self.stage, self.round, members, "global", now, now, tuple((m, self.windows[m]) for m in members), True
         )
         self.round += 1
-        self.dsu = DisjointSet(self.live)
-        self.since_reset = 0
+        self.bound.reset()
         return [g]
 
     def _try_close(self, now: float) -> list:
@@ -287,7 +248,7 @@ class StageScheduler:
         if r is None:
             return []
         if r.graph:
-            if self._graph_connected(r):
+            if self.bound.graph_connected(r):
                 return self._close(now, "graph")
             return []
         avail = len(self.live) - len(self.global_waiting)  # the largest group: max_group of the available workers
@@ -300,38 +261,21 @@ class StageScheduler:
             return self._close(now, "window")
         return []
 
-    def _graph_connected(self, r: _Round) -> bool:
-        """``_connected(r.members)`` for an open graph-sync round, from a union built once and extended by each
-        member that came since (the round's members only grow until it closes, unless one is lost or joins)."""
-        trial = r.trial
-        if trial is None:
-            trial = r.trial = self.dsu.copy()
-            r.trial_members = 0
-        members = r.members
-        for m in members[r.trial_members :]:
-            trial.union((members[0], m))
-        r.trial_members = len(members)
-        unavailable = len(self.dsu.parent) - self._available_count()
-        if trial.count - unavailable > 1:  # _surely_split
-            return False
-        if unavailable == 0:  # the union's items are exactly the available workers
-            return trial.count <= 1
-        return self._one_component(trial, members)
-
     def _close(self, now: float, reason: str) -> list:
         r, self.open = self.open, None
         members = sorted(r.members)
         self.waiting.difference_update(members)
         self.arrivals.release(members, now)
-        if reason != "graph" and self._available_count() > self.policy.pair_threshold and len(members) > 3:
+        available = len(self.live) - len(self.global_waiting)
+        if reason != "graph" and available > self.policy.pair_threshold and len(members) > 3:
             groups = [members[i : i + 2] for i in range(0, len(members) - 1, 2)]
             if len(members) % 2:
                 groups[-1].append(members[-1])
         else:
             groups = [members]
-        for g in groups:
-            self.dsu.union(g)
-        connected = self._connected()  # members are available workers, already in the union
+        updates = self._updates
+        count = len(members) + (sum(updates.get(m, 1) - 1 for m in members) if updates else 0)
+        connected = self.bound.closed(groups, count)
         out = []
         windows, policy = self.windows, self.policy
         planned = r.deadline - r.opened if r.expected is not None else None
@@ -356,12 +300,6 @@ class StageScheduler:
             )
             out.append(_decided(self.stage, self.round, tuple(g), why, r.opened, now, news, connected))
         self.round += 1
-        if connected:
-            self.dsu = DisjointSet(self.live)
-            self.since_reset = 0
-        else:
-            updates = self._updates
-            self.since_reset += len(members) + (sum(updates.pop(m, 1) - 1 for m in members) if updates else 0)
         if self._updates:
             for m in members:
                 self._updates.pop(m, None)
@@ -389,7 +327,7 @@ class StageScheduler:
         s.arrivals.restore({k: v for k, v in snap.get("arrivals", {}).items() if k != "released"})
         s.windows = {int(k): v for k, v in snap["windows"].items()}
         s.round = snap["round"]
-        s.since_reset = snap["since_reset"]
-        s.dsu.parent = {int(k): v for k, v in snap["dsu"].items()}
-        s.dsu.count = sum(1 for k, v in s.dsu.parent.items() if k == v)
+        s.bound.since_reset = snap["since_reset"]
+        s.bound.dsu.parent = {int(k): v for k, v in snap["dsu"].items()}
+        s.bound.dsu.count = sum(1 for k, v in s.bound.dsu.parent.items() if k == v)
         return s
