@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from sdpipe.wire.protocol import GroupAnswer
-from sdpipe.worker.comm import RendezvousTimeout, first_lost, make_group, mark_lost
+from sdpipe.wire.protocol import GroupAnswer, first_lost, mark_lost
+from sdpipe.worker.comm import RendezvousTimeout, make_group
 from sdpipe.worker.sync import Scheduled
 from sdpipe.worker.sync.mailbox import Mailbox, MailboxServer
 
@@ -191,8 +191,7 @@ def test_a_rendezvous_given_up_inside_gloo_ends_its_wait(store):
     # member 1 came to the meeting (its count is in) and died before gloo's rendezvous: member 0 is in gloo's C++
     # wait for member 1's address when the loss is marked; giving up ends that wait too (no helper thread left
     # blocked until the store closes)
-    from sdpipe.wire.protocol import Keys
-    from sdpipe.worker.comm import ARRIVED
+    from sdpipe.wire.protocol import ARRIVED, Keys
 
     before = _rendezvous_threads()
     dist.PrefixStore(Keys.group("pipe7"), store).add(ARRIVED, 1)
@@ -200,3 +199,14 @@ def test_a_rendezvous_given_up_inside_gloo_ends_its_wait(store):
     with pytest.raises(RendezvousTimeout, match="pipeline 1 was lost"):
         _member_0_of_2(store, store.clone(), "pipe7")
     assert _rendezvous_threads() == before
+
+
+def test_the_driver_closes_a_groups_rendezvous_under_the_members_own_key():
+    """close_group (the driver, on the plain store) sets the verdict the members read under their group's prefix."""
+    from sdpipe.wire.protocol import VERDICT, Keys, close_group
+
+    store = dist.HashStore()
+    assert close_group(store, "stage0")  # no verdict yet: closed to its members
+    assert dist.PrefixStore(Keys.group("stage0"), store).get(VERDICT) == b"skip"
+    dist.PrefixStore(Keys.group("stage1"), store).compare_set(VERDICT, "", "go")
+    assert not close_group(store, "stage1")  # the members decided first: it formed

@@ -34,7 +34,7 @@ from sdpipe.core.membership import Membership
 from sdpipe.core.policies import names, of_mode
 from sdpipe.driver.cluster import free_workers, quiet_run_failures, run_bounded
 from sdpipe.wire import events
-from sdpipe.wire.protocol import Keys, MembershipChange
+from sdpipe.wire.protocol import Keys, MembershipChange, mark_lost
 
 __all__ = ["Elastic"]
 
@@ -185,7 +185,6 @@ class Elastic:
         at = time.time() - self.t0
         self._inbox.add(events.control("join-failed", at, applied_by="driver", pipeline=pipeline, reason=why))
         log.warning("sdpipe: %s", said)
-        from sdpipe.worker.comm import mark_lost  # torch: not at ``import sdpipe``
 
         try:  # its workers still waiting stop pairing; the group service takes it out where it joined
             mark_lost(self._run_store, pipeline, why)

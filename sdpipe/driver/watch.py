@@ -28,8 +28,7 @@ from sdpipe.core.policies import of_mode
 from sdpipe.driver.cluster import workers_now
 from sdpipe.driver.result import RunError, assemble, plain_config
 from sdpipe.wire import events
-from sdpipe.wire.protocol import Keys, PeerLost
-from sdpipe.worker.comm import mark_lost
+from sdpipe.wire.protocol import Keys, PeerLost, close_group, mark_lost
 
 __all__ = ["RunWatcher", "stall_limit"]
 
@@ -75,13 +74,61 @@ def first_checkpoint(after: int, every: int, epochs: int) -> Optional[int]:
     return e if e <= epochs else None
 
 
+class CheckpointWriter:
+    """The driver's part of a checkpoint: once every worker present wrote its part of the next one, the manifest,
+    then the folder into place (:func:`sdpipe.checkpoint.finish`), a ``checkpoint`` record and the run's list."""
+
+    def __init__(self, run):
+        self.run = run
+        #: the epoch of the next checkpoint (None: no more)
+        self.next = first_checkpoint(run.start_epoch, run.config.checkpoint_every, run.config.epochs)
+
+    def poll(self) -> Optional[BaseException]:
+        """Once every live worker wrote its part of the next checkpoint: the manifest, then the folder into place."""
+        run, cfg, epoch = self.run, self.run.config, self.next
+        # the checkpoint after `epoch` epochs is written at the end of epoch `epoch - 1`: by the pipelines
+        # there then, not by one that joined later (it would never write this one)
+        present = [p for p in run.pipelines if run._members.joined_in.get(p, -1) < epoch]
+        ranks = [p * cfg.stages + s for p in present for s in range(cfg.stages)]
+        try:
+            if run._run_store.add(Keys.checkpoint_count(epoch), 0) < len(ranks):
+                return None
+            steps = {str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages))) for p in present}
+            scheduler = None
+            if of_mode(run._control.mode).uses_service:
+                scheduler = run._control.service.state()["core"]
+            folder = finish(
+                cfg.checkpoint_dir,
+                epoch,
+                run.run_id,
+                {
+                    "run_id": run.run_id,
+                    "ranks": ranks,
+                    "pipelines": present,
+                    "steps": steps,
+                    "config": plain_config(cfg),
+                    "policy": run.policy,
+                    "scheduler": scheduler,
+                    "lost": {str(p): w for p, w in run._members.lost.items()},
+                },
+            )
+        except Exception as e:
+            return RunError(
+                f"checkpoint_dir: could not write the checkpoint of epoch {epoch} ({type(e).__name__}: {e})"
+            )
+        run.checkpoints.append(str(folder))
+        run._inbox.add(events.checkpoint(epoch, str(folder), time.time() - run.t0))
+        self.next = first_checkpoint(epoch, cfg.checkpoint_every, cfg.epochs)
+        return None
+
+
 class RunWatcher:
     """The monitor of one :class:`~sdpipe.Run` (it reads the run's tasks and writes its outcome)."""
 
     def __init__(self, run):
         self.run = run
         self.config = run.config
-        self.ckpt_next = first_checkpoint(run.start_epoch, run.config.checkpoint_every, run.config.epochs)
+        self.checkpoints = CheckpointWriter(run)
         self._missing: set = set()  # ranks whose Dask worker was missing at the last check
         self._comm_seen: dict = {}  # rank -> when its communication failure was first seen
         self._stall_base: Optional[float] = None  # from when silence counts (the launch, or the last resume)
@@ -93,11 +140,11 @@ class RunWatcher:
         results: Optional[dict] = {}
         try:
             error = self._until_ended()
-            if error is None and self.ckpt_next is not None:  # the last epoch's, written as the workers ended
-                error = self._poll_checkpoint()
+            if error is None and self.checkpoints.next is not None:  # the last epoch's, written as the workers ended
+                error = self.checkpoints.poll()
             results = self._collect()
             if error is not None and not isinstance(error, LostWorker):
-                error = self._root_cause() or error
+                error = root_cause(run) or error
             run._inbox.wait_for({r: res.events for r, res in results.items()}, run.run_id)
             if error is None:
                 run._result = assemble(
@@ -145,7 +192,7 @@ class RunWatcher:
                 ):
                     return error
             if error is None:
-                error = self._poll_checkpoint() if self.ckpt_next is not None else None
+                error = self.checkpoints.poll() if self.checkpoints.next is not None else None
                 error = error or self._failures(statuses, live)
                 if error is None and time.monotonic() - last_check > 1.0:
                     last_check = time.monotonic()
@@ -177,7 +224,7 @@ class RunWatcher:
         for rank in live:
             if statuses[rank] not in ("error", "cancelled"):
                 continue
-            failure = self._describe_failure(rank, run._futures[rank])
+            failure = describe_failure(run, rank, run._futures[rank])
             p = rank // self.config.stages
             if p in run._members.joining:  # a pipeline that had not joined yet: the run goes on without it
                 run._join_failed(p, str(failure.__cause__ or failure))
@@ -265,44 +312,6 @@ class RunWatcher:
                 )
         return None
 
-    def _poll_checkpoint(self) -> Optional[BaseException]:
-        """Once every live worker wrote its part of the next checkpoint: the manifest, then the folder into place."""
-        run, cfg, epoch = self.run, self.config, self.ckpt_next
-        # the checkpoint after `epoch` epochs is written at the end of epoch `epoch - 1`: by the pipelines
-        # there then, not by one that joined later (it would never write this one)
-        present = [p for p in run.pipelines if run._members.joined_in.get(p, -1) < epoch]
-        ranks = [p * cfg.stages + s for p in present for s in range(cfg.stages)]
-        try:
-            if run._run_store.add(Keys.checkpoint_count(epoch), 0) < len(ranks):
-                return None
-            steps = {str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages))) for p in present}
-            scheduler = None
-            if of_mode(run._control.mode).uses_service:
-                scheduler = run._control.service.state()["core"]
-            folder = finish(
-                cfg.checkpoint_dir,
-                epoch,
-                run.run_id,
-                {
-                    "run_id": run.run_id,
-                    "ranks": ranks,
-                    "pipelines": present,
-                    "steps": steps,
-                    "config": plain_config(cfg),
-                    "policy": run.policy,
-                    "scheduler": scheduler,
-                    "lost": {str(p): w for p, w in run._members.lost.items()},
-                },
-            )
-        except Exception as e:
-            return RunError(
-                f"checkpoint_dir: could not write the checkpoint of epoch {epoch} ({type(e).__name__}: {e})"
-            )
-        run.checkpoints.append(str(folder))
-        run._inbox.add(events.checkpoint(epoch, str(folder), time.time() - run.t0))
-        self.ckpt_next = first_checkpoint(epoch, cfg.checkpoint_every, cfg.epochs)
-        return None
-
     def _on_lost(self, rank: int, why: str) -> Optional[BaseException]:
         """A worker is gone.  Returns the run's error, or None when the other pipelines go on without its pipeline."""
         run, cfg = self.run, self.config
@@ -350,7 +359,6 @@ class RunWatcher:
         group's verdict (:func:`sdpipe.worker.comm.make_group`), so either the group formed already (the run cannot go
         on) or it never forms with ``p``, whatever the members saw first."""
         from sdpipe.config import ASYNC_SCHEDULE_NAMES
-        from sdpipe.worker.comm import VERDICT
 
         run, cfg = self.run, self.config
         coupled = of_mode(run._control.mode).coupled
@@ -358,17 +366,11 @@ class RunWatcher:
             return False
         if cfg.schedule in ASYNC_SCHEDULE_NAMES or (run._spec is not None and run._spec.streamed):
             return False  # a pipeline cannot join such a run (Run.add_pipelines says why)
-        import torch.distributed as dist
-
         try:
             mark_lost(run._run_store, p, why)
-            closed = [
-                dist.PrefixStore(Keys.group(f"stage{s}"), run._run_store).compare_set(VERDICT, "", "skip")
-                for s in range(cfg.stages)
-            ]
+            return all([close_group(run._run_store, f"stage{s}") for s in range(cfg.stages)])
         except Exception:  # the store is gone: the run is ending
             return False
-        return all(v == b"skip" for v in closed)
 
     def _collect(self) -> dict:
         run, S = self.run, self.config.stages
@@ -392,31 +394,33 @@ class RunWatcher:
                 members.leave(p, "the run ended before it joined")
         return results
 
-    def _root_cause(self) -> Optional[BaseException]:
-        """The failure that started it: peers of a failed worker fail after it with communication errors."""
-        failed = [(r, f) for r, f in enumerate(self.run._futures) if f.status == "error"]
-        if not failed:
-            return None
-        errors = [(r, self._describe_failure(r, f)) for r, f in failed]
-        primary = next((e for r, e in errors if not is_comm_failure(e.__cause__)), errors[0][1])
-        if len(errors) > 1:
-            others = "; ".join(f"rank {r}: {str(e.__cause__ or e)[:160]}" for r, e in errors if e is not primary)
-            primary.args = (
-                f"{primary.args[0]} ({len(errors) - 1} other worker(s) failed after it: {others})".replace("\n", " "),
-            )
-        return primary
 
-    def _describe_failure(self, rank: int, future) -> BaseException:
-        p, s = divmod(rank, self.config.stages)
-        try:
-            exc = future.exception(timeout=5)
-        except Exception as e:  # cancelled futures raise here
-            exc = e
-        at = getattr(exc, "sdpipe_step", None)  # the worker's step and epoch when it failed
-        when = f" at step {at[0]} (epoch {at[1]})" if isinstance(at, tuple) and len(at) == 2 else ""
-        err = RunError(
-            f"worker pipeline {p} stage {s} (rank {rank}, {self.run._workers[rank]}) failed{when}: "
-            f"{type(exc).__name__}: {exc}"
+def root_cause(run) -> Optional[BaseException]:
+    """The failure that started it: peers of a failed worker fail after it with communication errors."""
+    failed = [(r, f) for r, f in enumerate(run._futures) if f.status == "error"]
+    if not failed:
+        return None
+    errors = [(r, describe_failure(run, r, f)) for r, f in failed]
+    primary = next((e for r, e in errors if not is_comm_failure(e.__cause__)), errors[0][1])
+    if len(errors) > 1:
+        others = "; ".join(f"rank {r}: {str(e.__cause__ or e)[:160]}" for r, e in errors if e is not primary)
+        primary.args = (
+            f"{primary.args[0]} ({len(errors) - 1} other worker(s) failed after it: {others})".replace("\n", " "),
         )
-        err.__cause__ = exc if isinstance(exc, BaseException) else None
-        return err
+    return primary
+
+
+def describe_failure(run, rank: int, future) -> BaseException:
+    """The run's error for worker ``rank``'s failed task: who, at which step, and the task's exception as its cause."""
+    p, s = divmod(rank, run.config.stages)
+    try:
+        exc = future.exception(timeout=5)
+    except Exception as e:  # cancelled futures raise here
+        exc = e
+    at = getattr(exc, "sdpipe_step", None)  # the worker's step and epoch when it failed
+    when = f" at step {at[0]} (epoch {at[1]})" if isinstance(at, tuple) and len(at) == 2 else ""
+    err = RunError(
+        f"worker pipeline {p} stage {s} (rank {rank}, {run._workers[rank]}) failed{when}: {type(exc).__name__}: {exc}"
+    )
+    err.__cause__ = exc if isinstance(exc, BaseException) else None
+    return err

@@ -654,3 +654,37 @@ def _read_exactly(sock, n: int) -> bytes:
             raise ConnectionError("the service closed the connection")
         buf += chunk
     return bytes(buf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lost pipelines and closed groups in the run's store (the driver writes them, the workers read them)
+# ---------------------------------------------------------------------------------------------
+
+#: keys under a group's prefix: the count of its members who came to its rendezvous, and their verdict
+ARRIVED, VERDICT = "sdpipe-arrived", "sdpipe-verdict"
+
+
+def mark_lost(store, pipeline: int, why: str) -> None:
+    """(Driver) mark ``pipeline`` lost in the run's store."""
+    store.set(Keys.lost(pipeline), why)
+    store.set(Keys.ever_lost(pipeline), why)
+    store.add(Keys.LOST_COUNT, 1)
+
+
+def first_lost(store, pipelines) -> int | None:
+    """The first of ``pipelines`` marked lost, or None (one store call while none is lost)."""
+    if store.add(Keys.LOST_COUNT, 0) == 0:
+        return None
+    return next((p for p in pipelines if pipeline_lost(store, p)), None)
+
+
+def pipeline_lost(store, pipeline: int) -> bool:
+    """Whether the driver marked ``pipeline`` lost in the run's store."""
+    return store.check([Keys.lost(pipeline)])
+
+
+def close_group(store, name: str) -> bool:
+    """(Driver) close group ``name``'s rendezvous: its members' verdict becomes "skip" unless they set one first
+    (one compare-and-set); whether it is "skip" now.  The key is the one the members use under their group's
+    prefix (a torch ``PrefixStore`` joins its prefix and a key with "/")."""
+    return store.compare_set(f"{Keys.group(name)}/{VERDICT}", "", "skip") == b"skip"

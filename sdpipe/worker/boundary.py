@@ -24,8 +24,16 @@ import torch
 
 from sdpipe.config import Heterogeneity
 from sdpipe.data import TAIL_BATCHES_PER_PIPELINE, leaves_tail, smoothed_step_time
-from sdpipe.wire.protocol import Command, ControlMessage, Keys, MembershipChange, Op, PolicyChange
-from sdpipe.worker.comm import TAG_CTRL, pipeline_lost
+from sdpipe.wire.protocol import (
+    Command,
+    ControlMessage,
+    Keys,
+    MembershipChange,
+    Op,
+    PolicyChange,
+    pipeline_lost,
+)
+from sdpipe.worker.comm import TAG_CTRL
 from sdpipe.worker.handover import donate
 
 __all__ = ["CTL_INTERVAL", "CTL_MAX_AGE", "CommandWatcher", "Dispenser", "PipelineControl", "membership"]

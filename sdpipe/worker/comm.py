@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from sdpipe.wire.protocol import Keys, PeerLost
+from sdpipe.wire.protocol import ARRIVED, VERDICT, Keys, PeerLost
 from sdpipe.worker import tree as _tree
 
 TAG_CTRL, TAG_ACT, TAG_GRAD, TAG_TARGET = 0, 1, 2, 3
@@ -128,8 +128,6 @@ class AbortableStore(dist.Store):
 RENDEZVOUS_MARGIN = 5.0
 
 
-#: keys under a group's prefix: the count of its members who came to its rendezvous, and their verdict
-ARRIVED, VERDICT = "sdpipe-arrived", "sdpipe-verdict"
 
 
 def _meet(store, size: int, deadline: float, name: str, give_up=None) -> None:
@@ -280,25 +278,6 @@ def as_peer_lost(error: BaseException) -> BaseException:
     if hasattr(error, "sdpipe_step"):  # the driver's one line names the step
         lost.sdpipe_step = error.sdpipe_step
     return lost
-
-
-def mark_lost(store, pipeline: int, why: str) -> None:
-    """(Driver) mark ``pipeline`` lost in the run's store."""
-    store.set(Keys.lost(pipeline), why)
-    store.set(Keys.ever_lost(pipeline), why)
-    store.add(Keys.LOST_COUNT, 1)
-
-
-def first_lost(store, pipelines) -> int | None:
-    """The first of ``pipelines`` marked lost, or None (one store call while none is lost)."""
-    if store.add(Keys.LOST_COUNT, 0) == 0:
-        return None
-    return next((p for p in pipelines if pipeline_lost(store, p)), None)
-
-
-def pipeline_lost(store, pipeline: int) -> bool:
-    """Whether the driver marked ``pipeline`` lost in the run's store."""
-    return store.check([Keys.lost(pipeline)])
 
 
 def flatten(tensors: list, device) -> torch.Tensor:

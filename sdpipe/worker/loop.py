@@ -39,9 +39,10 @@ from sdpipe.wire.protocol import (
     Op,
     WorkerResult,
     WorkerSpec,
+    first_lost,
 )
 from sdpipe.worker.boundary import CTL_MAX_AGE, Dispenser, PipelineControl
-from sdpipe.worker.comm import TAG_TARGET, Link, as_peer_lost, first_lost, make_group
+from sdpipe.worker.comm import TAG_TARGET, Link, as_peer_lost, make_group
 from sdpipe.worker.connect import connect_store, nccl_interface, own_address
 from sdpipe.worker.handover import await_state
 from sdpipe.worker.pace import Pace

@@ -109,6 +109,13 @@ class SchedulerPolicy:
             return self.horizon
         return 0.8 if self.overlap else 0.5
 
+    def next_window(self, window: float, group_size: int) -> float:
+        """A worker's window after a group of ``group_size``: grown (from ``window_min`` if it was 0) when the group
+        was smaller than ``min_group``, else shrunk, within the bounds."""
+        if group_size < self.min_group:
+            return min(window * self.grow, self.window_max) if window > 0 else self.window_min
+        return max(window * self.shrink, self.window_min)
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 

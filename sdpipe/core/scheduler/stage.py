@@ -267,12 +267,8 @@ class StageScheduler:
         self.waiting.difference_update(members)
         self.arrivals.release(members, now)
         available = len(self.live) - len(self.global_waiting)
-        if reason != "graph" and available > self.policy.pair_threshold and len(members) > 3:
-            groups = [members[i : i + 2] for i in range(0, len(members) - 1, 2)]
-            if len(members) % 2:
-                groups[-1].append(members[-1])
-        else:
-            groups = [members]
+        pair = reason != "graph" and available > self.policy.pair_threshold and len(members) > 3
+        groups = _pairs(members) if pair else [members]
         updates = self._updates
         count = len(members) + (sum(updates.get(m, 1) - 1 for m in members) if updates else 0)
         connected = self.bound.closed(groups, count)
@@ -286,18 +282,9 @@ class StageScheduler:
                 news = tuple([(m, planned) for m in g])
             else:
                 for m in g:
-                    wnd = windows[m]
-                    if len(g) < policy.min_group:
-                        wnd = min(wnd * policy.grow, policy.window_max) if wnd > 0 else policy.window_min
-                    else:
-                        wnd = max(wnd * policy.shrink, policy.window_min)
-                    windows[m] = wnd
+                    windows[m] = policy.next_window(windows[m], len(g))
                 news = tuple([(m, windows[m]) for m in g])
-            why = (
-                reason
-                if len(g) > 1 or reason in ("graph", "preempted")
-                else ("alone" if reason == "window" else reason)
-            )
+            why = "alone" if len(g) == 1 and reason == "window" else reason
             out.append(_decided(self.stage, self.round, tuple(g), why, r.opened, now, news, connected))
         self.round += 1
         if self._updates:
@@ -331,3 +318,11 @@ class StageScheduler:
         s.bound.dsu.parent = {int(k): v for k, v in snap["dsu"].items()}
         s.bound.dsu.count = sum(1 for k, v in s.bound.dsu.parent.items() if k == v)
         return s
+
+
+def _pairs(members: list) -> list:
+    """A large round's members in pairs of neighbours (the last three together when their number is odd)."""
+    groups = [members[i : i + 2] for i in range(0, len(members) - 1, 2)]
+    if len(members) % 2:
+        groups[-1].append(members[-1])
+    return groups

@@ -8,8 +8,8 @@ import time
 import torch
 
 from sdpipe.core import sync_rules as rules
-from sdpipe.wire.protocol import Keys, PairRequest
-from sdpipe.worker.comm import flatten, pipeline_lost, unflatten_
+from sdpipe.wire.protocol import Keys, PairRequest, pipeline_lost
+from sdpipe.worker.comm import flatten, unflatten_
 from sdpipe.worker.sync.allreduce import stage_group
 from sdpipe.worker.sync.base import TAG_SERVE, failure, state_tensors
 from sdpipe.worker.sync.groups import GroupPolicy

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from sdpipe.core import sync_rules as rules
-from sdpipe.wire.protocol import GroupAnswer, Keys
-from sdpipe.worker.comm import CONNECT_TIMEOUT, allreduce_mean_, pipeline_lost
+from sdpipe.wire.protocol import GroupAnswer, Keys, pipeline_lost
+from sdpipe.worker.comm import CONNECT_TIMEOUT, allreduce_mean_
 from sdpipe.worker.sync.base import SyncPolicy, failure, state_tensors
 
 __all__ = ["GroupPolicy", "all_arrive"]
