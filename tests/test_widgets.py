@@ -215,7 +215,7 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     ).result(timeout=300)
     dash = Dashboard(result)
     assert dash.panel is None  # nothing to steer in a finished run
-    layout = dash.figure.layout[dash._timeline_xaxis.replace("xaxis", "yaxis")]
+    layout = dash.figure.layout[dash.plot.axes["timeline"][1]]
     rows = dict(zip(layout.tickvals, layout.ticktext, strict=True))
     compute = dash.trace("timeline/compute")
     # the slowed pipeline's stage 0 (its slowdown's sleep counts as its own work) spends most of its time computing
@@ -248,13 +248,13 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
         dash.fit(width)
         assert dash.narrow is narrow
         plot = width - 16 - dash.figure.layout.margin.l - dash.figure.layout.margin.r
-        for key, a in zip(dash._title_keys, dash.figure.layout.annotations, strict=True):
-            lo, hi = dash.figure.layout[dash._axes[key][0]].domain
+        for key, a in zip(dash.plot.title_keys, dash.figure.layout.annotations, strict=True):
+            lo, hi = dash.figure.layout[dash.plot.axes[key][0]].domain
             lines = a.text.split("<br>")
-            assert " ".join(lines) == dash._titles[key]
+            assert " ".join(lines) == dash.plot.titles[key]
             assert all(len(line) * TITLE_CHAR_PX <= (hi - lo) * plot for line in lines), (width, a.text)
-    assert "<br>" in dash.figure.layout.annotations[dash._title_keys.index("groups/0")].text  # long, at 700 px
-    assert dash._titles["accuracy"] == "held-out accuracy per epoch"  # (without eval_data: the training loss)
+    assert "<br>" in dash.figure.layout.annotations[dash.plot.title_keys.index("groups/0")].text  # long, at 700 px
+    assert dash.plot.titles["accuracy"] == "held-out accuracy per epoch"  # (without eval_data: the training loss)
 
 
 def await_events(dash, count: int, timeout: float = 60) -> float:
@@ -341,7 +341,7 @@ def test_live_dashboard_adds_and_removes_pipelines_and_its_rows_follow(data, sha
             assert time.monotonic() < deadline + 120 and not run.done(), run.status
             time.sleep(0.2)
         time.sleep(1.5)  # a few redraws
-        ticks = lambda: dash.figure.layout[dash._axes["timeline"][1]].ticktext
+        ticks = lambda: dash.figure.layout[dash.plot.axes["timeline"][1]].ticktext
         assert ticks() == ("pipeline 0 stage 0", "pipeline 1 stage 0", "pipeline 2 stage 0")
         assert "1 stages x 3 pipelines" in dash.header.value
         dash.panel.press("remove pipeline", remove=0)
@@ -382,7 +382,7 @@ def test_a_run_started_beside_another_says_so_in_its_repr_and_dashboard(data, sh
     dash.refresh()
     assert first.run_id in dash.note.value and "samples/s" in dash.note.value
     # no eval_data: the per-epoch panel shows each epoch's training loss, and its title says so
-    assert dash._titles["accuracy"] == "training loss per epoch (no held-out data given)"
+    assert dash.plot.titles["accuracy"] == "training loss per epoch (no held-out data given)"
     assert list(dash.trace("accuracy/0").x) == [0, 1] and all(y > 0 for y in dash.trace("accuracy/0").y)
     alone = sdpipe.train(digits_mlp(), train_data, **kw)
     alone.result(timeout=300)

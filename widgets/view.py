@@ -69,6 +69,23 @@ def emulated_text(h) -> str:
     return ", ".join(parts)
 
 
+def heterogeneity_text(emulated, shaped: dict) -> str:
+    """One line: the slept heterogeneity ``emulated`` (a Heterogeneity's dict) and the kernel-shaped hosts (host
+    address -> its last "shaped" control record), or "none"."""
+    parts = []
+    slept = emulated_text(emulated)
+    if slept:
+        parts.append(f"emulated (slept): {slept}")
+    hosts = [
+        f"{a} (pipelines {', '.join(map(str, e.get('pipelines') or [])) or '-'}) {shaping_text(e)}"
+        for a, e in shaped.items()
+        if e.get("bandwidth") or e.get("cpu")
+    ]
+    if hosts:
+        parts.append("shaped by the kernel: " + "; ".join(hosts))
+    return " · ".join(parts) or "none"
+
+
 def category(kind: str):
     """The timeline category of an event kind (None for records that are not spans of work)."""
     return _KIND_CATEGORY.get(kind)
@@ -122,18 +139,7 @@ class RunView:
 
         ``configured``: the run's starting heterogeneity (a dict), used until a live change arrives.
         """
-        parts = []
-        slept = emulated_text(self.emulated if self.emulated is not None else configured)
-        if slept:
-            parts.append(f"emulated (slept): {slept}")
-        shaped = [
-            f"{a} (pipelines {', '.join(map(str, e.get('pipelines') or [])) or '-'}) {shaping_text(e)}"
-            for a, e in self.shaped.items()
-            if e.get("bandwidth") or e.get("cpu")
-        ]
-        if shaped:
-            parts.append("shaped by the kernel: " + "; ".join(shaped))
-        return " · ".join(parts) or "none"
+        return heterogeneity_text(self.emulated if self.emulated is not None else configured, self.shaped)
 
     # ------------------------------------------------------------ input
     def add(self, events) -> None:
@@ -276,17 +282,7 @@ class RunView:
             q = self._recent[w]
             while q and q[0][2] < lo:
                 q.popleft()
-            slots = [None] * bins
-            for cat, start, end in q:
-                a, b = max(start, lo), min(end, lo + self.window)
-                i = int((a - lo) / width)
-                while i < bins and lo + i * width < b:
-                    cover = min(b, lo + (i + 1) * width) - max(a, lo + i * width)
-                    if cover > 0:
-                        if slots[i] is None:
-                            slots[i] = Counter()
-                        slots[i][cat] += cover
-                    i += 1
+            slots = _slots(q, lo, lo + self.window, width, bins)
             label = self.label(w)
             run = None  # (category, first slot, last slot)
             for i, c in enumerate([*slots, None]):
@@ -381,23 +377,8 @@ class RunView:
                 "spread": None,
                 "window_samples_per_s": window_rate,
             }
-
-        def rates(rows):
-            run = ideal = 0.0
-            for steps in rows:
-                d = sum(x for x, _ in steps)
-                h = sum(y for _, y in steps)
-                run += self.batch_size * len(steps) / d
-                ideal += self.batch_size * len(steps) / max(d - h, 1e-9)
-            return run, ideal
-
-        run, ideal = rates(per)
-        ratios = []
-        for b in range(blocks):
-            rows = [steps[b * len(steps) // blocks : (b + 1) * len(steps) // blocks] for steps in per]
-            if all(rows):
-                r, i = rates(rows)
-                ratios.append(r / i)
+        run, ideal = _rates(per, self.batch_size)
+        ratios = _block_ratios(per, self.batch_size, blocks)
         return {
             "samples_per_s": run,
             "ideal": ideal,
@@ -410,3 +391,42 @@ class RunView:
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def _slots(spans, lo: float, hi: float, width: float, bins: int) -> list:
+    """The seconds by category (a Counter, None where none) in each of ``bins`` slots of ``width`` seconds from
+    ``lo`` (to ``hi``), of ``(category, start, end)`` spans."""
+    slots = [None] * bins
+    for cat, start, end in spans:
+        a, b = max(start, lo), min(end, hi)
+        i = int((a - lo) / width)
+        while i < bins and lo + i * width < b:
+            cover = min(b, lo + (i + 1) * width) - max(a, lo + i * width)
+            if cover > 0:
+                if slots[i] is None:
+                    slots[i] = Counter()
+                slots[i][cat] += cover
+            i += 1
+    return slots
+
+
+def _rates(per: list, batch_size: int) -> tuple:
+    """(samples/s, ideal samples/s) of pipelines' steps, each pipeline's a list of (duration, held by sync)."""
+    run = ideal = 0.0
+    for steps in per:
+        d = sum(x for x, _ in steps)
+        h = sum(y for _, y in steps)
+        run += batch_size * len(steps) / d
+        ideal += batch_size * len(steps) / max(d - h, 1e-9)
+    return run, ideal
+
+
+def _block_ratios(per: list, batch_size: int, blocks: int) -> list:
+    """The ratio samples/s / ideal over each of ``blocks`` consecutive blocks of every pipeline's steps."""
+    ratios = []
+    for b in range(blocks):
+        rows = [steps[b * len(steps) // blocks : (b + 1) * len(steps) // blocks] for steps in per]
+        if all(rows):
+            r, i = _rates(rows, batch_size)
+            ratios.append(r / i)
+    return ratios
