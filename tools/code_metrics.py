@@ -6,7 +6,8 @@
 Counted with :mod:`ast` over ``sdpipe/`` (and ``widgets/`` for long lines):
 
 * the longest functions, classes and modules (lines from ``def``/``class`` to the body's last line, decorators
-  and the unit's own docstring excluded), and how many are over the house limits (function 60, class 300, module 700 lines);
+  and the unit's own docstring excluded), and how many are over the house limits (function 60, class 300,
+  module 700 lines);
 * the places outside ``sdpipe/core/policies.py`` that spell a policy's name or mode in code (a string constant that
   is not a docstring, in ``sdpipe/`` and ``widgets/``): ``sdpipe`` alone is left out, as it is also the
   package's, the logger's and the program's name;

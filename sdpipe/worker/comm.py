@@ -128,8 +128,6 @@ class AbortableStore(dist.Store):
 RENDEZVOUS_MARGIN = 5.0
 
 
-
-
 def _meet(store, size: int, deadline: float, name: str, give_up=None) -> None:
     """Count this member in at the group's rendezvous and wait, polling (never blocked in a store wait), for the
     members' one verdict: "go" once all ``size`` came, "skip" once one of them saw ``give_up()`` give a reason or
