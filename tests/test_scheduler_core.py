@@ -3,6 +3,7 @@
 import heapq
 import math
 import random
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -393,12 +394,38 @@ def test_lost_worker_releases_a_waiting_global_group():
 
 
 def test_pairs_above_threshold():
-    s = StageScheduler(0, range(10), SchedulerPolicy(pair_threshold=8))
-    for w in (7, 2, 5, 0, 9):
-        s.handle(Ready(w, 1, 0.0))
-    out = s.handle(Tick(1.0))
-    assert [g.members for g in out] == [(0, 2), (5, 7, 9)]
-    assert len({g.round for g in out}) == 1
+    """Neighbours: adjacent ids; across: the first half of the members (by component) with the second."""
+    for pairing, pairs in (("neighbours", [(0, 2), (5, 7, 9)]), ("across", [(0, 5, 9), (2, 7)])):
+        s = StageScheduler(0, range(10), SchedulerPolicy(pair_threshold=8, pairing=pairing, window="prototype"))
+        for w in (7, 2, 5, 0, 9):
+            s.handle(Ready(w, 1, 0.0))
+        out = s.handle(Tick(1.0))
+        assert [g.members for g in out] == pairs, pairing
+        assert len({g.round for g in out}) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(4, 40),
+    unions=st.lists(st.lists(st.integers(0, 39), min_size=2, max_size=6), max_size=30),
+    data=st.data(),
+)
+def test_pairs_across_join_different_components_where_they_can(n, unions, data):
+    """Across: every pair joins two components whenever the round's members lie in two or more and none holds
+    more than half of them; it never joins fewer than the neighbours' pairs do."""
+    from sdpipe.core.scheduler.stage import _split
+
+    dsu = DisjointSet(range(n))
+    for u in unions:
+        dsu.union([w % n for w in u])
+    members = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=4, max_size=n)))
+    across = _split(members, "across", dsu.find)
+    assert sorted(w for g in across for w in g) == members and all(len(g) in (2, 3) for g in across)
+    merges = lambda groups: sum(dsu.merges(g) for g in groups)  # each group on its own: the pairs are disjoint
+    assert merges(across) >= merges(_split(members, "neighbours", dsu.find))
+    sizes = Counter(dsu.find(m) for m in members)
+    if len(sizes) > 1 and max(sizes.values()) <= len(members) // 2:
+        assert all(dsu.merges(g) >= 1 for g in across), across
 
 
 def test_graph_sync_holds_one_stage_at_a_time():
@@ -652,3 +679,44 @@ def test_one_entry_point_takes_every_event_and_says_which_stage_it_needs():
     with pytest.raises(TypeError, match="is not Ready, Lost, Tick, Join, Hurry or Retune"):
         sched.handle("ready")
     sched.validate()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    fast=st.lists(st.floats(min_value=0.5, max_value=2.0), min_size=9, max_size=24),
+    slow=st.lists(st.floats(min_value=0.02, max_value=0.5), min_size=0, max_size=3),
+    seed=st.integers(0, 10_000),
+    staleness=st.integers(2, 8),
+    pairing=st.sampled_from(["across", "neighbours"]),
+    rule=st.sampled_from(WINDOW_RULES),
+)
+def test_the_longest_unconnected_stretch_stays_below_the_bound(fast, slow, seed, staleness, pairing, rule):
+    """Random speeds (fast workers and up to three stragglers of up to 50x) and arrival orders, above the pairing
+    threshold: the scheduler's own count of the longest unconnected stretch (``bounds()``) agrees with an
+    independent count over its groups, and stays within the bound."""
+    speeds = fast + slow
+    D = len(speeds)
+    policy = SchedulerPolicy(window=rule, staleness=staleness, pairing=pairing, window_init=0.05, window_max=0.2)
+    sched, log, _, _ = drive(1, speeds, policy, steps=12, seed=seed)
+    since, longest, dsu = 0, 0, DisjointSet(range(D))
+    rounds: dict = {}
+    for _, g, _state in log:
+        rounds.setdefault(g.round, []).append(g)
+    for r in sorted(rounds):
+        groups = rounds[r]
+        if groups[0].reason == "global":
+            since, dsu = 0, DisjointSet(range(D))
+            continue
+        for g in groups:
+            dsu.union(g.members)
+        if groups[0].connected:
+            since, dsu = 0, DisjointSet(range(D))
+        else:
+            since += sum(len(g.members) for g in groups)
+            if groups[0].reason != "preempted":  # cut short by the epoch's end: the global group follows
+                longest = max(longest, since)
+    (b,) = sched.bounds()
+    assert b["bound"] == staleness * len(sched.stages[0].live)
+    # below P x D before the stretch's last round (which may be a round that a global group cut short), so with it
+    # below P x D plus one round's members
+    assert b["longest"] == longest and longest < staleness * D + D, (b, longest)

@@ -100,6 +100,9 @@ def test_straggler_is_left_out_and_bound_holds(data, shared_cluster):
     # an epoch's 45 updates exceed the bound, so the straggler mixed between global syncs: in a graph round or in
     # an ordinary one that connected the stage first (which of them depends on timing: not asserted)
     assert any(3 in g["group"] and g["reason"] != "global" for g in groups)
+    # the result says what the group service's bound held: the longest stretch counted as the records show
+    assert [(b["stage"], b["bound"]) for b in result.bounds] == [(0, P * 4)]
+    assert 0 < result.bounds[0]["longest"] and result.bounds[0]["now"] == 0  # the last global sync connected it
     # weighting="progress" (the default): every global sync averages by mass (1 + steps since the last
     # global sync, spread by the groups in between); the masses restart there, and the replicas end identical
     syncs = [e for e in result.events if e["kind"] == "sync" and e["reason"] == "global" and not e.get("failed")]

@@ -515,3 +515,43 @@ def test_a_scheduler_dict_changes_the_chosen_policys_preset():
     for policy in ("sdpipe", "allreduce", "none"):
         config = TrainConfig(policy=policy, scheduler={"staleness": 3})
         assert config.scheduler_policy() == record(policy).scheduler.updated(staleness=3)
+
+
+def test_a_groups_allreduce_is_the_ring_or_the_cheaper_of_ring_and_tree():
+    """ "best" (the default) prices a group at the cheaper of the flat ring and the pipelined binary tree; "ring"
+    keeps the ring.  Small groups are bandwidth-bound (the ring wins); a group of thousands is latency-bound in a
+    ring (2 (n - 1) messages) and takes 2 log2 n in the tree."""
+    from sdpipe.simulation.costs import allreduce_seconds, tree_allreduce_seconds
+
+    net, ring_net = Network(bandwidth=1.25e9, latency=50e-6), Network(bandwidth=1.25e9, latency=50e-6, allreduce="ring")
+    for n in (1, 2, 3, 8, 64, 4096):
+        ring, tree = ring_allreduce_seconds(4e5, n, net), tree_allreduce_seconds(4e5, n, net)
+        assert allreduce_seconds(4e5, n, ring_net) == ring
+        assert allreduce_seconds(4e5, n, net) == min(ring, tree)
+    assert allreduce_seconds(4e5, 2, net) == ring_allreduce_seconds(4e5, 2, net)  # a pair: the ring's
+    assert tree_allreduce_seconds(4e5, 4096, net) == pytest.approx(2 * 4e5 / 1.25e9 + 2 * 12 * 50e-6)
+    assert ring_allreduce_seconds(4e5, 4096, net) > 0.4  # 8,190 latencies
+    with pytest.raises(ValueError, match=r"^network.allreduce: 'tree' is not one of best, ring$"):
+        Network(allreduce="tree")
+
+
+def test_pairs_across_components_connect_the_sync_graph_sooner_than_neighbours():
+    """With a straggler above the pairing threshold, pairing across the union's components connects each stage in
+    fewer updates than pairing neighbours (the longest unconnected stretch, RunResult.bounds), within the bound."""
+    hetero = sdpipe.Heterogeneity(slowdown={3: 4.0}, straggle_prob=0.05, straggle_delay=0.01)
+    longest = {}
+    for pairing in ("across", "neighbours"):
+        r = simulate(
+            2,
+            16,
+            costs=COSTS,
+            policy="sdpipe",
+            epochs=1,
+            steps=50,
+            heterogeneity=hetero,
+            scheduler={"pairing": pairing},
+        )
+        assert [b["bound"] for b in r.bounds] == [10 * 16] * 2
+        longest[pairing] = max(b["longest"] for b in r.bounds)
+    assert longest["across"] < 10 * 16 and longest["across"] < longest["neighbours"] / 2, longest
+    assert simulate(2, 4, costs=COSTS, policy="none", epochs=1, steps=5).bounds == []

@@ -42,6 +42,10 @@ class RunResult:
     Their entry in ``models`` is None."""
     pipelines: int = 0
     """Pipeline ids the run handed out: the first ``config.pipelines``, then one per pipeline added."""
+    bounds: list = field(default_factory=list)
+    """Under a policy whose groups the group scheduler forms, per stage at the end: the longest unconnected
+    stretch of its sync graph in updates against the bound P x D (:func:`sdpipe.core.scheduler.bounds_of`);
+    else empty."""
 
     @property
     def metric(self):
@@ -84,6 +88,7 @@ def assemble(
     from_sequential: bool,
     left: Optional[dict] = None,
     pipelines: Optional[int] = None,
+    bounds: Optional[list] = None,
 ) -> RunResult:
     """The run's :class:`RunResult` from each finished rank's result (its weights, steps, whether it stopped).
 
@@ -117,4 +122,5 @@ def assemble(
         lost=dict(lost),
         left=dict(left),
         pipelines=pipelines,
+        bounds=list(bounds or []),
     )

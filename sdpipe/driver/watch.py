@@ -25,6 +25,7 @@ from typing import Optional
 
 from sdpipe.checkpoint import finish
 from sdpipe.core.policies import of_mode
+from sdpipe.core.scheduler import bounds_of
 from sdpipe.driver.cluster import workers_now
 from sdpipe.driver.result import RunError, assemble, plain_config
 from sdpipe.wire import events
@@ -146,6 +147,7 @@ class RunWatcher:
             if error is not None and not isinstance(error, LostWorker):
                 error = root_cause(run) or error
             run._inbox.wait_for({r: res.events for r, res in results.items()}, run.run_id)
+            bounds = self._bounds() if error is None else []
             if error is None:
                 run._result = assemble(
                     self.config,
@@ -156,6 +158,7 @@ class RunWatcher:
                     run._from_sequential,
                     left=run._members.left,
                     pipelines=run._members.ids,
+                    bounds=bounds,
                 )
         except BaseException as e:  # keep the handle usable whatever happened
             error = error or e
@@ -167,6 +170,18 @@ class RunWatcher:
             run._error = error
             run._cleanup()
             run._done.set()
+
+    def _bounds(self) -> list:
+        """The connectivity bound per stage at the end (:attr:`sdpipe.RunResult.bounds`), from the group service's
+        state under a policy that uses it; empty otherwise or when the service does not answer."""
+        run = self.run
+        try:
+            if not of_mode(run._control.mode).uses_service:
+                return []
+            return bounds_of(run._control.service.state()["core"])
+        except Exception as e:  # the result goes on without it
+            log.warning("sdpipe: run %s: no scheduler state at the end (%s)", run.run_id, e)
+            return []
 
     def _until_ended(self) -> Optional[BaseException]:
         run, S = self.run, self.config.stages

@@ -10,7 +10,17 @@ from sdpipe.config import TrainConfig
 from sdpipe.core.checks import is_number
 from sdpipe.core.schedule import ASYNC_SCHEDULES, build_plan, dry_run
 
-__all__ = ["Costs", "Network", "ring_allreduce_seconds"]
+__all__ = [
+    "ALLREDUCE_MODELS",
+    "Costs",
+    "Network",
+    "allreduce_seconds",
+    "ring_allreduce_seconds",
+    "tree_allreduce_seconds",
+]
+
+#: how a group's all-reduce can be priced (Network.allreduce)
+ALLREDUCE_MODELS = ("best", "ring")
 
 
 def _seconds(name: str, values, n: int, per: str = "one per stage") -> tuple:
@@ -96,8 +106,14 @@ class Network:
     server_rtt: float = 1e-3
     """Seconds from a ``ps`` push or an ``adpsgd`` exchange request until its server thread starts on it (the
     request goes through the run's store, as the scheduler's do)."""
+    allreduce: str = "best"
+    """How a group's all-reduce is priced: "ring" (a flat ring: 2 (n - 1) messages one after another) or "best"
+    (the cheaper of the ring and a pipelined binary tree, 2 log2 n messages deep, as NCCL chooses between
+    them: a group of thousands is latency-bound in a ring)."""
 
     def __post_init__(self):
+        if self.allreduce not in ALLREDUCE_MODELS:
+            raise ValueError(f"network.allreduce: {self.allreduce!r} is not one of {', '.join(ALLREDUCE_MODELS)}")
         for name in ("bandwidth", "latency", "scheduler_rtt", "server_rtt"):
             v = getattr(self, name)
             if not is_number(v) or not v >= 0 or (name == "bandwidth" and v == 0):
@@ -110,6 +126,20 @@ def ring_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
     if members < 2:
         return 0.0
     return 2 * (members - 1) / members * nbytes / net.bandwidth + 2 * (members - 1) * net.latency
+
+
+def tree_allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
+    """Pipelined binary-tree all-reduce (a reduce up the tree and a broadcast down it, the message pipelined
+    through): 2 x bytes / bandwidth plus 2 ceil(log2 n) message latencies."""
+    if members < 2:
+        return 0.0
+    return 2 * nbytes / net.bandwidth + 2 * math.ceil(math.log2(members)) * net.latency
+
+
+def allreduce_seconds(nbytes: float, members: int, net: Network) -> float:
+    """A group's all-reduce as ``net.allreduce`` prices it: the ring, or the cheaper of the ring and the tree."""
+    ring = ring_allreduce_seconds(nbytes, members, net)
+    return ring if net.allreduce == "ring" else min(ring, tree_allreduce_seconds(nbytes, members, net))
 
 
 def _step_plan(config: TrainConfig):

@@ -391,4 +391,5 @@ class _Simulation:
             steps={p: pipe.step for p, pipe in enumerate(self.pipes)},
             lost={p: "left in the trace" for p in sorted(self._absent_at(end))},
             pipelines=self.D,
+            bounds=self.sync.core.bounds() if self.sync.core is not None else [],
         )

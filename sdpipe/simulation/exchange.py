@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from sdpipe.core.scheduler import GroupScheduler, Hurry, Join, Lost, Tick
 from sdpipe.core.sync_rules import GLOBAL, PAIR, SERVED, STEP, gossip_roles
-from sdpipe.simulation.costs import ring_allreduce_seconds
+from sdpipe.simulation.costs import allreduce_seconds
 from sdpipe.simulation.proxy import _Server
 from sdpipe.wire import events
 
@@ -181,7 +181,7 @@ class _CoreRounds:
         cost = self._ring.get((stage, n))
         if cost is None:
             sim = self.sim
-            cost = self._ring[(stage, n)] = self.rtt + ring_allreduce_seconds(sim.costs.weight_bytes[stage], n, sim.net)
+            cost = self._ring[(stage, n)] = self.rtt + allreduce_seconds(sim.costs.weight_bytes[stage], n, sim.net)
         return cost
 
     def _groups(self, decisions) -> None:

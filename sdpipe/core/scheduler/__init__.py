@@ -97,12 +97,13 @@ Worked case, D=3, window 1 ms, max_group 3::
 from __future__ import annotations
 
 from sdpipe.core.scheduler.dsu import DisjointSet
-from sdpipe.core.scheduler.group import GroupScheduler
-from sdpipe.core.scheduler.policy import WEIGHTINGS, WINDOW_RULES, SchedulerPolicy
+from sdpipe.core.scheduler.group import GroupScheduler, bounds_of
+from sdpipe.core.scheduler.policy import PAIRINGS, WEIGHTINGS, WINDOW_RULES, SchedulerPolicy
 from sdpipe.core.scheduler.signals import Event, Group, Hurry, Join, Lost, Ready, Retune, Tick
 from sdpipe.core.scheduler.stage import StageScheduler
 
 __all__ = [
+    "PAIRINGS",
     "WEIGHTINGS",
     "WINDOW_RULES",
     "DisjointSet",
@@ -117,4 +118,5 @@ __all__ = [
     "SchedulerPolicy",
     "StageScheduler",
     "Tick",
+    "bounds_of",
 ]

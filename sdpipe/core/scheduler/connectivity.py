@@ -22,6 +22,9 @@ class Connectivity:
         self.live, self.global_waiting = live, global_waiting
         self.dsu = DisjointSet(live)
         self.since_reset = 0  # updates (the members' steps since their last ready signals) since the union connected
+        #: the most updates the union went without connecting the stage (the count before a connecting round, or the
+        #: count now): the longest unconnected stretch, which the bound keeps below P x D
+        self.longest = 0
 
     def reset(self) -> None:
         """The union connected (or a global group averaged everyone): each live worker a component of its own."""
@@ -34,15 +37,18 @@ class Connectivity:
         if donor is not None:
             self.dsu.union([donor, w])
 
-    def closed(self, groups: list, updates: int) -> bool:
+    def closed(self, groups: list, updates: int, cut_short: bool = False) -> bool:
         """A round closed into ``groups`` of ``updates`` updates in all; whether they connected the union (which then
-        starts again)."""
+        starts again).  ``cut_short``: a round a global group preempted (the epoch ends: the global group, which
+        follows, connects everyone): its updates count towards the bound, not towards the longest stretch."""
         for g in groups:
             self.dsu.union(g)
         if self.connected():  # the members are available workers, already in the union
             self.reset()
             return True
         self.since_reset += updates
+        if self.since_reset > self.longest and not cut_short:
+            self.longest = self.since_reset
         return False
 
     def needs_graph_sync(self, staleness: int) -> bool:

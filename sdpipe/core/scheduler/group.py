@@ -9,7 +9,7 @@ from sdpipe.core.scheduler.policy import SchedulerPolicy
 from sdpipe.core.scheduler.signals import Event, Hurry, Join, Lost, Ready, Retune, Tick
 from sdpipe.core.scheduler.stage import StageScheduler
 
-__all__ = ["GroupScheduler"]
+__all__ = ["GroupScheduler", "bounds_of"]
 
 
 #: the parameters of a scheduler given none (a frozen value: one instance serves every scheduler)
@@ -39,6 +39,26 @@ def _cycle(edges: dict) -> list:
                 path.append(nxt)
                 stack.append((nxt, iter(edges.get(nxt, ()))))
     return []
+
+
+def bounds_of(snapshot: dict) -> list:
+    """Per stage of a scheduler's ``snapshot`` (:meth:`GroupScheduler.snapshot`, also the group service's
+    ``state()["core"]``): ``{"stage", "longest", "now", "bound"}``: the most updates its sync graph went without
+    connecting the stage (the longest unconnected stretch: the count before a connecting round, or now), the
+    updates since it last connected, and the bound P x D (D: the stage's live workers now) the stretch stays
+    below."""
+    out = []
+    for st in snapshot["stages"]:
+        staleness = st["policy"]["staleness"]
+        out.append(
+            {
+                "stage": st["stage"],
+                "longest": st.get("longest", 0),
+                "now": st["since_reset"],
+                "bound": staleness * len(st["live"]),
+            }
+        )
+    return out
 
 
 def _stage_of(event) -> int:
@@ -74,6 +94,10 @@ class GroupScheduler:
         g._deadline, g._deadline_ok = None, False
         g._flags()
         return g
+
+    def bounds(self) -> list:
+        """Per stage, the connectivity bound against what it held: :func:`bounds_of` of :meth:`snapshot`."""
+        return bounds_of(self.snapshot())
 
     def validate(self) -> None:
         """Check every stage's invariants (:meth:`StageScheduler.validate`) and the graph-sync token's: at most

@@ -8,13 +8,15 @@ from typing import Optional
 
 from sdpipe.core.checks import is_number
 
-__all__ = ["WEIGHTINGS", "WINDOW_RULES", "SchedulerPolicy"]
+__all__ = ["PAIRINGS", "WEIGHTINGS", "WINDOW_RULES", "SchedulerPolicy"]
 
 
 #: how the members of a group weight their models (SchedulerPolicy.weighting)
 WEIGHTINGS = ("progress", "uniform")
 #: how a round decides whom to wait for (SchedulerPolicy.window)
 WINDOW_RULES = ("arrival", "prototype")
+#: how a large round's members are paired (SchedulerPolicy.pairing)
+PAIRINGS = ("across", "neighbours")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,11 @@ class SchedulerPolicy:
     may run ahead)."""
     pair_threshold: int = 8
     """Above this many live workers, ordinary rounds pair their members."""
+    pairing: str = "across"
+    """How a paired round's members are paired: "across" (each pair joins two components of the union of the
+    groups since the sync graph last connected the stage, where the round holds members of two: the union
+    connects in a few rounds, and the connectivity bound seldom needs a graph sync) or "neighbours" (the
+    prototype's: adjacent worker ids)."""
     window: str = "arrival"
     """How a round decides whom to wait for: "arrival" (predict each worker's next ready time from its
     recent ones and wait, at most ``horizon`` x the stage's typical step time, only for the workers
@@ -92,6 +99,7 @@ class SchedulerPolicy:
         check(
             "pair_threshold", isinstance(self.pair_threshold, int) and self.pair_threshold >= 2, "use an integer >= 2"
         )
+        check("pairing", self.pairing in PAIRINGS, f"use one of {', '.join(map(repr, PAIRINGS))}")
         check("window", self.window in WINDOW_RULES, f"use one of {', '.join(map(repr, WINDOW_RULES))}")
         check(
             "horizon",

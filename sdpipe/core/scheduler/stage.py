@@ -60,6 +60,11 @@ class StageScheduler:
         return self.bound.dsu
 
     @property
+    def longest(self) -> int:
+        """The longest unconnected stretch of the stage so far, in updates (:attr:`Connectivity.longest`)."""
+        return self.bound.longest
+
+    @property
     def since_reset(self) -> int:
         """Updates since the sync graph last connected the stage."""
         return self.bound.since_reset
@@ -123,23 +128,7 @@ class StageScheduler:
         global group; what the stage keeps incrementally about its open round agrees with its definition (the
         workers rule "arrival" still waits for; whether a graph-sync round's members would connect the stage);
         the disjoint sets hold every live worker; the windows stay within the policy's bounds."""
-        r = self.open
-        members = set(r.members) if r is not None else set()
-        assert self.waiting == members, f"stage {self.stage}: waiting {self.waiting} != round members {members}"
-        assert members <= self.live, f"stage {self.stage}: round members {members - self.live} are not live"
-        assert not (self.waiting & self.global_waiting), f"stage {self.stage}: in a round and the global group"
-        assert self.global_waiting <= self.live, f"stage {self.stage}: {self.global_waiting - self.live} not live"
-        assert self.live <= set(self.dsu.parent), f"stage {self.stage}: live workers missing from the disjoint sets"
-        assert all(self._live_mask[w] for w in self.live), f"stage {self.stage}: live mask behind live"
-        assert int(self._live_mask.sum()) == len(self.live), f"stage {self.stage}: live mask ahead of live"
-        if r is not None:
-            if r.expected is not None:
-                outstanding = {w for w in r.expected if w not in members and w in self.live}
-                outstanding -= self.global_waiting
-                assert r.missing == outstanding, f"stage {self.stage}: missing {r.missing} != {outstanding}"
-            if r.graph:
-                assert self.bound.graph_connected(r) == self.bound.connected(r.members), f"stage {self.stage}: trial"
-        assert self.since_reset >= 0, f"stage {self.stage}: negative update count"
+        _check(self)
 
     def hurry(self, w: int, now: float) -> list:
         """``handle(Hurry(w, now))``: the open round closes now if ``w`` is in it (else nothing changes)."""
@@ -268,10 +257,10 @@ class StageScheduler:
         self.arrivals.release(members, now)
         available = len(self.live) - len(self.global_waiting)
         pair = reason != "graph" and available > self.policy.pair_threshold and len(members) > 3
-        groups = _pairs(members) if pair else [members]
+        groups = _split(members, self.policy.pairing, self.bound.dsu.find) if pair else [members]
         updates = self._updates
         count = len(members) + (sum(updates.get(m, 1) - 1 for m in members) if updates else 0)
-        connected = self.bound.closed(groups, count)
+        connected = self.bound.closed(groups, count, cut_short=reason == "preempted")
         out = []
         windows, policy = self.windows, self.policy
         planned = r.deadline - r.opened if r.expected is not None else None
@@ -301,6 +290,7 @@ class StageScheduler:
             "windows": {str(k): v for k, v in self.windows.items()},
             "round": self.round,
             "since_reset": self.since_reset,
+            "longest": self.bound.longest,
             "dsu": {str(k): v for k, v in self.dsu.parent.items()},
             "policy": self.policy.to_dict(),
             "arrivals": self.arrivals.snapshot(),
@@ -315,9 +305,18 @@ class StageScheduler:
         s.windows = {int(k): v for k, v in snap["windows"].items()}
         s.round = snap["round"]
         s.bound.since_reset = snap["since_reset"]
+        s.bound.longest = snap.get("longest", 0)  # snapshots from before it was kept have none
         s.bound.dsu.parent = {int(k): v for k, v in snap["dsu"].items()}
         s.bound.dsu.count = sum(1 for k, v in s.bound.dsu.parent.items() if k == v)
         return s
+
+
+def _split(members: list, pairing: str, find) -> list:
+    """A large round's members in pairs (:attr:`SchedulerPolicy.pairing`), each sorted; an odd one out joins a
+    pair (a group of three)."""
+    if pairing == "neighbours":
+        return _pairs(members)
+    return _across(members, find)
 
 
 def _pairs(members: list) -> list:
@@ -326,3 +325,39 @@ def _pairs(members: list) -> list:
     if len(members) % 2:
         groups[-1].append(members[-1])
     return groups
+
+
+def _across(members: list, find) -> list:
+    """Pairs that join two components of the union where they can: the members sorted by component, each of the
+    first half with its counterpart in the second (no component of at most half the members holds both); an odd
+    one out joins the first pair it adds a component to (the last pair if none)."""
+    by = sorted(members, key=lambda m: (find(m), m))
+    half = len(by) // 2
+    groups = [[by[i], by[i + half]] for i in range(half)]
+    if len(by) % 2:
+        odd = by[-1]
+        root = find(odd)
+        at = next((g for g in groups if find(g[0]) != root and find(g[1]) != root), groups[-1])
+        at.append(odd)
+    return [sorted(g) for g in groups]
+
+
+def _check(st: "StageScheduler") -> None:
+    """The invariants :meth:`StageScheduler.validate` checks."""
+    r = st.open
+    members = set(r.members) if r is not None else set()
+    assert st.waiting == members, f"stage {st.stage}: waiting {st.waiting} != round members {members}"
+    assert members <= st.live, f"stage {st.stage}: round members {members - st.live} are not live"
+    assert not (st.waiting & st.global_waiting), f"stage {st.stage}: in a round and the global group"
+    assert st.global_waiting <= st.live, f"stage {st.stage}: {st.global_waiting - st.live} not live"
+    assert st.live <= set(st.dsu.parent), f"stage {st.stage}: live workers missing from the disjoint sets"
+    assert all(st._live_mask[w] for w in st.live), f"stage {st.stage}: live mask behind live"
+    assert int(st._live_mask.sum()) == len(st.live), f"stage {st.stage}: live mask ahead of live"
+    if r is not None:
+        if r.expected is not None:
+            outstanding = {w for w in r.expected if w not in members and w in st.live}
+            outstanding -= st.global_waiting
+            assert r.missing == outstanding, f"stage {st.stage}: missing {r.missing} != {outstanding}"
+        if r.graph:
+            assert st.bound.graph_connected(r) == st.bound.connected(r.members), f"stage {st.stage}: trial"
+    assert st.since_reset >= 0, f"stage {st.stage}: negative update count"
