@@ -232,16 +232,18 @@ def test_steps_a_worker_took_without_a_ready_signal_count_towards_the_bound():
     steps it took meanwhile still count as updates, so the bound stays one of steps."""
 
     def next_is_graph(step_gap):
+        """Whether a graph-sync round opens by the fifth ready signal (sooner where steps were carried)."""
         st_ = StageScheduler(0, range(3), SchedulerPolicy(staleness=2, max_group=2, window="prototype"))
-        for w in (0, 1):
-            st_.handle(Ready(w, 1, 0.0))
-        for w in (0, 1):  # the same two again, after step_gap steps: {0, 1} leaves worker 2 out
-            st_.handle(Ready(w, 1 + step_gap, 1.0))
+        # the same two twice, the second time after step_gap steps: {0, 1} leaves worker 2 out
+        for w, step, t in ((0, 1, 0.0), (1, 1, 0.0), (0, 1 + step_gap, 1.0), (1, 1 + step_gap, 1.0)):
+            st_.handle(Ready(w, step, t))
+            if st_.open is not None and st_.open.graph:
+                return True
         st_.handle(Ready(0, 2 + step_gap, 2.0))
         return st_.open.graph
 
     # two ready signals each (4 updates) reach (P - 1) x D = 3 either way; one each does not
-    st_ = StageScheduler(0, range(3), SchedulerPolicy(staleness=2, max_group=2, window="prototype"))
+    st_ = StageScheduler(0, range(3), SchedulerPolicy(staleness=10, max_group=2, window="prototype"))
     st_.handle(Ready(0, 1, 0.0))
     st_.handle(Ready(1, 1, 0.0))
     assert st_.since_reset == 2
@@ -720,3 +722,32 @@ def test_the_longest_unconnected_stretch_stays_below_the_bound(fast, slow, seed,
     # below P x D before the stretch's last round (which may be a round that a global group cut short), so with it
     # below P x D plus one round's members
     assert b["longest"] == longest and longest < staleness * D + D, (b, longest)
+
+
+def test_a_graph_sync_starts_earlier_by_the_steps_ready_signals_carry():
+    """Ready signals that carry steps taken without one (overlapped averaging in flight) move the graph sync
+    earlier by that many steps of every worker, so the steps its members bring stay within the bound; the lag
+    seen in one stretch still counts in the next, then is forgotten."""
+
+    def stage(staleness):
+        return StageScheduler(0, range(10), SchedulerPolicy(staleness=staleness, max_group=2, window="prototype"))
+
+    st_ = stage(6)
+    for w in range(10):  # one step each, in pairs that connect nothing across pairs: 10 updates
+        st_.handle(Ready(w, 1, 0.0))
+        st_.handle(Tick(0.0 + 1e-9 * w)) if w % 2 else None
+    assert st_.since_reset == 10 and not st_.needs_graph_sync()  # (P - 1) x D = 50 is far
+    st_.handle(Ready(0, 5, 1.0))  # it carried 3 steps beyond its own: the graph sync is due at (6 - 1 - 3) x 10
+    st_.handle(Ready(1, 2, 1.0))
+    st_.handle(Tick(2.0))
+    assert st_.bound.lag == 0 and st_.bound._lag_now == 3
+    assert st_.since_reset == 10 + 4 + 1 and not st_.needs_graph_sync()
+    st_.bound.since_reset = 20
+    assert st_.needs_graph_sync()
+    st_.bound.reset()  # the stretch ends: its lag counts in the next one, then goes
+    assert (st_.bound.lag, st_.bound._lag_now) == (3, 0) and st_.needs_graph_sync() is False
+    st_.bound.since_reset = 20
+    assert st_.needs_graph_sync()
+    st_.bound.reset()
+    st_.bound.since_reset = 20
+    assert not st_.needs_graph_sync()

@@ -6,7 +6,8 @@ costs (``sdpipe.core.schedule.dry_run``) scaled by the same
 :class:`~sdpipe.Heterogeneity` the runtime applies; after its step every
 worker is ready for its group, and the groups come from the very
 :class:`~sdpipe.core.scheduler.GroupScheduler` the group service runs.  A group
-costs a scheduler round trip plus a ring all-reduce of the stage's weights.
+costs a scheduler round trip plus an all-reduce of the stage's weights (``Network.allreduce``: the cheaper of
+a ring and a tree, or the ring).
 A convergence proxy (one quadratic per worker, averaged with its groups)
 shows the effect of stale mixing.
 

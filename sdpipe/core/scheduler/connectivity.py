@@ -25,11 +25,21 @@ class Connectivity:
         #: the most updates the union went without connecting the stage (the count before a connecting round, or the
         #: count now): the longest unconnected stretch, which the bound keeps below P x D
         self.longest = 0
+        #: the most steps one ready signal carried beyond its own in the last stretch and in this one (a worker
+        #: goes on without ready signals while its overlapped averaging is in flight): a graph sync starts that
+        #: many steps of every worker earlier, so that the steps its members bring stay within the bound
+        self.lag, self._lag_now = 0, 0
 
     def reset(self) -> None:
         """The union connected (or a global group averaged everyone): each live worker a component of its own."""
         self.dsu = DisjointSet(self.live)
         self.since_reset = 0
+        self.lag, self._lag_now = self._lag_now, 0
+
+    def carried(self, steps: int) -> None:
+        """A ready signal carried ``steps`` steps beyond its own."""
+        if steps > self._lag_now:
+            self._lag_now = steps
 
     def joined(self, w: int, donor) -> None:
         """``w`` joins: a component of its own, or (with a donor) the donor's: its model is the donor's."""
@@ -52,7 +62,9 @@ class Connectivity:
         return False
 
     def needs_graph_sync(self, staleness: int) -> bool:
-        return self.since_reset >= (staleness - 1) * self._available_count() and not self.connected()
+        """Past ``(P - 1 - lag) x available`` updates without connecting (``lag``: see :attr:`lag`)."""
+        lag = max(self.lag, self._lag_now)
+        return self.since_reset >= max(0, staleness - 1 - lag) * self._available_count() and not self.connected()
 
     def _available_count(self) -> int:
         """The available workers (global waiters are always live)."""

@@ -174,6 +174,7 @@ class StageScheduler:
             self._last_step[w] = step
             if last is not None and step - last > 1:
                 self._updates[w] = step - last
+                self.bound.carried(step - last - 1)
         self.arrivals.ready(w, now)
         if global_sync:
             self.global_waiting.add(w)
