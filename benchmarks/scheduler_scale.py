@@ -14,8 +14,8 @@ links, every 8th pipeline 4x slower, transient straggles): one simulation of ``-
 - the margin: sustained / needed.
 
 The group service adds its own cost per signal around the core (a frame in and out of its socket, the
-asyncio loop): ``--service`` measures it too, with a real service on an embedded Dask scheduler and clients
-sending ready signals over its socket (``sdpipe.service``).  Results: ``benchmarks/results/scheduler_scale.md``.
+asyncio loop of the Dask scheduler's process); that is not measured here.  Results:
+``benchmarks/results/scheduler_scale.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,16 @@ from pathlib import Path
 from _common import meta_lines, run_meta
 
 HERE = Path(__file__).parent
+
+#: what the table says, written under it
+READING = """\
+"us per signal" is the core's time per ready signal: for the whole run all its calls (ready signals, window
+ends, deadlines, the cross-stage checks) over the ready signals; per stage the stage's ready calls alone, what a
+scheduler per stage would spend if the stages did not share a graph-sync token (they do now: one stage holds a
+graph sync at a time, and rounds of different stages that wait on each other are broken across stages). The
+margin is the signals per second one core takes over those the cluster sends; below 1, one scheduler per run
+falls behind. The group service's own cost per signal (its socket, the scheduler process's event loop) comes
+on top and is not measured here."""
 
 
 class _Timed:
@@ -170,6 +180,7 @@ def main(argv=None) -> int:
             f"| {r['profile']} | {r['gbit']:g} | {r['needed_per_s']:,.0f} | {r['core_us_per_signal']:.1f} | "
             f"{r['core_per_s']:,.0f} | {r['margin']:.2f}x | {stages} |"
         )
+    lines += ["", READING]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
     return 0
