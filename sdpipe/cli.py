@@ -11,6 +11,7 @@ per-stage costs and prints the throughput.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -234,7 +235,7 @@ def _simulate_parser(sub, fmt) -> None:
         type=float,
         default=None,
         help="a cluster network of links of this many Gbit/s (sdpipe.profiles.network, 0.5 ms round trips) instead "
-        "of the flags above",
+        "of the flags above but --allreduce",
     )
     _add_fields(
         m.add_argument_group("proxy", "the convergence proxy (the fields of sdpipe.Proxy)"), Proxy, prefix="proxy"
@@ -318,8 +319,8 @@ def _simulate(args) -> int:
             weight_bytes=[args.weight_bytes] * S,
             activation_bytes=[args.activation_bytes] * (S - 1),
         )
-    if args.gbit is not None:
-        network = profiles.network(args.gbit)
+    if args.gbit is not None:  # the cluster network of --gbit, priced as --allreduce says
+        network = dataclasses.replace(profiles.network(args.gbit), allreduce=args.allreduce)
     else:
         network = Network(**{f.name: getattr(args, f.name) for f in fields(Network)})
     options = {name: getattr(args, name) for name in _SIMULATED_FLAGS}
