@@ -178,7 +178,8 @@ class RunWatcher:
         try:
             if not of_mode(run._control.mode).uses_service:
                 return []
-            return bounds_of(run._control.service.state()["core"])
+            # bounded well inside the run's end: a slow answer leaves the result without them, not the run waiting
+            return bounds_of(run._control.service.state(within=5.0)["core"])
         except Exception as e:  # the result goes on without it
             log.warning("sdpipe: run %s: no scheduler state at the end (%s)", run.run_id, e)
             return []

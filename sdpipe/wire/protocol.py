@@ -560,8 +560,9 @@ class GroupServiceClient:
     def close(self) -> dict:
         return self._call("sdpipe_close", token=self.token)
 
-    def state(self) -> dict:
-        return self._call("sdpipe_state")
+    def state(self, within: Optional[float] = None) -> dict:
+        """A plain-data snapshot of the run's scheduler; ``within``: seconds to wait at most (default the client's)."""
+        return self._call("sdpipe_state", within=within)
 
     # worker routes
     def ready(self, *, stage: int, pipeline: int, step: int, global_sync: bool, timeout: float) -> GroupAnswer:
