@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from _common import meta_lines, run_meta
+from sim_scaling import scenario
 
 HERE = Path(__file__).parent
 
@@ -79,17 +80,12 @@ class _Timed:
 def measure(profile: str, gbit: float, D: int, steps: int) -> dict:
     import sdpipe
     import sdpipe.simulation.exchange as exchange
-    from sdpipe.core.schedule import build_plan, dry_run
     from sdpipe.core.scheduler import GroupScheduler
     from sdpipe.simulation import profiles
 
     micro = {"resnet50": 32, "bert-base": 8}[profile]
     costs = profiles.profile(profile, 4, gpu="V100", microbatch=micro)
-    step = dry_run(
-        build_plan("1f1b", 4, 4, communication=False),
-        lambda a: (costs.forward if a.op == "F" else costs.backward)[a.stage],
-    ).makespan
-    hetero = sdpipe.Heterogeneity(slowdown={p: 4.0 for p in range(7, D, 8)}, straggle_prob=0.05, straggle_delay=step)
+    hetero = scenario(costs, 4, 4, D)
     timed: list = []
 
     def make(*args, **kwargs):

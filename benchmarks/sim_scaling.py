@@ -61,6 +61,21 @@ def load_costs(path: Path, stages: int):
     )
 
 
+def scenario(costs, stages: int, microbatches: int, pipelines: int):
+    """The benchmark's heterogeneity: every eighth pipeline 4x slower (its step), every stage straggling with
+    probability 0.05 per step for one step's compute (1F1B's, without communication)."""
+    import sdpipe
+    from sdpipe.core.schedule import build_plan, dry_run
+
+    step = dry_run(
+        build_plan("1f1b", stages, microbatches, communication=False),
+        lambda a: (costs.forward if a.op == "F" else costs.backward)[a.stage],
+    ).makespan
+    return sdpipe.Heterogeneity(
+        slowdown={p: 4.0 for p in range(7, pipelines, 8)}, straggle_prob=0.05, straggle_delay=step
+    )
+
+
 def rate(result) -> float:
     return sum(h["samples"] for h in result.history) / result.wall_time
 
@@ -139,15 +154,10 @@ def one_size(workload: str, gbit: float, D: int, args, costs) -> dict:
     import dataclasses
 
     import sdpipe
-    from sdpipe.core.schedule import build_plan, dry_run
 
     S = args.stages
     micro, M = BATCH[workload]
-    step = dry_run(
-        build_plan("1f1b", S, M, communication=False),
-        lambda a: (costs.forward if a.op == "F" else costs.backward)[a.stage],
-    ).makespan
-    hetero = sdpipe.Heterogeneity(slowdown={p: 4.0 for p in range(7, D, 8)}, straggle_prob=0.05, straggle_delay=step)
+    hetero = scenario(costs, S, M, D)
     base = sdpipe.Network(bandwidth=gbit * 1e9 / 8, latency=50e-6, scheduler_rtt=0.5e-3, server_rtt=0.5e-3)
     row = {"workload": workload, "gbit": gbit, "pipelines": D}
     for name, (policy, scheduler, model) in contenders(workload).items():
