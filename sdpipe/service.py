@@ -386,7 +386,7 @@ class GroupService(SchedulerPlugin):
             "waiting": sorted([list(k) for k in st.waiters]),
             # [stage, pipeline] of the workers waiting for their stage's global group (an epoch's end, a stop)
             "global": sorted([[s.stage, w] for s in st.core.stages for w in s.global_waiting]),
-            "graph_holder": st.core.graph_holder,
+            "graph_stages": st.core.graph_stages(),  # the stages holding a graph-sync round now
             "paused": st.paused,
             "core": st.core.snapshot(),
         }

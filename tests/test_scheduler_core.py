@@ -430,20 +430,6 @@ def test_pairs_across_join_different_components_where_they_can(n, unions, data):
         assert all(dsu.merges(g) >= 1 for g in across), across
 
 
-def test_graph_sync_holds_one_stage_at_a_time():
-    sched = GroupScheduler(2, 2, SchedulerPolicy(staleness=1, window_init=0.001))
-    assert sched.handle(Ready(0, 1, 0.0, stage=0)) == []  # stage 0 opens a graph round (P=1) and takes the token
-    assert sched.graph_holder == 0
-    sched.handle(Ready(0, 1, 0.0, stage=1))
-    assert not sched.stages[1].open.graph  # stage 1 forms an ordinary round meanwhile
-    [g] = sched.tick(0.002)
-    assert (g.stage, g.reason) == (1, "alone")
-    [g] = sched.handle(Ready(1, 1, 0.003, stage=0))
-    assert (g.stage, g.reason, g.members) == (0, "graph", (0, 1)) and sched.graph_holder is None
-    sched.handle(Ready(1, 2, 0.004, stage=1))
-    assert sched.stages[1].open.graph and sched.graph_holder == 1  # now stage 1 takes its turn
-
-
 def test_bad_events_are_rejected():
     s = StageScheduler(0, range(2))
     s.handle(Ready(0, 1, 0.0))
@@ -656,6 +642,40 @@ def test_a_cycle_of_rounds_across_stages_closes_the_first_opened():
     (g,) = sched.ready(1, 1, 0.5, False, 2)
     assert (g.stage, g.members, g.reason) == (0, (0,), "preempted")
     assert sched.stages[1].waiting == {1} and sched.stages[0].open is None
+
+
+def test_stages_hold_graph_syncs_at_once():
+    """Each stage starts its graph sync on its own: stage 1 opens one while stage 0 holds one."""
+    sched = GroupScheduler(2, 2, SchedulerPolicy(staleness=1, window_init=0.001))
+    assert sched.handle(Ready(0, 1, 0.0, stage=0)) == []  # P = 1: every round a graph sync
+    assert sched.handle(Ready(0, 1, 0.0, stage=1)) == []
+    assert sched.graph_stages() == [0, 1] and sched.tick(0.5) == []  # no window: they wait for worker 1
+    [g] = sched.handle(Ready(1, 1, 0.6, stage=0))
+    assert (g.stage, g.reason, g.members) == (0, "graph", (0, 1)) and sched.graph_stages() == [1]
+    [g] = sched.handle(Ready(1, 1, 0.7, stage=1))
+    assert (g.stage, g.reason, g.members) == (1, "graph", (0, 1)) and sched.graph_stages() == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(**PIPELINE_SHAPES)
+def test_graph_syncs_of_several_stages_never_wait_on_each_other(stages, pipelines, data, seed):
+    """Every round a graph sync (P = 1) in every stage at once, the stages' rounds formed from ready signals at
+    different steps of the same pipelines: no pipeline is ever blocked for good (a cycle of graph syncs that wait
+    for workers blocked by their siblings in the others is broken), and every graph sync that closes as one
+    connects its stage."""
+    held = [
+        data.draw(st.sets(st.integers(0, pipelines - 1), max_size=pipelines - 1), label=f"held {s}")
+        for s in range(stages)
+    ]
+    sched = GroupScheduler(stages, pipelines, SchedulerPolicy(staleness=1))
+    decided = _pipelines_model(sched, stages, pipelines, held, random.Random(seed), 30 * pipelines)
+    assert all(g.reason in ("graph", "preempted") for g in decided), {g.reason for g in decided}
+    since = {s: DisjointSet(range(pipelines)) for s in range(stages)}  # per stage, the groups since it connected
+    for g in decided:
+        since[g.stage].union(g.members)
+        if g.reason == "graph":
+            assert since[g.stage].count == 1, g
+            since[g.stage] = DisjointSet(range(pipelines))
 
 
 def test_one_entry_point_takes_every_event_and_says_which_stage_it_needs():

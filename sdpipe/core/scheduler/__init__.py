@@ -44,12 +44,11 @@ model mixes with every other's, directly or transitively, within P steps'
 worth of updates, ``P * D`` (the last ordinary round may overshoot the
 threshold by less than one round).  Counting updates rather than rounds keeps
 the bound about steps: a fast worker's many small groups do not bring the
-next graph sync forward.  One stage holds a graph sync at a time: a stage
-whose graph sync would start while another stage holds one keeps forming
-ordinary rounds (so its bound stretches by those rounds) and starts its
-graph sync with its first round after the token is free.  Holding workers of two stages at
-once can deadlock: a held worker of stage 1 may be the one its pipeline's
-stage-0 worker needs to finish the step that stage 0's graph sync waits for.
+next graph sync forward.  Each stage starts its graph syncs on its own: several
+stages may hold one at once.  Holding workers of two stages at once could
+deadlock (a held worker of stage 1 may be the one its pipeline's stage-0
+worker needs to finish the step that stage 0's graph sync waits for); such a
+cycle is broken as below.
 
 Rounds that wait on each other: a round without a deadline (a graph-sync round,
 or any round under the ``allreduce`` preset's infinite window) holds its members

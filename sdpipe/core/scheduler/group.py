@@ -1,4 +1,5 @@
-"""All stages of a run (:class:`GroupScheduler`): the one entry point, the graph-sync token, cycles broken."""
+"""All stages of a run (:class:`GroupScheduler`): the one entry point, rounds that wait on each other across stages
+broken."""
 
 from __future__ import annotations
 
@@ -68,55 +69,43 @@ def _stage_of(event) -> int:
 
 
 class GroupScheduler:
-    """All stages of a run, with the one-graph-sync-at-a-time token (see the module docstring)."""
+    """All stages of a run: each stage's rounds (graph syncs included) on their own, a cycle of rounds that wait on
+    each other across stages broken (see the module docstring)."""
 
     def __init__(self, stages: int, pipelines: int, policy: SchedulerPolicy = DEFAULT_POLICY):
         self.stages = [StageScheduler(s, range(pipelines), policy) for s in range(stages)]
         self.policy = policy
-        self.graph_holder: Optional[int] = None
         self._deadline: Optional[float] = None  # next_deadline's answer, while ``_deadline_ok``
         self._deadline_ok = False
 
     def snapshot(self) -> dict:
-        """Plain data: every stage's state and the graph-sync token."""
-        return {
-            "stages": [st.snapshot() for st in self.stages],
-            "graph_holder": self.graph_holder,
-            "policy": self.policy.to_dict(),
-        }
+        """Plain data: every stage's state and the policy."""
+        return {"stages": [st.snapshot() for st in self.stages], "policy": self.policy.to_dict()}
 
     @classmethod
     def restore(cls, snap: dict) -> "GroupScheduler":
         g = cls.__new__(cls)
         g.stages = [StageScheduler.restore(st) for st in snap["stages"]]
         g.policy = SchedulerPolicy(**snap["policy"])
-        g.graph_holder = snap["graph_holder"]
         g._deadline, g._deadline_ok = None, False
-        g._flags()
         return g
 
     def bounds(self) -> list:
         """Per stage, the connectivity bound against what it held: :func:`bounds_of` of :meth:`snapshot`."""
         return bounds_of(self.snapshot())
 
+    def graph_stages(self) -> list:
+        """The stages whose open round is a graph sync (several may hold one at once)."""
+        return [st.stage for st in self.stages if st.open is not None and st.open.graph]
+
     def validate(self) -> None:
-        """Check every stage's invariants (:meth:`StageScheduler.validate`) and the graph-sync token's: at most
-        one stage holds an open graph-sync round, it is the holder, and the stages' flags follow the holder.
-        The tests run it after every event."""
+        """Check every stage's invariants (:meth:`StageScheduler.validate`) and that no cycle of rounds waiting on
+        each other across stages is left open (:meth:`_unlock` closed it).  The tests run it after every event."""
         for st in self.stages:
             st.validate()
-        graph = [st.stage for st in self.stages if st.open is not None and st.open.graph]
-        assert len(graph) <= 1, f"stages {graph} hold graph-sync rounds at once"
-        assert self.graph_holder == (graph[0] if graph else None), f"token at {self.graph_holder}, rounds {graph}"
-        for st in self.stages:
-            assert st.may_graph_sync == (self.graph_holder in (None, st.stage)), f"stage {st.stage}'s flag"
-
-    def _flags(self) -> None:
-        for st in self.stages:
-            st.may_graph_sync = self.graph_holder is None or self.graph_holder == st.stage
+        assert not _cycle(self._waits()), f"rounds of stages {_cycle(self._waits())} wait on each other"
 
     def _apply(self, now: float, fn) -> list:
-        self._flags()
         self._deadline_ok = False
         out = fn()
         return out + self._settle(now)
@@ -155,13 +144,9 @@ class GroupScheduler:
         out = st.ready(worker, now, global_sync, step)
         if out or st.open is not before:  # a round opened or closed: the deadlines changed (an open one's stays)
             self._deadline_ok = False
-        # _settle, for an event of one stage: only this stage's round changed, and no other stage can hold an open
-        # graph-sync round (the token keeps the others from opening one while a stage holds it)
-        r, holder = st.open, self.graph_holder
-        graph = r is not None and r.graph
-        if (holder is None and graph) or (holder == stage and not graph):
-            out = out + self._settle(now)  # with _unlock
-        elif r is not None and (graph or r.deadline == math.inf) and len(self.stages) > 1:
+        # _settle, for an event of one stage: only this stage's round changed, so only a wait on it can be new
+        r = st.open
+        if r is not None and (r.graph or r.deadline == math.inf) and len(self.stages) > 1:
             if self._may_lock(st, worker):
                 out = out + self._unlock(now)
         return out
@@ -214,31 +199,15 @@ class GroupScheduler:
         return self._apply(now, lambda: [g for st in self.stages for g in st.set_policy(policy, now)])
 
     def _settle(self, now: float) -> list:
-        """Track which stage holds the graph-sync token (the stages' flags follow it)."""
-        holder = self.graph_holder
-        if holder is not None:
-            r = self.stages[holder].open
-            if r is None or not r.graph:
-                holder = None
-        if holder is None:
-            for st in self.stages:
-                if st.open is not None and st.open.graph:
-                    holder = st.stage
-                    break
-        if holder != self.graph_holder:
-            self.graph_holder = holder
-            self._flags()
+        """After an event that may have changed any stage: break a cycle of rounds it formed."""
         return self._unlock(now) if len(self.stages) > 1 else []
 
-    def _unlock(self, now: float) -> list:
-        """Close a round that waits, across stages, on itself (see "Rounds that wait on each other" in the module
-        docstring): among the stages' open rounds without a deadline, a round waits for another when a worker it
-        waits for has a sibling (the same pipeline's worker of another stage) held in the other one at a step
-        the worker has already reached, which it must pass before the worker's next step can be made.  The
-        first-opened round of a cycle closes at once with the members it holds ("preempted")."""
+    def _waits(self) -> dict:
+        """Stage -> the stages whose open rounds without a deadline hold a worker that its own such round waits for
+        (see :meth:`_unlock`)."""
         held = [st for st in self.stages if st.open is not None and (st.open.graph or st.open.deadline == math.inf)]
         if len(held) < 2:
-            return []
+            return {}
         where: dict = {}  # pipeline -> [(stage, the step its worker there waits at)]
         for st in held:
             steps = st._last_step
@@ -246,7 +215,7 @@ class GroupScheduler:
                 k = steps.get(w)
                 if k is not None:
                     where.setdefault(w, []).append((st.stage, k))
-        waits: dict = {}  # stage -> the stages whose rounds hold a worker that its round waits for
+        waits: dict = {}
         for st in held:
             steps, out = st._last_step, set()
             for w, holds in where.items():
@@ -257,7 +226,16 @@ class GroupScheduler:
                     continue
                 out.update(s for s, k in holds if s != st.stage and last >= k)
             waits[st.stage] = out
-        cycle = _cycle(waits)
+        return waits
+
+    def _unlock(self, now: float) -> list:
+        """Close a round that waits, across stages, on itself (see "Rounds that wait on each other" in the module
+        docstring): among the stages' open rounds without a deadline (graph syncs of any number of stages, rounds
+        of the ``allreduce`` preset), a round waits for another when a worker it waits for has a sibling (the same
+        pipeline's worker of another stage) held in the other one at a step the worker has already reached, which
+        it must pass before the worker's next step can be made.  The first-opened round of a cycle closes at once
+        with the members it holds ("preempted"); then the next cycle, if one is left."""
+        cycle = _cycle(self._waits())
         if not cycle:
             return []
         first = min(cycle, key=lambda s: (self.stages[s].open.opened, s))

@@ -38,8 +38,6 @@ class StageScheduler:
         self._last_step: dict = {}
         self._updates: dict = {}
         self.waiting: set = set()  # workers inside the open round
-        #: set by GroupScheduler: whether this stage holds (or may take) the graph-sync token
-        self.may_graph_sync = True
         self.arrivals = _Arrivals(self.policy.history, self.policy.overlap)
         self._live_mask = np.zeros(max(self.live, default=-1) + 1, dtype=bool)  # ``live`` by worker id
         for w in self.live:
@@ -183,8 +181,7 @@ class StageScheduler:
         waiting.add(w)
         r = self.open
         if r is None:
-            # a graph-sync round needs the token; without it the stage forms an ordinary round meanwhile
-            graph = self.may_graph_sync and self.needs_graph_sync()
+            graph = self.needs_graph_sync()
             r = self.open = _Round([w], now, now, graph=graph)
             if not graph:
                 self._plan(r, w, now)
