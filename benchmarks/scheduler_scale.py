@@ -9,12 +9,12 @@ links, every 8th pipeline 4x slower, transient straggles): one simulation of ``-
 
 - the ready signals per second the cluster sends the scheduler (signals / simulated seconds);
 - the core's cost per signal (its calls' seconds / signals: everything the core does, rounds, windows,
-  connectivity, graph-sync token) and so the signals per second one core sustains on one core of this
+  connectivity, the cross-stage checks) and so the signals per second one core sustains on one core of this
   machine, for the whole run and per stage (each stage's own calls: what one scheduler per stage would take);
 - the margin: sustained / needed.
 
 The group service adds its own cost per signal around the core (a frame in and out of its socket, the
-asyncio loop of the Dask scheduler's process); that is not measured here.  Results:
+asyncio loop of the Dask scheduler's process): ``benchmarks/service_rate.py`` measures that.  Results:
 ``benchmarks/results/scheduler_scale.md``.
 """
 
@@ -36,11 +36,11 @@ HERE = Path(__file__).parent
 READING = """\
 "us per signal" is the core's time per ready signal: for the whole run all its calls (ready signals, window
 ends, deadlines, the cross-stage checks) over the ready signals; per stage the stage's ready calls alone, what a
-scheduler per stage would spend if the stages did not share a graph-sync token (they do now: one stage holds a
-graph sync at a time, and rounds of different stages that wait on each other are broken across stages). The
+scheduler per stage would spend (the stages' rounds are decided apart; only rounds of different stages that wait
+on each other are broken across stages, which a scheduler per stage would have to ask the others about). The
 margin is the signals per second one core takes over those the cluster sends; below 1, one scheduler per run
 falls behind. The group service's own cost per signal (its socket, the scheduler process's event loop) comes
-on top and is not measured here."""
+on top: `benchmarks/service_rate.py`, `service_rate.md`."""
 
 
 class _Timed:

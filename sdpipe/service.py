@@ -95,6 +95,10 @@ def _refusal_answered(route):
     return answered
 
 
+#: a waiter's answer when its timeout passed (see GroupService._answer)
+_EXPIRED = {"error": "expired"}
+
+
 class _RunState:
     def __init__(self, token, stages, pipelines, policy, policy_name, topic, t0):
         self.token = token
@@ -105,6 +109,7 @@ class _RunState:
         self.t0 = t0
         self.waiters: dict = {}
         self.timer = None
+        self.timer_at = None  # the deadline the timer fires at
         self.seq = 0
         self.paused = False
         self.resumed_at = -1e9  # service clock of the last resume
@@ -244,13 +249,17 @@ class GroupService(SchedulerPlugin):
         self._arm_timer(run_id, st)
 
     def _arm_timer(self, run_id: str, st: _RunState) -> None:
+        """The timer at the core's next deadline (kept when that did not move: most events leave it)."""
+        deadline = st.core.next_deadline()
         if st.timer is not None:
+            if deadline == st.timer_at:
+                return
             st.timer.cancel()
             st.timer = None
-        deadline = st.core.next_deadline()
         if deadline is not None:
             delay = max(0.0, deadline - self._now(st))
             st.timer = asyncio.get_running_loop().call_later(delay, self._on_timer, run_id)
+            st.timer_at = deadline
 
     def _on_timer(self, run_id: str) -> None:
         st = self.runs.get(run_id)
@@ -302,22 +311,37 @@ class GroupService(SchedulerPlugin):
         return answer
 
     async def _answer(self, run_id, st: _RunState, key: tuple, fut, timeout: float) -> dict:
-        """The waiter's answer; a pipeline nobody answered within ``timeout`` (the run not paused) is taken out."""
-        stage, pipeline = key
+        """The waiter's answer; a pipeline nobody answered within ``timeout`` (the run not paused) is taken out.
+
+        One timer per waiter, re-armed while the run is paused or was resumed less than ``timeout`` ago (a paused
+        run holds pipelines at their step boundaries: their groups wait with them); no task per waiter: this is
+        every ready signal's path."""
+        loop = asyncio.get_running_loop()
+        timer = None
+
+        def expire() -> None:
+            nonlocal timer
+            if fut.done():
+                return
+            if st.paused or st.resumed_at > self._now(st) - timeout:
+                timer = loop.call_later(timeout, expire)
+                return
+            fut.set_result(_EXPIRED)
+
+        timer = loop.call_later(timeout, expire)
         try:
-            while True:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(fut), timeout)
-                except asyncio.TimeoutError:
-                    # a paused run holds pipelines at their step boundaries: their groups wait with them
-                    if not (st.paused or st.resumed_at > self._now(st) - timeout):
-                        raise
-        except asyncio.TimeoutError:
-            # Nobody came: take the pipeline out so the others do not wait on it, and fail this worker.
-            st.waiters.pop(key, None)
-            if run_id in self.runs:
-                self._dispatch(run_id, st, st.core.handle(Lost(pipeline, self._now(st))))
-            return {"error": f"no group for pipeline {pipeline} stage {stage} within {timeout:.0f}s"}
+            answer = await fut
+        finally:
+            timer.cancel()
+        if answer is not _EXPIRED:
+            return answer
+        # Nobody came: take the pipeline out so the others do not wait on it, and fail this worker.
+        stage, pipeline = key
+        if st.waiters.get(key) is fut:
+            del st.waiters[key]
+        if run_id in self.runs:
+            self._dispatch(run_id, st, st.core.handle(Lost(pipeline, self._now(st))))
+        return {"error": f"no group for pipeline {pipeline} stage {stage} within {timeout:.0f}s"}
 
     def leave(self, run_id, stage, pipeline, token=None):
         st = self.runs.get(run_id)

@@ -230,6 +230,39 @@ def test_ready_signals_over_the_services_own_socket_and_a_closed_runs_topic_goes
     assert not has_topic()
 
 
+def test_a_waiter_nobody_answers_is_taken_out_but_a_paused_runs_waiters_wait(scheduler):
+    """Rounds that close only when full (the allreduce preset): a ready signal nobody joins within its timeout
+    is answered with one line and its pipeline taken out of the stage; while the run is paused, a waiter's
+    timeout passes without that (its timer re-armed) and its group still comes."""
+    import select
+
+    from sdpipe.core.policies import POLICY_PRESETS
+
+    endpoint = scheduler.run_on_scheduler(lambda dask_scheduler: dask_scheduler.handlers["sdpipe_endpoint"]())
+    host, port = endpoint["endpoint"]
+    handle = GroupServiceClient("r-expire", client=scheduler, token="t" * 32, timeout=10)
+    policy = POLICY_PRESETS["allreduce"].to_dict()
+    handle.open(stages=1, pipelines=3, policy=policy, policy_name="allreduce", topic="sdpipe-r-expire", t0=0.0)
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(3)]
+    ready = lambda p: {
+        "op": "sdpipe_ready", "run_id": "r-expire", "stage": 0, "pipeline": p, "step": 1, "timeout": 0.3
+    }  # fmt: skip
+    try:
+        assert _call_socket(socks[0], ready(0)) == {"error": "no group for pipeline 0 stage 0 within 0s"}
+        assert list(handle.state()["stages"][0]["live"]) == [1, 2]
+        assert handle.pause(True)["ok"]
+        socks[1].sendall(encode_frame(ready(1)))
+        assert select.select([socks[1]], [], [], 1.5)[0] == []  # five timeouts passed: still waiting
+        assert list(handle.state()["stages"][0]["live"]) == [1, 2]
+        answer = _call_socket(socks[2], ready(2))
+        size = int.from_bytes(socks[1].recv(4, socket.MSG_WAITALL), "big")
+        assert answer["members"] == [1, 2] == decode_frame(socks[1].recv(size, socket.MSG_WAITALL))["members"]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert handle.close()["ok"]
+
+
 def test_a_pipeline_slower_than_a_whole_epoch_leaves_whole_epochs_and_measures_itself_again(monkeypatch):
     """The dispenser over a real store: pipeline 1 needs 3 s a step, pipeline 0 finishes an epoch's 10
     batches in 1 s. After one measured step, pipeline 1 leaves whole epochs (so no global sync waits for
