@@ -7,7 +7,8 @@
 with its own arguments, which should ask for one repeat per invocation.  Every round runs it once at this tree
 and once at revision ``REV`` (checked out apart as a git worktree: its code and its copy of the script), the
 order reversed every round so that drift of this noisy machine falls on both alike; each run is its own process
-with ``PYTHONPATH`` set to its tree (Dask's worker processes inherit it) and writes its results to a temporary
+with ``PYTHONPATH`` set to its tree (Dask's worker processes inherit it; ``--script-here``: this tree's copy of
+the script at both, for a script ``REV`` does not have) and writes its results to a temporary
 file.  The rows of every run's ``.json`` (its lists ``rows`` or ``real``) are matched by their ``--keys``
 fields (those a row has: scenario, policy, contender, pipelines, stages); per row and revision: the median of
 each metric over the rounds, with min-max.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -62,10 +64,10 @@ def rows_of(path: Path, keys: list) -> list:
     return [(tuple((k, str(r[k])) for k in keys if k in r), flatten(r)) for r in rows]
 
 
-def run_once(tree: Path, script: str, args: list, out: Path, timeout: float, keys: list) -> tuple:
+def run_once(tree: Path, script: Path, args: list, out: Path, timeout: float, keys: list) -> tuple:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     t = time.time()
-    cmd = [sys.executable, str(tree / "benchmarks" / script), *args, "--out", str(out)]
+    cmd = [sys.executable, str(script), *args, "--out", str(out)]
     try:
         p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -137,6 +139,11 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics", default=DEFAULT_METRICS)
     ap.add_argument("--keys", default="scenario,policy,contender,pipelines,stages", help="fields that name a row")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one run of the script may take")
+    ap.add_argument(
+        "--script-here",
+        action="store_true",
+        help="run this tree's copy of SCRIPT at both revisions (a script REV does not have); only sdpipe differs",
+    )
     ap.add_argument("--title", default=None)
     ap.add_argument("--out", default=str(HERE / "results" / "revisions.md"))
     args = ap.parse_args(argv[:cut])
@@ -157,7 +164,8 @@ def main(argv=None) -> int:
         for r in range(args.repeats):
             order = [(labels[0], ROOT), (labels[1], before)]
             for label, tree in order if r % 2 == 0 else order[::-1]:
-                rows, wall = run_once(tree, script, script_args, tmp / f"run-{r}-{tree.name}.md", args.timeout, keys)
+                path = (ROOT if args.script_here else tree) / "benchmarks" / script
+                rows, wall = run_once(tree, path, script_args, tmp / f"run-{r}-{tree.name}.md", args.timeout, keys)
                 runs[label].append(rows)
                 walls[label].append(wall)
                 print(f"round {r}: {label}: {len(rows)} rows in {wall:.0f} s", file=sys.stderr, flush=True)
@@ -166,7 +174,7 @@ def main(argv=None) -> int:
     summary = summarize(runs, metrics)
     meta = run_meta(
         "revisions.py",
-        argv,
+        [shlex.quote(a) for a in argv],
         f"{script} {' '.join(script_args)} at this tree and at {args.before}, {args.repeats} rounds alternated",
     )
     meta |= {"title": args.title or f"{script}: this tree against {args.before}", "repeats": args.repeats}
