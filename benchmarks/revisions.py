@@ -2,6 +2,7 @@
 
     python benchmarks/revisions.py --before REV [--repeats 3] [--metrics samples_per_s,accuracy,...]
                                    [--out benchmarks/results/revisions.md] -- SCRIPT [ARGS...]
+    python benchmarks/revisions.py --render OUT     # rewrite OUT (.md) from its .json
 
 ``SCRIPT`` is one of this folder's benchmark scripts (``group_sizes.py``, ``straggler.py``, ``hosts.py``, ...)
 with its own arguments, which should ask for one repeat per invocation.  Every round runs it once at this tree
@@ -102,7 +103,8 @@ def fmt(s) -> str:
     if s is None:
         return "-"
     v = s["median"]
-    digits = (lambda x: f"{x:.3f}") if abs(v) < 10 else (lambda x: f"{x:,.0f}")
+    whole = all(float(x).is_integer() for x in (v, s["min"], s["max"]))
+    digits = (lambda x: f"{x:.3f}") if abs(v) < 10 and not whole else (lambda x: f"{x:,.0f}")
     if s["min"] == s["max"]:
         return digits(v)
     return f"{digits(v)} [{digits(s['min'])}-{digits(s['max'])}]"
@@ -130,6 +132,13 @@ def write(out: Path, meta: dict, summary: list, metrics: list, labels: list) -> 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--render"]:  # only rewrite a results file from its .json
+        out = Path(argv[1] if len(argv) > 1 else HERE / "results" / "revisions.md")
+        data = json.loads(out.with_suffix(".json").read_text())
+        meta, summary = data["meta"], data["summary"]
+        labels = list(summary[0]["revisions"]) if summary else []
+        write(out, meta, summary, meta.get("metrics", DEFAULT_METRICS).split(","), labels)
+        return 0
     if "--" not in argv:
         raise SystemExit("usage: revisions.py --before REV [options] -- SCRIPT [ARGS...]")
     cut = argv.index("--")
@@ -175,9 +184,10 @@ def main(argv=None) -> int:
     meta = run_meta(
         "revisions.py",
         [shlex.quote(a) for a in argv],
-        f"{script} {' '.join(script_args)} at this tree and at {args.before}, {args.repeats} rounds alternated",
+        f"{script} {shlex.join(script_args)} at this tree and at {args.before}, {args.repeats} rounds alternated",
     )
     meta |= {"title": args.title or f"{script}: this tree against {args.before}", "repeats": args.repeats}
+    meta["metrics"] = args.metrics
     meta["walls_s"] = walls
     write(Path(args.out), meta, summary, metrics, labels)
     print(Path(args.out).read_text())

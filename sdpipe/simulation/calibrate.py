@@ -139,9 +139,11 @@ def _shown_heterogeneity(
     by_kind: dict, hetero: Heterogeneity, forward: list, backward: list, pipelines: int, stages: int
 ) -> Heterogeneity:
     """``hetero`` with the slowdowns each slowed worker showed: a compute slowdown as its compute against its stage's
-    mean over the others; a step slowdown as its pipeline's median step against the unslowed pipelines' (on a
-    machine with fewer cores than workers a sleeping pipeline hands its core to the others, which then step
-    faster, so the ratio shown can exceed the factor asked for)."""
+    mean over the others; a step slowdown as the slowed worker's median own step against the unslowed pipelines'
+    workers of its stage (:func:`_own_steps`: its step less its waits for other pipelines, so that a policy whose
+    pipelines step together, as ``allreduce``'s do, still shows it; on a machine with fewer cores than workers a
+    sleeping pipeline hands its core to the others, which then step faster, so the ratio shown can exceed the
+    factor asked for)."""
     shown: dict = {}
     for kind, base in (("forward", forward), ("backward", backward)):
         for e in by_kind.get(kind, ()):
@@ -154,18 +156,16 @@ def _shown_heterogeneity(
     if measured:
         changes["compute_slowdown"] = measured
     # the run's own keys: a pipeline's key stretches its stage 0 alone, in the runtime and the simulator alike
-    pipeline_of = {key: key if isinstance(key, int) else key[0] for key, f in hetero.slowdown.items() if f != 1.0}
-    slowed = {key: p for key, p in pipeline_of.items() if p < pipelines}
-    plain = [p for p in range(pipelines) if p not in slowed.values()]
-    base = _step_intervals(by_kind, plain)
-    if slowed and base:
-        typical, steps = statistics.median(base), {}
-        for p in set(slowed.values()):
-            mine = _step_intervals(by_kind, [p])
-            steps[p] = max(1.0, statistics.median(mine) / typical) if mine and typical > 0 else None
-        step = {key: steps[p] for key, p in slowed.items() if steps[p] is not None}
-        if step:
-            changes["slowdown"] = step
+    worker_of = {key: key if isinstance(key, tuple) else (key, 0) for key, f in hetero.slowdown.items() if f != 1.0}
+    slowed = {key: w for key, w in worker_of.items() if w[0] < pipelines and w[1] < stages}
+    plain = [p for p in range(pipelines) if p not in {w[0] for w in slowed.values()}]
+    step = {}
+    for key, (p, s) in slowed.items():
+        mine, base = _own_steps(by_kind, [(p, s)]), _own_steps(by_kind, [(q, s) for q in plain])
+        if mine and base and statistics.median(base) > 0:
+            step[key] = max(1.0, statistics.median(mine) / statistics.median(base))
+    if step:
+        changes["slowdown"] = step
     return dataclasses.replace(hetero, **changes) if changes else hetero
 
 
@@ -294,6 +294,45 @@ def _step_intervals(by_kind: dict, pipelines) -> list:
     for v in ends.values():
         v.sort()
         out += [b - a for a, b in itertools.pairwise(v)]
+    return out
+
+
+#: spans in which a worker waits for other pipelines (its group, a collective, a server, an averaging in flight)
+_WAITING = ("wait", "sync", "pause", "eval")
+
+
+def _own_steps(by_kind: dict, workers) -> list:
+    """Seconds each of ``workers`` ((pipeline, stage) pairs) took for its own steps: between consecutive optimizer
+    ends of one epoch, less the spans in which it waited for other pipelines (:data:`_WAITING`; not an overlapped
+    averaging's, ``lane="background"``, which runs beside its steps)."""
+    out = []
+    for p, s in workers:
+        opt = sorted(
+            (e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == s),
+            key=lambda e: e["end"],
+        )
+        merged: list = []  # the waiting spans, sorted and merged (a drain's wait may hold a collective)
+        for st, en in sorted(
+            (e["start"], e["end"])
+            for k in _WAITING
+            for e in by_kind.get(k, ())
+            if e.get("pipeline") == p and e.get("stage") == s and e.get("lane") != "background"
+        ):
+            if merged and st <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], en)
+            else:
+                merged.append([st, en])
+        j = 0
+        for a, b in itertools.pairwise(opt):
+            lo, hi = a["end"], b["end"]
+            while j < len(merged) and merged[j][1] <= lo:
+                j += 1
+            waited, k = 0.0, j
+            while k < len(merged) and merged[k][0] < hi:
+                waited += min(merged[k][1], hi) - max(merged[k][0], lo)
+                k += 1
+            if b["step"] == a["step"] + 1 and b.get("epoch") == a.get("epoch"):
+                out.append(max(0.0, hi - lo - waited))
     return out
 
 

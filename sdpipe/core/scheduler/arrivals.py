@@ -23,6 +23,7 @@ class _Round:
     missing: set = field(default_factory=set)  # of those, the live ones not in it and not waiting for the global group
     trial: Optional["DisjointSet"] = None  # a graph-sync round: the union with its members so far (built lazily)
     trial_members: int = 0  # how many of ``members`` ``trial`` holds
+    witness: Optional[int] = None  # a graph-sync round: the last available worker found outside its component
 
 
 def _median(xs) -> float:

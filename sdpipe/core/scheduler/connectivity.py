@@ -125,4 +125,15 @@ class Connectivity:
             return False
         if unavailable == 0:  # the union's items are exactly the available workers
             return trial.count <= 1
-        return self._one_component(trial, members)
+        # some items are not available (gone, or waiting for the global group): look for an available worker
+        # outside the members' component, first the one found last time (a round waiting for its last slow
+        # workers finds one at once; a full scan only once that one has joined: amortized over the merges)
+        find, root, w = trial.find, trial.find(members[0]), r.witness
+        if w is not None and w in self.live and w not in self.global_waiting and find(w) != root:
+            return False
+        global_waiting = self.global_waiting
+        for w in self.live:
+            if w not in global_waiting and find(w) != root:
+                r.witness = w
+                return False
+        return True

@@ -62,6 +62,27 @@ def bounds_of(snapshot: dict) -> list:
     return out
 
 
+def _holds(st: StageScheduler) -> bool:
+    """Whether ``st``'s open round has no deadline (a graph sync, or any round under an infinite window)."""
+    r = st.open
+    return r is not None and (r.graph or r.deadline == math.inf)
+
+
+def _waited(a: StageScheduler, b: StageScheduler) -> set:
+    """The pipelines ``a``'s round waits for whose worker in ``b`` is held in ``b``'s round at a step ``a``'s
+    worker already reached (both rounds without a deadline)."""
+    out, last_a, last_b = set(), a._last_step, b._last_step
+    waiting, gone, live = a.waiting, a.global_waiting, a.live
+    for v in b.open.members:
+        k = last_b.get(v)
+        if k is None or v in waiting or v in gone or v not in live:
+            continue
+        last = last_a.get(v)
+        if last is not None and last >= k:
+            out.add(v)
+    return out
+
+
 def _stage_of(event) -> int:
     if event.stage is None:
         raise ValueError(f"event: {event!r} needs the stage of its worker")
@@ -77,6 +98,11 @@ class GroupScheduler:
         self.policy = policy
         self._deadline: Optional[float] = None  # next_deadline's answer, while ``_deadline_ok``
         self._deadline_ok = False
+        #: the waits across stages (:meth:`_unlock`), kept as events come: (a, b) -> the pipelines that stage a's
+        #: round without a deadline waits for whose stage-b worker is held in b's such round at a step a's worker
+        #: already reached; and each stage with such a round, by the round they were built for
+        self._wit: dict = {}
+        self._held: dict = {}
 
     def snapshot(self) -> dict:
         """Plain data: every stage's state and the policy."""
@@ -88,6 +114,7 @@ class GroupScheduler:
         g.stages = [StageScheduler.restore(st) for st in snap["stages"]]
         g.policy = SchedulerPolicy(**snap["policy"])
         g._deadline, g._deadline_ok = None, False
+        g._rebuild()
         return g
 
     def bounds(self) -> list:
@@ -103,7 +130,12 @@ class GroupScheduler:
         each other across stages is left open (:meth:`_unlock` closed it).  The tests run it after every event."""
         for st in self.stages:
             st.validate()
-        assert not _cycle(self._waits()), f"rounds of stages {_cycle(self._waits())} wait on each other"
+        held = {st.stage: st.open for st in self.stages if _holds(st)}
+        assert self._held == held or len(self.stages) == 1, f"held rounds kept {sorted(self._held)}, are {sorted(held)}"
+        kept = {k: v for k, v in self._wit.items() if v}
+        scratch = {k: v for k, v in self._witnesses().items() if v}
+        assert kept == scratch or len(self.stages) == 1, f"waits across stages kept {kept}, are {scratch}"
+        assert not _cycle(self._edges()), f"rounds of stages {_cycle(self._edges())} wait on each other"
 
     def _apply(self, now: float, fn) -> list:
         self._deadline_ok = False
@@ -144,33 +176,70 @@ class GroupScheduler:
         out = st.ready(worker, now, global_sync, step)
         if out or st.open is not before:  # a round opened or closed: the deadlines changed (an open one's stays)
             self._deadline_ok = False
-        # _settle, for an event of one stage: only this stage's round changed, so only a wait on it can be new
-        r = st.open
-        if r is not None and (r.graph or r.deadline == math.inf) and len(self.stages) > 1:
-            if self._may_lock(st, worker):
-                out = out + self._unlock(now)
+        if len(self.stages) > 1 and (self._held or _holds(st)):
+            out = out + self._track(st, worker, before, bool(out), now)
         return out
 
-    def _may_lock(self, st: StageScheduler, w: int) -> bool:
-        """Whether ``w``'s ready signal into ``st``'s open round without a deadline may have closed a cycle of
-        rounds (:meth:`_unlock`): the round just opened (its waits are new), or a sibling of ``w`` that another
-        such round waits for has reached the step ``w`` waits at (a new wait for this round).  O(stages): a run
-        whose ready signals keep their steps in line never goes further."""
-        if len(st.open.members) == 1:
-            return True
-        k = st._last_step.get(w)
-        if k is None:
-            return False
-        for other in self.stages:
-            o = other.open
-            if other is st or o is None or not (o.graph or o.deadline == math.inf):
+    def _track(self, st: StageScheduler, w: int, before, closed: bool, now: float) -> list:
+        """Keep the waits across stages after ``w``'s ready signal to ``st`` (only ``st``'s round changed), and
+        break a cycle they close: O(stages) when ``w`` joined a round without a deadline; O(members of such
+        rounds) when one opened; nothing for ordinary rounds."""
+        held = _holds(st)
+        if closed or st.open is not before:  # st's round closed or opened: its waits anew
+            self._drop(st.stage)
+            if not held:
+                return []
+            self._add(st)
+        elif held:
+            self._joined(st, w)
+        else:
+            return []
+        return self._unlock(now)
+
+    def _add(self, st: StageScheduler) -> None:
+        """``st``'s round without a deadline opened: its waits on the others' and theirs on it."""
+        a = st.stage
+        self._held[a] = st.open
+        for b, other in ((b, self.stages[b]) for b in self._held if b != a):
+            self._wit[(a, b)] = _waited(st, other)
+            self._wit[(b, a)] = _waited(other, st)
+
+    def _drop(self, a: int) -> None:
+        if self._held.pop(a, None) is not None:
+            for b in self._held:
+                self._wit.pop((a, b), None)
+                self._wit.pop((b, a), None)
+
+    def _joined(self, st: StageScheduler, w: int) -> None:
+        """``w`` joined ``st``'s round without a deadline: ``st`` no longer waits for it; the others' rounds that
+        wait for their own ``w`` whose step passed the one ``w`` is held at here now wait on ``st``."""
+        a, k = st.stage, st._last_step.get(w)
+        for b in self._held:
+            if b == a:
                 continue
-            if w in other.waiting or w in other.global_waiting or w not in other.live:
+            self._wit[(a, b)].discard(w)
+            other = self.stages[b]
+            if k is None or w in other.waiting or w in other.global_waiting or w not in other.live:
                 continue
             last = other._last_step.get(w)
             if last is not None and last >= k:
-                return True
-        return False
+                self._wit[(b, a)].add(w)
+
+    def _rebuild(self) -> None:
+        """The waits across stages from scratch (after an event that may have changed any stage)."""
+        self._held = {st.stage: st.open for st in self.stages if _holds(st)} if len(self.stages) > 1 else {}
+        self._wit = self._witnesses()
+
+    def _witnesses(self) -> dict:
+        held = [st for st in self.stages if _holds(st)] if len(self.stages) > 1 else []
+        return {(a.stage, b.stage): _waited(a, b) for a in held for b in held if a is not b}
+
+    def _edges(self) -> dict:
+        edges: dict = {}
+        for (a, b), who in self._wit.items():
+            if who:
+                edges.setdefault(a, set()).add(b)
+        return edges
 
     def tick(self, now: float) -> list:
         return self._apply(now, lambda: [g for st in self.stages for g in st.handle(Tick(now))])
@@ -199,34 +268,12 @@ class GroupScheduler:
         return self._apply(now, lambda: [g for st in self.stages for g in st.set_policy(policy, now)])
 
     def _settle(self, now: float) -> list:
-        """After an event that may have changed any stage: break a cycle of rounds it formed."""
-        return self._unlock(now) if len(self.stages) > 1 else []
-
-    def _waits(self) -> dict:
-        """Stage -> the stages whose open rounds without a deadline hold a worker that its own such round waits for
-        (see :meth:`_unlock`)."""
-        held = [st for st in self.stages if st.open is not None and (st.open.graph or st.open.deadline == math.inf)]
-        if len(held) < 2:
-            return {}
-        where: dict = {}  # pipeline -> [(stage, the step its worker there waits at)]
-        for st in held:
-            steps = st._last_step
-            for w in st.open.members:
-                k = steps.get(w)
-                if k is not None:
-                    where.setdefault(w, []).append((st.stage, k))
-        waits: dict = {}
-        for st in held:
-            steps, out = st._last_step, set()
-            for w, holds in where.items():
-                if w in st.waiting or w not in st.live or w in st.global_waiting:
-                    continue
-                last = steps.get(w)
-                if last is None:
-                    continue
-                out.update(s for s, k in holds if s != st.stage and last >= k)
-            waits[st.stage] = out
-        return waits
+        """After an event that may have changed any stage: the waits across stages anew, and a cycle broken."""
+        if len(self.stages) == 1:
+            return []
+        if self._held or any(_holds(st) for st in self.stages):
+            self._rebuild()
+        return self._unlock(now)
 
     def _unlock(self, now: float) -> list:
         """Close a round that waits, across stages, on itself (see "Rounds that wait on each other" in the module
@@ -234,15 +281,17 @@ class GroupScheduler:
         of the ``allreduce`` preset), a round waits for another when a worker it waits for has a sibling (the same
         pipeline's worker of another stage) held in the other one at a step the worker has already reached, which
         it must pass before the worker's next step can be made.  The first-opened round of a cycle closes at once
-        with the members it holds ("preempted"); then the next cycle, if one is left."""
-        cycle = _cycle(self._waits())
+        with the members it holds ("preempted"); then the next cycle, if one is left.  The waits are kept as
+        events come (:attr:`_wit`), so finding a cycle is O(stages^2)."""
+        cycle = _cycle(self._edges()) if len(self._held) > 1 else []
         if not cycle:
             return []
         first = min(cycle, key=lambda s: (self.stages[s].open.opened, s))
         st = self.stages[first]
         self._deadline_ok = False
         out = st._close(now, "preempted")
-        return out + self._settle(now)
+        self._drop(first)
+        return out + self._unlock(now)
 
     def next_deadline(self) -> Optional[float]:
         """The earliest of the stages' deadlines (``StageScheduler.next_deadline``, inlined: asked after every
