@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import meta_lines, run_meta
+from _common import results_head, run_meta
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -111,8 +111,9 @@ def fmt(s) -> str:
 
 
 def write(out: Path, meta: dict, summary: list, metrics: list, labels: list) -> None:
-    lines = [f"# {meta['title']}", "", *meta_lines({k: v for k, v in meta.items() if k != "title"}), ""]
+    out, lines = results_head(out, meta["title"], {k: v for k, v in meta.items() if k != "title"})
     lines += [
+        "",
         f"Each round ran the script once at each revision, the order reversed every round; median over "
         f"{meta['repeats']} rounds [min-max]. `{labels[0]}` is this tree, `{labels[1]}` the revision before.",
         "",

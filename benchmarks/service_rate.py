@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from _common import meta_lines, run_meta
+from _common import results_head, run_meta
 
 HERE = Path(__file__).parent
 
@@ -141,9 +141,10 @@ def main(argv=None) -> int:
         f"{args.stages} stages; one emulator process, one socket per worker, no compute; "
         f"{args.warm:g} s warm-up, {args.seconds:g} s measured, {args.repeats} repeats (sizes alternated)",
     )
-    out = Path(args.out)
-    lines = ["# The group service's own rate: ready signals per second, CPU per signal", "", *meta_lines(meta), ""]
+    title = "The group service's own rate: ready signals per second, CPU per signal"
+    out, lines = results_head(args.out, title, meta)
     lines += [
+        "",
         "| pipelines x stages | workers | signals/s answered, median [min-max] | service CPU per signal, us | "
         "CPU share of the scheduler's process | one service process at most, signals/s |",
         "|---|---|---|---|---|---|",

@@ -154,11 +154,12 @@ def one_size(workload: str, gbit: float, D: int, args, costs) -> dict:
     import dataclasses
 
     import sdpipe
+    from sdpipe.simulation import profiles
 
     S = args.stages
     micro, M = BATCH[workload]
     hetero = scenario(costs, S, M, D)
-    base = sdpipe.Network(bandwidth=gbit * 1e9 / 8, latency=50e-6, scheduler_rtt=0.5e-3, server_rtt=0.5e-3)
+    base = profiles.network(gbit)  # 50 us links, a 0.5 ms round trip to the scheduler and to a server
     row = {"workload": workload, "gbit": gbit, "pipelines": D}
     for name, (policy, scheduler, model) in contenders(workload).items():
         t = time.time()

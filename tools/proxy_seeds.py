@@ -29,11 +29,12 @@ def main(argv=None) -> int:
     from sim_scaling import BATCH, scenario, workload_costs
 
     import sdpipe
+    from sdpipe.simulation import profiles
 
     S, D = 4, args.pipelines
     costs = workload_costs(args.workload, S, BENCH / "results" / "sim_agreement.json")
     micro, M = BATCH[args.workload]
-    net = sdpipe.Network(bandwidth=args.gbit * 1e9 / 8, latency=50e-6, scheduler_rtt=0.5e-3, server_rtt=0.5e-3)
+    net = profiles.network(args.gbit)  # the scaling benchmark's: 50 us links, 0.5 ms to the scheduler
     losses = []
     for seed in range(1, args.seeds + 1):
         r = sdpipe.simulate(

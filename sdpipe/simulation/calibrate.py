@@ -205,34 +205,47 @@ def _untraced(by_kind: dict, pipelines: int) -> list:
     """Untraced seconds of each step on stage 0: between consecutive optimizer ends, minus every span inside."""
     untraced = []
     for p in range(pipelines):
-        opt = sorted(
-            (e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == 0),
-            key=lambda e: e["start"],
-        )
-        spans = sorted(
-            (
-                (e["start"], e["end"])
-                for k in _COVERED
-                for e in by_kind.get(k, ())
-                if e.get("pipeline") == p and e.get("stage") == 0
-            ),
-            key=lambda x: x[0],
-        )
-        j = 0
-        for a, b in itertools.pairwise(opt):
-            if b["step"] != a["step"] + 1 or b.get("epoch") != a.get("epoch"):
-                continue
-            lo, hi = a["end"], b["end"]
-            while j < len(spans) and spans[j][1] <= lo:
-                j += 1
-            inside, k = 0.0, j
-            while k < len(spans) and spans[k][0] < hi:  # sorted by start: later ones lie past this step
-                st, en = spans[k]
-                if en > lo:
-                    inside += min(en, hi) - max(st, lo)
-                k += 1
-            untraced.append(max(0.0, (hi - lo) - inside))
+        spans = sorted(_spans_of(by_kind, p, 0, _COVERED), key=lambda x: x[0])
+        untraced += _outside(_optimizers(by_kind, p, 0), spans)
     return untraced
+
+
+def _optimizers(by_kind: dict, p: int, s: int) -> list:
+    """Worker (p, s)'s optimizer spans in order."""
+    return sorted(
+        (e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == s), key=lambda e: e["start"]
+    )
+
+
+def _spans_of(by_kind: dict, p: int, s: int, kinds, background: bool = True) -> list:
+    """(start, end) of worker (p, s)'s spans of ``kinds`` (without an overlapped averaging's, ``lane="background"``,
+    when ``background`` is False)."""
+    return [
+        (e["start"], e["end"])
+        for k in kinds
+        for e in by_kind.get(k, ())
+        if e.get("pipeline") == p and e.get("stage") == s and (background or e.get("lane") != "background")
+    ]
+
+
+def _outside(opt: list, spans: list) -> list:
+    """Per pair of consecutive optimizer spans ``opt`` of one worker (one epoch, consecutive steps): the seconds
+    between their ends outside ``spans`` ((start, end) sorted by start; overlapping ones count twice; at least 0)."""
+    out, j = [], 0
+    for a, b in itertools.pairwise(opt):
+        if b["step"] != a["step"] + 1 or b.get("epoch") != a.get("epoch"):
+            continue
+        lo, hi = a["end"], b["end"]
+        while j < len(spans) and spans[j][1] <= lo:
+            j += 1
+        inside, k = 0.0, j
+        while k < len(spans) and spans[k][0] < hi:  # sorted by start: later ones lie past this step
+            st, en = spans[k]
+            if en > lo:
+                inside += min(en, hi) - max(st, lo)
+            k += 1
+        out.append(max(0.0, (hi - lo) - inside))
+    return out
 
 
 def _network(by_kind: dict, weight_bytes: list) -> Network:
@@ -307,32 +320,13 @@ def _own_steps(by_kind: dict, workers) -> list:
     averaging's, ``lane="background"``, which runs beside its steps)."""
     out = []
     for p, s in workers:
-        opt = sorted(
-            (e for e in by_kind.get("optimizer", ()) if e["pipeline"] == p and e["stage"] == s),
-            key=lambda e: e["end"],
-        )
         merged: list = []  # the waiting spans, sorted and merged (a drain's wait may hold a collective)
-        for st, en in sorted(
-            (e["start"], e["end"])
-            for k in _WAITING
-            for e in by_kind.get(k, ())
-            if e.get("pipeline") == p and e.get("stage") == s and e.get("lane") != "background"
-        ):
+        for st, en in sorted(_spans_of(by_kind, p, s, _WAITING, background=False)):
             if merged and st <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], en)
             else:
                 merged.append([st, en])
-        j = 0
-        for a, b in itertools.pairwise(opt):
-            lo, hi = a["end"], b["end"]
-            while j < len(merged) and merged[j][1] <= lo:
-                j += 1
-            waited, k = 0.0, j
-            while k < len(merged) and merged[k][0] < hi:
-                waited += min(merged[k][1], hi) - max(merged[k][0], lo)
-                k += 1
-            if b["step"] == a["step"] + 1 and b.get("epoch") == a.get("epoch"):
-                out.append(max(0.0, hi - lo - waited))
+        out += _outside(_optimizers(by_kind, p, s), merged)
     return out
 
 
