@@ -1,6 +1,7 @@
 """The messages between driver, group service and workers: encodings, store keys, the handle, event records."""
 
 import concurrent.futures
+import json
 import logging
 import socket
 
@@ -306,6 +307,46 @@ def test_a_pipeline_slower_than_a_whole_epoch_leaves_whole_epochs_and_measures_i
     slow.forget()  # the heterogeneity changed
     assert epoch(3 + Dispenser.MAX_AGE) == 1
     assert fast._step_time == pytest.approx(0.1)
+
+
+def test_a_stale_reading_of_the_command_never_takes_a_change_back():
+    """Under ``allreduce`` the step's collective agrees on the highest policy version its replicas read, so a
+    pipeline whose own reading (up to ``CTL_MAX_AGE`` old) lags switches with the others and then reads the
+    version before at its next boundary. Taking that up switched it back to ``allreduce`` alone, whose group
+    waited for replicas that had moved on (a run stalled on a fresh clone this way, about 1 in 8 tries of
+    the live-switch test). At a step boundary an older version than the one taken is no change."""
+    import types
+
+    import torch.distributed as dist
+
+    from sdpipe.config import Heterogeneity
+    from sdpipe.core.policies import SWITCHED_MODE
+    from sdpipe.worker.boundary import PipelineControl
+
+    store = dist.HashStore()
+    store.set(Keys.policy(0), PolicyChange("allreduce", "allreduce").encode())
+    store.set(Keys.policy(1), PolicyChange(SWITCHED_MODE, "sdpipe").encode())
+    store.set(Keys.hetero(0), json.dumps(Heterogeneity().to_dict()))
+    store.set(Keys.hetero(1), json.dumps(Heterogeneity(slowdown={1: 3.0}).to_dict()))
+    switched, spans = [], []
+    worker = types.SimpleNamespace(
+        store=store,
+        members_version=0,
+        hetero_version=0,
+        policy_version=0,
+        hetero=Heterogeneity(),
+        policy=types.SimpleNamespace(name="allreduce", coupled=True, taken=lambda w, epoch, j: 2 * (j + 1)),
+        dispenser=types.SimpleNamespace(forget=lambda: None, base={}),
+        span=lambda kind, *a, **kw: spans.append(kw["what"]),
+    )
+    worker.switch_policy = lambda mode: (switched.append(mode), worker.policy.__dict__.update(name=mode, coupled=False))
+    ctl = PipelineControl(worker)
+    ctl.apply(step=5, hv=1, pv=1, epoch=0, j=5)  # what the collective agreed
+    ctl.apply(step=6, hv=0, pv=0, epoch=0, j=6)  # this stage's older reading
+    ctl.apply(step=7, hv=1, pv=1, epoch=0, j=7)
+    assert switched == [SWITCHED_MODE] and spans == ["heterogeneity", "policy"]
+    assert (worker.hetero_version, worker.policy_version) == (1, 1)
+    assert worker.hetero.slowdown == {1: 3.0} and worker.dispenser.base == {0: 12}
 
 
 def test_a_peers_failure_is_typed_where_torch_says_it_and_keeps_its_step():

@@ -184,16 +184,18 @@ class PipelineControl:
 
     def apply(self, step: int, hv: int, pv: int, epoch: int, j, members: int = 0) -> None:
         """Take up new heterogeneity, a new policy or a change of the pipelines present at this step boundary
-        (same step on every stage)."""
+        (same step on every stage).  A version older than the one taken is no change: the driver numbers its
+        changes, and a stale reading must not undo one (a policy switch taken back on one pipeline only would
+        leave its replicas in different policies, each waiting for the other)."""
         w = self.worker
         self.take_members(step, epoch, j, members)
-        if hv != w.hetero_version:
+        if hv > w.hetero_version:
             w.hetero = Heterogeneity.from_dict(json.loads(w.store.get(Keys.hetero(hv)).decode()))
             w.hetero_version = hv
             w.dispenser.forget()  # its step time was measured under the old heterogeneity
             now = time.time()
             w.span("control", step, None, now, now, what="heterogeneity", version=hv, applied_by="worker")
-        if pv != w.policy_version:
+        if pv > w.policy_version:
             spec = PolicyChange.decode(w.store.get(Keys.policy(pv)))
             w.policy_version = pv
             if spec.mode != w.policy.name:

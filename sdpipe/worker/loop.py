@@ -388,7 +388,7 @@ class Training:
                 w.pace.end()
             if msg.op is Op.PAUSE:  # stage 0 holds the pipeline; this is its heartbeat
                 continue
-            changes = msg.policy != w.policy_version or msg.members != w.members_version
+            changes = msg.policy > w.policy_version or msg.members > w.members_version
             if w.stream is not None and not w.stream.idle and (msg.op is not Op.RUN or changes):
                 # an asynchronous schedule drains where the run needs consistent weights: the epoch's end (its
                 # global sync, evaluation and checkpoint), a stop, a policy change, a state given to a joiner
@@ -452,6 +452,9 @@ class Training:
         batch = None if stop or leave else w.policy.next_batch(w, epoch, j)
         op = Op.STOP if stop else Op.LEAVE if leave else (Op.EPOCH_END if batch is None else Op.RUN)
         mv = w.ctl.seen
+        # versions only move on: under a coupled policy the step's collective may have agreed on a version this
+        # stage's reading (up to CTL_MAX_AGE old) does not show yet; a switch it took is never taken back
+        hv, pv = max(hv, w.hetero_version), max(pv, w.policy_version)
         return w.ctl.exchange(ControlMessage(op, epoch, self.step, -1 if batch is None else batch, hv, pv, mv))
 
     def _train(self, epoch: int, batch: int) -> Optional[float]:
