@@ -42,6 +42,14 @@ margin is the signals per second one core takes over those the cluster sends; be
 falls behind. The group service's own cost per signal (its socket, the scheduler process's event loop) comes
 on top: `benchmarks/service_rate.py`, `service_rate.md`."""
 
+#: what the shards' table says, written under it
+SHARDED = """\
+Each shard (`sdpipe.core.scheduler.StageShard`) decides one stage's rounds and learns the other stages' rounds
+without a deadline by messages (`open`, `join`, `close`, `edges`), here delivered at once after each event. "us
+per signal" is the shard's time (its stage's events and every message it receives) over its stage's ready
+signals; the margin is the simulated seconds over the shard's seconds (1 core per shard). These are the core's
+costs alone: the service's socket and event loop per signal come on top (`service_rate.md`)."""
+
 
 class _Timed:
     """Wraps a GroupScheduler: every call timed, and each stage's ready signals apart."""
@@ -77,19 +85,48 @@ class _Timed:
         return getattr(self.core, name)
 
 
-def measure(profile: str, gbit: float, D: int, steps: int) -> dict:
+def _time_shards(core) -> list:
+    """Each shard's calls timed (its stages' events and the messages it receives): [seconds, signals, messages]."""
+    tally = []
+    for sh in core.shards:
+        t = [0.0, 0, 0]
+        tally.append(t)
+        for name, slot in (("ready", 1), ("handle", None), ("receive", 2)):
+            setattr(sh, name, _timed_call(getattr(sh, name), t, slot))
+    return tally
+
+
+def _timed_call(fn, tally: list, slot):
+    """``fn`` with its seconds added to ``tally[0]`` and its calls counted in ``tally[slot]`` (unless None)."""
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        tally[0] += time.perf_counter() - t0
+        if slot is not None:
+            tally[slot] += 1
+        return out
+
+    return timed
+
+
+def measure(profile: str, gbit: float, D: int, steps: int, shards: bool = False) -> dict:
     import sdpipe
     import sdpipe.simulation.exchange as exchange
-    from sdpipe.core.scheduler import GroupScheduler
+    from sdpipe.core.scheduler import GroupScheduler, ShardedScheduler
     from sdpipe.simulation import profiles
 
     micro = {"resnet50": 32, "bert-base": 8}[profile]
     costs = profiles.profile(profile, 4, gpu="V100", microbatch=micro)
     hetero = scenario(costs, 4, 4, D)
     timed: list = []
+    tally: list = []
 
     def make(*args, **kwargs):
-        t = _Timed(GroupScheduler(*args, **kwargs))
+        core = ShardedScheduler(*args, **kwargs) if shards else GroupScheduler(*args, **kwargs)
+        if shards:
+            tally.extend(_time_shards(core))
+        t = _Timed(core)
         timed.append(t)
         return t
 
@@ -118,7 +155,17 @@ def measure(profile: str, gbit: float, D: int, steps: int) -> dict:
     per_signal = core.seconds / signals
     per_stage = [s / max(c, 1) for s, c in zip(core.stage_seconds, core.stage_calls, strict=True)]
     need = signals / r.wall_time
+    sharded = {}
+    if shards:  # per shard: its own time per signal of its stage and the margin of one core
+        sharded = {
+            "shard_us_per_signal": [sec / max(n, 1) * 1e6 for sec, n, _ in tally],
+            "shard_messages_per_signal": [m / max(n, 1) for _, n, m in tally],
+            "shard_margin": [r.wall_time / sec for sec, _, _ in tally],
+            "messages": (timed[0].core.sent),
+        }
     return {
+        **sharded,
+        "shards": bool(shards),
         "profile": profile,
         "gbit": gbit,
         "pipelines": D,
@@ -142,14 +189,23 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profiles", default="resnet50,bert-base")
     ap.add_argument("--gbit", default="10,100")
+    ap.add_argument(
+        "--shards",
+        action="store_true",
+        help="also the scheduler in shards, one per stage (sdpipe.core.scheduler.ShardedScheduler), each case "
+        "right after one scheduler",
+    )
     ap.add_argument("--out", default=str(HERE / "results" / "scheduler_scale.md"))
     args = ap.parse_args(argv)
-    rows = []
+    rows, sharded = [], []
     for profile in args.profiles.split(","):
         for gbit in (float(g) for g in args.gbit.split(",")):
             row = measure(profile, gbit, args.pipelines, args.steps)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+            if args.shards:
+                sharded.append(measure(profile, gbit, args.pipelines, args.steps, shards=True))
+                print(json.dumps(sharded[-1]), file=sys.stderr, flush=True)
     meta = run_meta(
         "scheduler_scale.py",
         argv,
@@ -157,7 +213,7 @@ def main(argv=None) -> int:
         "every 8th pipeline 4x slower, transient straggles p=0.05 of one step",
     )
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "sharded": sharded}, indent=1))
     lines = [
         "# One group scheduler against a 16,384 x 4 cluster's ready signals",
         "",
@@ -177,6 +233,24 @@ def main(argv=None) -> int:
             f"{r['core_per_s']:,.0f} | {r['margin']:.2f}x | {stages} |"
         )
     lines += ["", READING]
+    if sharded:
+        lines += [
+            "",
+            "## In shards, one per stage",
+            "",
+            "| profile | Gbit/s | per stage: signals/s sent | shard us per signal (its signals and the messages it "
+            "receives) | messages received per signal | margin per shard | simulated seconds: shards / one scheduler |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r, one in zip(sharded, rows, strict=True):
+            lo = lambda xs, f=".1f": f"{min(xs):{f}}-{max(xs):{f}}"
+            lines.append(
+                f"| {r['profile']} | {r['gbit']:g} | {lo(r['stage_needed_per_s'], ',.0f')} "
+                f"| {lo(r['shard_us_per_signal'])} | {lo(r['shard_messages_per_signal'], '.3f')} "
+                f"| {lo(r['shard_margin'])}x "
+                f"| {r['simulated_s']:.6g} / {one['simulated_s']:.6g} |"
+            )
+        lines += ["", SHARDED]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
     return 0

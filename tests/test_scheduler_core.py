@@ -20,6 +20,7 @@ from sdpipe.core.scheduler import (
     Ready,
     Retune,
     SchedulerPolicy,
+    ShardedScheduler,
     StageScheduler,
     Tick,
 )
@@ -771,3 +772,108 @@ def test_a_graph_sync_starts_earlier_by_the_steps_ready_signals_carry():
     st_.bound.reset()
     st_.bound.since_reset = 20
     assert not st_.needs_graph_sync()
+
+
+# ------------------------------------------------------------------ the scheduler in shards (one per stage)
+
+
+def _sharded_model(stages, pipelines, held, rng, steps, policy, shards=None):
+    """:func:`_pipelines_model` against shards whose messages arrive late and in random orders (FIFO per pair of
+    shards): after each ready signal 0 to 3 queued messages arrive; when no pipeline can move, every message
+    arrives first.  Returns every decided group and the scheduler."""
+    sched = ShardedScheduler(stages, pipelines, policy, shards=shards, immediate=False)
+    step = {p: 10 for p in range(pipelines)}
+    decided, t = [], 0.0
+
+    def ready(s, p, k):
+        nonlocal t, decided
+        t += 0.001
+        decided += sched.ready(s, p, t, False, k)
+        decided += sched.deliver(t, count=rng.randint(0, 3), rng=rng)
+
+    for s in range(stages):
+        for p in range(pipelines):
+            ready(s, p, step[p] - (p in held[s]))
+        for p in sorted(held[s]):
+            ready(s, p, step[p])
+    for _ in range(steps):
+        free = [p for p in range(pipelines) if not any(p in st_.waiting for st_ in sched.stages)]
+        if not free:  # the views behind: every message arrives, then some pipeline must move
+            decided += sched.deliver(t)
+            sched.validate()
+            free = [p for p in range(pipelines) if not any(p in st_.waiting for st_ in sched.stages)]
+        assert free, [(st_.stage, sorted(st_.waiting)) for st_ in sched.stages]
+        p = rng.choice(free)
+        step[p] += 1
+        for s in rng.sample(range(stages), stages):
+            ready(s, p, step[p])
+        sched.validate()
+    decided += sched.deliver(t)
+    sched.validate()
+    return decided, sched
+
+
+@settings(max_examples=150, deadline=None)
+@given(**PIPELINE_SHAPES, graph=st.booleans(), grouped=st.booleans())
+def test_shards_whose_messages_come_late_never_deadlock(stages, pipelines, data, seed, graph, grouped):
+    """The cases of the two tests above (rounds of the allreduce preset, or graph syncs in every stage) with the
+    stages' rounds decided in shards (one per stage, or two shards for all stages) that learn each other's
+    waits only by messages, late and in random orders: no pipeline is ever blocked for good, and every graph
+    sync that closes as one connects its stage."""
+    held = [
+        data.draw(st.sets(st.integers(0, pipelines - 1), max_size=pipelines - 1), label=f"held {s}")
+        for s in range(stages)
+    ]
+    policy = SchedulerPolicy(staleness=1) if graph else POLICY_PRESETS["allreduce"]
+    decided, _ = _sharded_model(
+        stages, pipelines, held, random.Random(seed), 30 * pipelines, policy, shards=2 if grouped else None
+    )
+    since = {s: DisjointSet(range(pipelines)) for s in range(stages)}
+    for g in decided:
+        since[g.stage].union(g.members)
+        if g.reason == "graph":
+            assert since[g.stage].count == 1, g
+            since[g.stage] = DisjointSet(range(pipelines))
+
+
+@settings(max_examples=60, deadline=None)
+@given(**PIPELINE_SHAPES)
+def test_shards_keep_the_allreduce_groups_whole_when_ready_signals_are_in_step(stages, pipelines, data, seed):
+    """Ready signals in line: however late the shards' messages, no round is closed early (no cycle that is not
+    there is ever broken)."""
+    same = data.draw(st.sets(st.integers(0, pipelines - 1), max_size=pipelines - 1))
+    decided, _ = _sharded_model(
+        stages, pipelines, [same] * stages, random.Random(seed), 30 * pipelines, POLICY_PRESETS["allreduce"]
+    )
+    assert decided and all(g.reason == "full" and len(g.members) == pipelines for g in decided), decided
+
+
+def test_a_cycle_across_shards_is_broken_by_the_shard_of_its_first_opened_round():
+    """The case of ``test_a_cycle_of_rounds_across_stages_closes_the_first_opened`` in two shards: the cycle
+    closes with stage 1's ready signal; stage 0's shard breaks it once stage 1's edge reaches it, and its
+    message that the round closed reaches stage 1's shard."""
+    sched = ShardedScheduler(2, 2, POLICY_PRESETS["allreduce"], immediate=False)
+    for s, p, t, k in ((0, 0, 0.0, 5), (0, 1, 0.1, 2), (1, 0, 0.2, 6), (1, 1, 0.3, 1), (0, 0, 0.4, 6)):
+        sched.ready(s, p, t, False, k)
+    sched.deliver(0.4)
+    assert sched.ready(1, 1, 0.5, False, 2) == []  # stage 1's shard sees the cycle, but it is not its round's to break
+    [g] = sched.deliver(0.6)
+    assert (g.stage, g.members, g.reason) == (0, (0,), "preempted")
+    assert sched.stages[1].waiting == {1} and sched.stages[0].open is None and sched.pending() == 0
+    assert sched.shards[1].remote == {} and sched.sent > 0
+    sched.validate()
+
+
+@settings(max_examples=100, deadline=None)
+@given(**PIPELINE_SHAPES, graph=st.booleans())
+def test_shards_whose_messages_arrive_at_once_decide_the_groups_of_one_scheduler(stages, pipelines, data, seed, graph):
+    """The cycle tests' cases on one scheduler and on shards whose messages arrive at once: the same groups (each
+    stage's, in its order; the preempted rounds included)."""
+    held = [data.draw(st.sets(st.integers(0, pipelines - 1), max_size=pipelines - 1)) for _ in range(stages)]
+    policy = SchedulerPolicy(staleness=1) if graph else POLICY_PRESETS["allreduce"]
+    runs = [
+        _pipelines_model(sched, stages, pipelines, held, random.Random(seed), 20 * pipelines)
+        for sched in (GroupScheduler(stages, pipelines, policy), ShardedScheduler(stages, pipelines, policy))
+    ]
+    by_stage = [sorted((g.stage, g.round, g.members, g.reason) for g in run) for run in runs]
+    assert by_stage[0] == by_stage[1]
