@@ -57,6 +57,13 @@ class RunResult:
         """The pipelines that ran to the end."""
         return [p for p in range(len(self.models)) if self.models[p] is not None]
 
+    def attribution(self, since: Optional[float] = None, until: Optional[float] = None):
+        """Where each worker's time went (:func:`sdpipe.attribution.attribute`), between ``since`` and ``until``
+        seconds of the run's clock if given."""
+        from sdpipe.attribution import attribute
+
+        return attribute(self.events, since=since, until=until)
+
     def max_param_diff(self) -> float:
         """Largest absolute difference of any parameter between the first finished pipeline and the others."""
         models = [m for m in self.models if m is not None]

@@ -267,6 +267,17 @@ class Run(Steering, Elastic):
         """Per-epoch, per-pipeline metrics received so far."""
         return history(self.events)
 
+    def attribution(self, last: Optional[float] = None):
+        """Where each worker's time went so far (:func:`sdpipe.attribution.attribute`): compute, pipeline bubble,
+        waiting for its group, averaging, ...; ``last``: only the last this many seconds.  ``print()`` it for a
+        table and the bottleneck in one sentence."""
+        from sdpipe.attribution import attribute
+
+        if last is not None and (not isinstance(last, (int, float)) or last <= 0):
+            raise ValueError(f"last: must be a number of seconds > 0, got {last!r}")
+        since = None if last is None else time.time() - self.t0 - last
+        return attribute(self.events, since=since)
+
     def done(self) -> bool:
         return self._done.is_set()
 

@@ -1,0 +1,313 @@
+"""Where each worker's time goes, from a run's own records, and whom it waited on.
+
+:func:`attribute` splits every worker's wall time (from its first span to its last, within an optional window
+of the run's clock) into
+
+``compute``
+    forward, backward and optimizer spans, and an emulated slowdown's or a straggle's sleep (the worker's own,
+    slower work; its part is also given apart as ``slowdown``);
+``bubble``
+    waiting for a neighbour stage of its pipeline: receiving activations or gradients (the transfer included:
+    on gloo the two are one call), sending them, and waiting for the step's control message;
+``group``
+    waiting for its group or collective: the service's answer, an overlapped averaging still running, and the
+    part of a blocking averaging (an all-reduce, a group's average) spent waiting for the last member to come;
+``averaging``
+    the rest of a blocking averaging: the duration of the collective for the member that came last (who waited
+    for nobody);
+``eval``
+    evaluation and checkpoint saves;
+``paused``
+    the run held by the user;
+``other``
+    what no span covers (Python between spans, the event loop, bookkeeping).
+
+Spans are laid on the worker's time line with the first of those categories winning where two overlap, so
+the shares add up to the wall time exactly.  An overlapped averaging (``lane="background"``) runs beside the
+compute in its own thread: it is no share of the wall time, and is given apart (``background``).
+
+Whom it waited on: a receive waits for the neighbour the next span's direction names (a forward's activations
+come from the stage before, a backward's gradients from the stage after); the control message from the stage
+before; a group's wait for the member that came last (the latest to start its part of the same round or
+collective).  :attr:`Attribution.bottleneck` puts it in one sentence: the pipeline the others waited for
+longest in groups (a straggler), or the stage its neighbours waited for longest (a heavy stage).
+
+A real run's records (:meth:`sdpipe.Run.attribution`, :meth:`sdpipe.RunResult.attribution`).  A simulated
+run's result takes the call too, but its records hold no waits, receives or slowdown sleeps yet: its idle time
+shows as ``other``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["CATEGORIES", "Attribution", "attribute"]
+
+#: the categories of a worker's time, in the order shares are drawn and overlaps resolved (the first one wins)
+CATEGORIES = ("paused", "eval", "group", "averaging", "bubble", "compute", "other")
+
+#: a share of the others' time below which nobody is named the bottleneck
+NAMED_ABOVE = 0.05
+
+_KIND = {
+    "forward": "compute",
+    "backward": "compute",
+    "optimizer": "compute",
+    "straggle": "compute",
+    "recv": "bubble",
+    "send": "bubble",
+    "pause": "paused",
+    "eval": "eval",
+    "save": "eval",
+}
+_RANK = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+@dataclass
+class Attribution:
+    """Every worker's time by category (:data:`CATEGORIES`), per stage the spread, and the bottleneck.
+
+    ``workers``: one dict per worker, ``pipeline``, ``stage``, ``wall`` (seconds), each category's seconds,
+    ``slowdown`` (seconds of emulated slowdown and straggles, inside ``compute``), ``background`` (overlapped
+    averaging beside it) and ``waited_on``: ``{(pipeline, stage): seconds}`` it waited for each other worker."""
+
+    workers: list
+    bottleneck: str
+    named: Optional[dict] = None  # {"pipeline" or "stage": id, "share": of the others' time, "how": "group"|"bubble"}
+    window: tuple = field(default=(None, None))
+
+    def share(self, pipeline: int, stage: int, category: str) -> float:
+        """One worker's share of its wall time in ``category``."""
+        for w in self.workers:
+            if (w["pipeline"], w["stage"]) == (pipeline, stage):
+                return w[category] / w["wall"] if w["wall"] > 0 else 0.0
+        raise KeyError(f"worker: no records of pipeline {pipeline} stage {stage}")
+
+    def per_stage(self) -> list:
+        """Per stage and category: the minimum, median and maximum share over its workers."""
+        out = []
+        for s in sorted({w["stage"] for w in self.workers}):
+            ws = [w for w in self.workers if w["stage"] == s and w["wall"] > 0]
+            row = {"stage": s}
+            for c in CATEGORIES:
+                xs = [w[c] / w["wall"] for w in ws]
+                row[c] = (min(xs), statistics.median(xs), max(xs)) if xs else (0.0, 0.0, 0.0)
+            out.append(row)
+        return out
+
+    def table(self) -> str:
+        """Every worker's shares as a text table (what a notebook prints), the bottleneck under it."""
+        cols = [c for c in CATEGORIES if any(w[c] > 0 for w in self.workers)]
+        head = f"{'pipeline':>8} {'stage':>5} {'wall s':>7} " + " ".join(f"{c:>9}" for c in cols)
+        lines = [head]
+        for w in sorted(self.workers, key=lambda w: (w["pipeline"], w["stage"])):
+            shares = " ".join(f"{w[c] / w['wall'] if w['wall'] else 0:>9.1%}" for c in cols)
+            lines.append(f"{w['pipeline']:>8} {w['stage']:>5} {w['wall']:>7.2f} {shares}")
+        return "\n".join([*lines, "", self.bottleneck])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython
+        p.text(self.table())
+
+
+def _collective(e: dict) -> tuple:
+    """The round or collective a sync or group wait belongs to: (stage, round) when the service named one, else
+    the stage, step and members (an all-reduce of one step)."""
+    if e.get("round") is not None:
+        return (e["stage"], "round", e["round"])
+    return (e["stage"], "step", e["step"], tuple(e.get("group") or ()))
+
+
+def attribute(events: list, since: Optional[float] = None, until: Optional[float] = None) -> Attribution:
+    """Attribute every worker's time in ``events`` (a run's records) between ``since`` and ``until`` (seconds on
+    the run's clock; None: from each worker's first span, to its last).  See the module docstring."""
+    spans = defaultdict(list)
+    for e in events:
+        p, s = e.get("pipeline"), e.get("stage")
+        if p is None or s is None or e.get("start") is None or e["end"] <= e["start"]:
+            continue
+        if e["kind"] in _KIND or e["kind"] in ("wait", "sync"):
+            spans[(p, s)].append(e)
+    # a blocking averaging: the last member to come waited for nobody; the others waited for it
+    members = defaultdict(list)
+    for key, es in spans.items():
+        for e in es:
+            if e["kind"] == "sync" and e.get("lane") != "background":
+                members[_collective(e)].append((e, key))
+    last_in = {}
+    for c, ms in members.items():
+        last = max(ms, key=lambda m: m[0]["start"])
+        last_in[c] = (last[1], last[0]["end"] - last[0]["start"])
+    group_waits = defaultdict(list)  # a round's waits, to find who came last
+    for key, es in spans.items():
+        for e in es:
+            if (e["kind"] == "wait" and e.get("what") in ("group", "drain")) or e["kind"] == "sync":
+                group_waits[_collective(e)].append((e["start"], key))
+    workers = []
+    for key, es in sorted(spans.items()):
+        workers.append(_one(key, sorted(es, key=lambda e: e["start"]), since, until, last_in, group_waits))
+    workers = [w for w in workers if w["wall"] > 0]
+    named, sentence = _bottleneck(workers)
+    return Attribution(workers, sentence, named, (since, until))
+
+
+def _one(key, es, since, until, last_in, group_waits) -> dict:
+    """One worker: its categories by a sweep over its spans (clipped to the window), and whom it waited on."""
+    p, s = key
+    pieces = []  # (start, end, category)
+    waited = defaultdict(float)
+    slowdown = background = 0.0
+    for i, e in enumerate(es):
+        a, b = e["start"], e["end"]
+        if since is not None:
+            a = max(a, since)
+        if until is not None:
+            b = min(b, until)
+        if b <= a:
+            continue
+        kind = e["kind"]
+        if kind == "sync":
+            if e.get("lane") == "background":
+                background += b - a
+                continue
+            c = _collective(e)
+            last, pure = last_in.get(c, (key, b - a))
+            pure = min(pure, b - a)
+            if last != key and b - a > pure:
+                pieces.append((a, b - pure, "group"))
+                waited[last] += b - a - pure
+            pieces.append((max(a, b - pure), b, "averaging"))
+            continue
+        if kind == "wait":
+            if e.get("what") in ("group", "drain"):
+                pieces.append((a, b, "group"))
+                others = [m for m in group_waits.get(_collective(e), []) if m[1] != key]
+                if others:
+                    waited[max(others)[1]] += b - a
+            else:  # the control message from the stage before
+                pieces.append((a, b, "bubble"))
+                waited[(p, s - 1)] += b - a
+            continue
+        cat = _KIND[kind]
+        pieces.append((a, b, cat))
+        if kind == "straggle":
+            slowdown += b - a
+        elif kind == "recv":
+            nxt = next((x["kind"] for x in es[i + 1 :] if x["kind"] in ("forward", "backward")), "forward")
+            waited[(p, s - 1 if nxt == "forward" else s + 1)] += b - a
+    out = {"pipeline": p, "stage": s, **dict.fromkeys(CATEGORIES, 0.0)}
+    if not pieces:
+        return out | {"wall": 0.0, "slowdown": 0.0, "background": background, "waited_on": {}}
+    start, end = min(x[0] for x in pieces), max(x[1] for x in pieces)
+    # the sweep: at every instant the first category (CATEGORIES' order) of the spans covering it
+    cuts = sorted({x[0] for x in pieces} | {x[1] for x in pieces})
+    by_start = sorted(pieces)
+    active, j = [], 0
+    for t0, t1 in itertools.pairwise(cuts):
+        while j < len(by_start) and by_start[j][0] <= t0:
+            active.append(by_start[j])
+            j += 1
+        active = [x for x in active if x[1] > t0]
+        if active:
+            out[min(active, key=lambda x: _RANK[x[2]])[2]] += t1 - t0
+        else:
+            out["other"] += t1 - t0
+    return out | {
+        "wall": end - start,
+        "slowdown": slowdown,
+        "background": background,
+        "waited_on": {k: v for k, v in waited.items() if k != key},
+    }
+
+
+def _waits_on(ws: list, key) -> float:
+    """The share of ``ws``'s wall time spent waiting on the workers ``key(w, (pipeline, stage))`` picks."""
+    wall = sum(w["wall"] for w in ws)
+    return sum(v for w in ws for k, v in w["waited_on"].items() if key(w, k)) / wall if wall else 0.0
+
+
+def _own(ws: list, category: str) -> float:
+    wall = sum(w["wall"] for w in ws)
+    return sum(w[category] for w in ws) / wall if wall else 0.0
+
+
+def _bottleneck(workers: list) -> tuple:
+    """Who holds the others back, scored by the others' share of time waiting on it less its own share of such
+    waits (where a pipeline's stages all wait for each other's hand-offs, none is the slow one): a pipeline the
+    other pipelines wait for in groups (a straggler); in each pipeline, the stage its other stages wait for; a
+    stage that is that one in every pipeline (a heavy stage).  The best score above :data:`NAMED_ABOVE` is
+    named, with the others' waits in groups when it is one pipeline's stage."""
+    if not workers:
+        return None, "no worker's spans recorded yet"
+    pipelines = sorted({w["pipeline"] for w in workers})
+    candidates = []
+    group_share = {}
+    for p in pipelines:
+        others = [w for w in workers if w["pipeline"] != p]
+        on = _waits_on(others, lambda w, k, p=p: k == (p, w["stage"]))
+        group_share[p] = on
+        if len(pipelines) > 1:
+            mine = [w for w in workers if w["pipeline"] == p]
+            candidates.append({"pipeline": p, "share": on, "score": on - _own(mine, "group"), "how": "group"})
+    slowest = {}  # per pipeline, the stage its other stages wait for most (net of its own waits)
+    for p in pipelines:
+        best = None
+        for s in sorted({w["stage"] for w in workers if w["pipeline"] == p}):
+            others = [w for w in workers if w["pipeline"] == p and w["stage"] != s]
+            if not others:
+                continue
+            on = _waits_on(others, lambda w, k, s=s: k == (w["pipeline"], s))
+            me = [w for w in workers if (w["pipeline"], w["stage"]) == (p, s)]
+            c = {"pipeline": p, "stage": s, "share": on, "score": on - _own(me, "bubble"), "how": "bubble"}
+            if best is None or c["score"] > best["score"]:
+                best = c
+        if best is not None:
+            slowest[p] = best
+            candidates.append(best | {"groups": group_share[p]})
+    stages = {c["stage"] for c in slowest.values()}
+    if len(pipelines) > 1 and len(slowest) == len(pipelines) and len(stages) == 1:
+        if min(c["score"] for c in slowest.values()) >= NAMED_ABOVE:  # the same stage in every pipeline
+            (s,) = stages
+            share = statistics.mean(c["share"] for c in slowest.values())
+            score = min(c["score"] for c in slowest.values()) + 1.0  # ahead of any one pipeline's
+            candidates.append({"stage": s, "share": share, "score": score, "how": "stage"})
+    total = {c: sum(w[c] for w in workers) for c in CATEGORIES}
+    wall = sum(w["wall"] for w in workers)
+    if not candidates or max(c["score"] for c in candidates) < NAMED_ABOVE:
+        main = max(CATEGORIES, key=lambda c: total[c])
+        waiting = (total["group"] + total["bubble"]) / wall
+        return None, (
+            f"no worker holds the others back; the workers wait {_pct(waiting)} of their time for each other "
+            f"(pipeline hand-offs {_pct(total['bubble'] / wall)}, groups {_pct(total['group'] / wall)}), "
+            f"and the largest share is {main} ({_pct(total[main] / wall)})"
+        )
+    named = max(candidates, key=lambda c: c["score"])
+    if named["how"] == "group":
+        return named, (
+            f"pipeline {named['pipeline']} is the straggler: the other pipelines wait {_pct(named['share'])} of their "
+            "time in groups that include it"
+        )
+    if named["how"] == "stage":
+        return named, (
+            f"stage {named['stage']} is the bottleneck: in every pipeline the other stages wait {_pct(named['share'])} "
+            "of their time for its activations or gradients"
+        )
+    groups = (
+        f"; the other pipelines wait {_pct(named['groups'])} of their time in groups that include it"
+        if len(pipelines) > 1
+        else ""
+    )
+    return named, (
+        f"pipeline {named['pipeline']} is slow at stage {named['stage']}: its other stages wait "
+        f"{_pct(named['share'])} of their time for it{groups}"
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
