@@ -452,9 +452,6 @@ class Training:
         batch = None if stop or leave else w.policy.next_batch(w, epoch, j)
         op = Op.STOP if stop else Op.LEAVE if leave else (Op.EPOCH_END if batch is None else Op.RUN)
         mv = w.ctl.seen
-        # versions only move on: under a coupled policy the step's collective may have agreed on a version this
-        # stage's reading (up to CTL_MAX_AGE old) does not show yet; a switch it took is never taken back
-        hv, pv = max(hv, w.hetero_version), max(pv, w.policy_version)
         return w.ctl.exchange(ControlMessage(op, epoch, self.step, -1 if batch is None else batch, hv, pv, mv))
 
     def _train(self, epoch: int, batch: int) -> Optional[float]:

@@ -68,19 +68,25 @@ def _holds(st: StageScheduler) -> bool:
     return r is not None and (r.graph or r.deadline == math.inf)
 
 
+def _held_steps(st: StageScheduler) -> dict:
+    """``{member: the step it is held at}`` of ``st``'s open round (members without a step are never waited on)."""
+    last = st._last_step
+    return {v: last[v] for v in st.open.members if v in last}
+
+
+def _blocks(a: StageScheduler, v: int, k: int) -> bool:
+    """Whether ``a``'s round waits for ``v`` whose sibling is held in another stage's round at step ``k``, which
+    ``a``'s worker ``v`` already reached (so ``v`` cannot come before that round closes)."""
+    if v in a.waiting or v in a.global_waiting or v not in a.live:
+        return False
+    last = a._last_step.get(v)
+    return last is not None and last >= k
+
+
 def _waited(a: StageScheduler, b: StageScheduler) -> set:
     """The pipelines ``a``'s round waits for whose worker in ``b`` is held in ``b``'s round at a step ``a``'s
     worker already reached (both rounds without a deadline)."""
-    out, last_a, last_b = set(), a._last_step, b._last_step
-    waiting, gone, live = a.waiting, a.global_waiting, a.live
-    for v in b.open.members:
-        k = last_b.get(v)
-        if k is None or v in waiting or v in gone or v not in live:
-            continue
-        last = last_a.get(v)
-        if last is not None and last >= k:
-            out.add(v)
-    return out
+    return {v for v, k in _held_steps(b).items() if _blocks(a, v, k)}
 
 
 def _stage_of(event) -> int:
@@ -218,11 +224,7 @@ class GroupScheduler:
             if b == a:
                 continue
             self._wit[(a, b)].discard(w)
-            other = self.stages[b]
-            if k is None or w in other.waiting or w in other.global_waiting or w not in other.live:
-                continue
-            last = other._last_step.get(w)
-            if last is not None and last >= k:
+            if k is not None and _blocks(self.stages[b], w, k):
                 self._wit[(b, a)].add(w)
 
     def _rebuild(self) -> None:

@@ -19,7 +19,7 @@ stages' rounds alone and tells every other shard, by plain messages, only about 
     when that set changes).
 
 A shard keeps the other shards' held rounds and edges as told, and its own stages' waits on every held round
-(the rule of :func:`~sdpipe.core.scheduler.group._waited`, kept as events and messages come).  When the waits it
+(the rule of :func:`~sdpipe.core.scheduler.group._blocks`, kept as events and messages come).  When the waits it
 knows form a cycle, the shard owning the cycle's first-opened round closes it ("preempted"); the others leave it
 to that shard.  Messages between two shards must arrive in the order sent (one stream each way); they may arrive
 any time later.  A cycle of rounds that wait on each other is stable (none of its waited workers can come), so
@@ -36,26 +36,12 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from sdpipe.core.scheduler.group import DEFAULT_POLICY, _cycle, _holds, bounds_of
+from sdpipe.core.scheduler.group import DEFAULT_POLICY, _blocks, _cycle, _held_steps, _holds, bounds_of
 from sdpipe.core.scheduler.policy import SchedulerPolicy
 from sdpipe.core.scheduler.signals import Event, Hurry, Join, Lost, Ready, Retune, Tick
 from sdpipe.core.scheduler.stage import StageScheduler
 
 __all__ = ["ShardedScheduler", "StageShard"]
-
-
-def _held_steps(st: StageScheduler) -> dict:
-    """``{member: the step it is held at}`` of ``st``'s open round (members without a step are never waited on)."""
-    last = st._last_step
-    return {v: last[v] for v in st.open.members if v in last}
-
-
-def _blocks(a: StageScheduler, v: int, k: int) -> bool:
-    """Whether ``a``'s round waits for ``v`` whose sibling is held elsewhere at step ``k`` ``a``'s ``v`` reached."""
-    if v in a.waiting or v in a.global_waiting or v not in a.live:
-        return False
-    last = a._last_step.get(v)
-    return last is not None and last >= k
 
 
 class StageShard:
@@ -215,18 +201,16 @@ class StageShard:
         return self._after(now)
 
     # ---------------------------------------------------------------- edges and cycles
-    def _edges(self) -> dict:
-        """The waits between held rounds this shard knows (an edge to a round that closed since is left out)."""
-        rounds = self._rounds()
+    def _edges(self, rounds: dict) -> dict:
+        """The waits between held rounds this shard knows (``rounds``: :meth:`_rounds`; an edge to a round that
+        closed since is left out)."""
         edges: dict = {}
         for (a, b), who in self.wit.items():
             if who:
                 edges.setdefault(a, set()).add(b)
         for b, (_, targets) in self.remote_edges.items():
             for c, r in targets.items():
-                if c not in self.local and rounds.get(c, (None,))[0] == r:
-                    edges.setdefault(b, set()).add(c)
-                elif c in self.held and self.held[c] == r:
+                if rounds.get(c, (None,))[0] == r:
                     edges.setdefault(b, set()).add(c)
         return edges
 
@@ -239,7 +223,7 @@ class StageShard:
             if self._sent.get(a) != targets:
                 self._sent[a] = targets
                 self.outbox.append(["edges", a, self.held[a], dict(targets)])
-        cycle = _cycle(self._edges()) if len(rounds) > 1 else []
+        cycle = _cycle(self._edges(rounds)) if len(rounds) > 1 else []
         if not cycle:
             return []
         first = min(cycle, key=lambda s: (rounds[s][1], s))
@@ -272,14 +256,12 @@ class ShardedScheduler:
         n = stages if shards is None else max(1, min(int(shards), stages))
         self.shards = [StageShard(range(i, stages, n), pipelines, policy) for i in range(n)]
         self.owner = {s: sh for sh in self.shards for s in sh.local}
+        #: every stage's scheduler, by stage (as ``GroupScheduler.stages``)
+        self.stages = [self.owner[s].local[s] for s in range(stages)]
         self.queues = {(i, j): [] for i in range(n) for j in range(n) if i != j}
         self.immediate = immediate
         self.policy = policy
         self.sent = 0  # messages sent between shards
-
-    @property
-    def stages(self) -> list:
-        return [self.owner[s].local[s] for s in sorted(self.owner)]
 
     def _post(self, i: int) -> None:
         sh = self.shards[i]
