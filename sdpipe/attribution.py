@@ -134,21 +134,21 @@ def attribute(events: list, since: Optional[float] = None, until: Optional[float
             continue
         if e["kind"] in _KIND or e["kind"] in ("wait", "sync"):
             spans[(p, s)].append(e)
-    # a blocking averaging: the last member to come waited for nobody; the others waited for it
-    members = defaultdict(list)
+    # a blocking averaging: the last member to come waited for nobody; the others waited for it.  A round's or
+    # collective's waits and syncs, to find who came last
+    members, group_waits = defaultdict(list), defaultdict(list)
     for key, es in spans.items():
         for e in es:
-            if e["kind"] == "sync" and e.get("lane") != "background":
-                members[_collective(e)].append((e, key))
+            kind = e["kind"]
+            if kind == "sync" or (kind == "wait" and e.get("what") in ("group", "drain")):
+                c = _collective(e)
+                group_waits[c].append((e["start"], key))
+                if kind == "sync" and e.get("lane") != "background":
+                    members[c].append((e, key))
     last_in = {}
     for c, ms in members.items():
         last = max(ms, key=lambda m: m[0]["start"])
         last_in[c] = (last[1], last[0]["end"] - last[0]["start"])
-    group_waits = defaultdict(list)  # a round's waits, to find who came last
-    for key, es in spans.items():
-        for e in es:
-            if (e["kind"] == "wait" and e.get("what") in ("group", "drain")) or e["kind"] == "sync":
-                group_waits[_collective(e)].append((e["start"], key))
     workers = []
     for key, es in sorted(spans.items()):
         workers.append(_one(key, sorted(es, key=lambda e: e["start"]), since, until, last_in, group_waits))
@@ -163,6 +163,12 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
     pieces = []  # (start, end, category)
     waited = defaultdict(float)
     slowdown = background = 0.0
+    ahead, nxt = [], "forward"  # per span, the kind of the next forward or backward after it (one pass back)
+    for e in reversed(es):
+        ahead.append(nxt)
+        if e["kind"] in ("forward", "backward"):
+            nxt = e["kind"]
+    ahead.reverse()
     for i, e in enumerate(es):
         a, b = e["start"], e["end"]
         if since is not None:
@@ -199,8 +205,7 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
         if kind == "straggle":
             slowdown += b - a
         elif kind == "recv":
-            nxt = next((x["kind"] for x in es[i + 1 :] if x["kind"] in ("forward", "backward")), "forward")
-            waited[(p, s - 1 if nxt == "forward" else s + 1)] += b - a
+            waited[(p, s - 1 if ahead[i] == "forward" else s + 1)] += b - a
     out = {"pipeline": p, "stage": s, **dict.fromkeys(CATEGORIES, 0.0)}
     if not pieces:
         return out | {"wall": 0.0, "slowdown": 0.0, "background": background, "waited_on": {}}
