@@ -188,9 +188,11 @@ def test_removing_a_pipeline_hands_its_batches_to_the_others(data, policy, tmp_p
         ).result(timeout=300)
     finally:
         close(lc, client)
-    # every pipeline of the resumed run starts from the checkpoint's weights: as good as the run it resumes
+    # every pipeline of the resumed run starts from the checkpoint's weights: as good as the run it resumes (its
+    # pipelines' last epoch; under none each pipeline's model is its own, and they differ by a few points)
     assert resumed.finished_pipelines == [0, 1, 2] and {h["epoch"] for h in resumed.history} == {5}
-    assert min(h["accuracy"] for h in resumed.history) >= result.history[-1]["accuracy"] - 0.05
+    last = [h["accuracy"] for h in result.history if h["epoch"] == 4]
+    assert min(h["accuracy"] for h in resumed.history) >= min(last) - 0.05, (resumed.history, last)
     assert_records_valid(result.events)
     assert list(result.left) == [1] and result.models[1] is None and result.lost == {}
     assert result.finished_pipelines == [0, 2] and not result.stopped
