@@ -11,6 +11,7 @@ from sdpipe.driver.cluster import close as close_cluster
 from sdpipe.driver.run import Run, RunError, RunResult
 from sdpipe.driver.train import train
 from sdpipe.simulation import Costs, Network, Proxy, calibrate, profiles, simulate, spot_trace
+from sdpipe.trace_export import export_trace
 
 __all__ = [
     "Checkpoint",
@@ -24,6 +25,7 @@ __all__ = [
     "TrainConfig",
     "calibrate",
     "close_cluster",
+    "export_trace",
     "load_checkpoint",
     "partition",
     "profiles",

@@ -39,13 +39,14 @@ shows as ``other``.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["CATEGORIES", "Attribution", "attribute"]
+__all__ = ["CATEGORIES", "CATEGORY_OF", "Attribution", "attribute"]
 
 #: the categories of a worker's time, in the order shares are drawn and overlaps resolved (the first one wins)
 CATEGORIES = ("paused", "eval", "group", "averaging", "bubble", "compute", "other")
@@ -53,7 +54,8 @@ CATEGORIES = ("paused", "eval", "group", "averaging", "bubble", "compute", "othe
 #: a share of the others' time below which nobody is named the bottleneck
 NAMED_ABOVE = 0.05
 
-_KIND = {
+#: a span's kind -> its category (a ``wait`` or ``sync`` is ``group``, ``bubble`` or ``averaging`` by its fields)
+CATEGORY_OF = {
     "forward": "compute",
     "backward": "compute",
     "optimizer": "compute",
@@ -79,6 +81,18 @@ class Attribution:
     bottleneck: str
     named: Optional[dict] = None  # {"pipeline" or "stage": id, "share": of the others' time, "how": "group"|"bubble"}
     window: tuple = field(default=(None, None))
+    path: list = field(default_factory=list)
+    """The critical path: the chain of work the window's last step waited on, back to the window's start,
+    ``(pipeline, stage, category, start, end)`` in time order (see :meth:`on_path`)."""
+
+    def on_path(self) -> list:
+        """The critical path's seconds per worker and category, the most first:
+        ``[((pipeline, stage, category), seconds, share of the path)]``."""
+        total = defaultdict(float)
+        for p, s, cat, a, b in self.path:
+            total[(p, s, cat)] += b - a
+        length = sum(total.values())
+        return [(k, v, v / length) for k, v in sorted(total.items(), key=lambda kv: -kv[1])] if length else []
 
     def share(self, pipeline: int, stage: int, category: str) -> float:
         """One worker's share of its wall time in ``category``."""
@@ -107,7 +121,13 @@ class Attribution:
         for w in sorted(self.workers, key=lambda w: (w["pipeline"], w["stage"])):
             shares = " ".join(f"{w[c] / w['wall'] if w['wall'] else 0:>9.1%}" for c in cols)
             lines.append(f"{w['pipeline']:>8} {w['stage']:>5} {w['wall']:>7.2f} {shares}")
-        return "\n".join([*lines, "", self.bottleneck])
+        top = self.on_path()[:3]
+        path = (
+            "critical path: " + ", ".join(f"pipeline {p} stage {s} {cat} {share:.0%}" for (p, s, cat), _, share in top)
+            if top
+            else ""
+        )
+        return "\n".join([*lines, "", self.bottleneck, *([path] if path else [])])
 
     def __str__(self) -> str:
         return self.table()
@@ -132,7 +152,7 @@ def attribute(events: list, since: Optional[float] = None, until: Optional[float
         p, s = e.get("pipeline"), e.get("stage")
         if p is None or s is None or e.get("start") is None or e["end"] <= e["start"]:
             continue
-        if e["kind"] in _KIND or e["kind"] in ("wait", "sync"):
+        if e["kind"] in CATEGORY_OF or e["kind"] in ("wait", "sync"):
             spans[(p, s)].append(e)
     # a blocking averaging: the last member to come waited for nobody; the others waited for it.  A round's or
     # collective's waits and syncs, to find who came last
@@ -150,11 +170,73 @@ def attribute(events: list, since: Optional[float] = None, until: Optional[float
         last = max(ms, key=lambda m: m[0]["start"])
         last_in[c] = (last[1], last[0]["end"] - last[0]["start"])
     workers = []
-    for key, es in sorted(spans.items()):
-        workers.append(_one(key, sorted(es, key=lambda e: e["start"]), since, until, last_in, group_waits))
+    ordered = {key: sorted(es, key=lambda e: e["start"]) for key, es in sorted(spans.items())}
+    for key, es in ordered.items():
+        workers.append(_one(key, es, since, until, last_in, group_waits))
     workers = [w for w in workers if w["wall"] > 0]
     named, sentence = _bottleneck(workers)
-    return Attribution(workers, sentence, named, (since, until))
+    path = _critical_path(ordered, since, until, last_in, group_waits)
+    return Attribution(workers, sentence, named, (since, until), path)
+
+
+def _critical_path(ordered: dict, since, until, last_in, group_waits) -> list:
+    """The chain of work the window's last step waited on, walked back from the latest span's end: on a worker,
+    its span before the time reached (a gap: ``other``); a receive jumps to the neighbour it waited for, the
+    control message's wait to the stage before, a group's wait or a blocking averaging's wait to the member
+    that came last; until the window's start.  ``[(pipeline, stage, category, start, end)]`` in time order."""
+    lanes = {k: [e for e in es if e.get("lane") != "background"] for k, es in ordered.items()}
+    lanes = {k: v for k, v in lanes.items() if v}
+    if not lanes:
+        return []
+    starts = {k: [e["start"] for e in es] for k, es in lanes.items()}
+    ahead = {}
+    for k, es in lanes.items():  # the direction of each receive: the next forward or backward
+        nxt, out = "forward", []
+        for e in reversed(es):
+            out.append(nxt)
+            if e["kind"] in ("forward", "backward"):
+                nxt = e["kind"]
+        ahead[k] = out[::-1]
+    ends = [(es[-1]["end"], k) for k, es in lanes.items()]
+    t, key = max(ends) if until is None else max((min(e, until), k) for e, k in ends)
+    lo = since if since is not None else min(es[0]["start"] for es in lanes.values())
+    path, seen = [], set()
+    while t > lo and len(path) < 1_000_000:
+        i = bisect.bisect_left(starts[key], t) - 1
+        if i < 0:
+            break
+        e = lanes[key][i]
+        if e["end"] < t:  # nothing recorded between its end and t
+            path.append((*key, "other", max(e["end"], lo), t))
+            t = e["end"]
+            continue
+        kind, (p, s) = e["kind"], key
+        jump = None
+        if kind == "recv":
+            jump = (p, s - 1 if ahead[key][i] == "forward" else s + 1)
+            cat = "bubble"
+        elif kind == "wait" and e.get("what") in ("group", "drain"):
+            others = [m for m in group_waits.get(_collective(e), []) if m[1] != key]
+            jump, cat = (max(others)[1] if others else None), "group"
+        elif kind == "wait":
+            jump, cat = (p, s - 1), "bubble"
+        elif kind == "sync":
+            last, pure = last_in.get(_collective(e), (key, t - e["start"]))
+            if last != key and t - e["start"] > pure:  # it waited for the last member, then averaged
+                path.append((*key, "averaging", max(t - pure, lo), t))
+                t, jump, cat = t - pure, last, "group"
+            else:
+                jump, cat = None, "averaging"
+        else:
+            cat = CATEGORY_OF[kind]
+        if jump is not None and jump in lanes and (jump, t) not in seen:
+            seen.add((jump, t))
+            key = jump
+            continue
+        path.append((*key, cat, max(e["start"], lo), t))
+        t = e["start"]
+    path.reverse()
+    return [x for x in path if x[4] > x[3]]
 
 
 def _one(key, es, since, until, last_in, group_waits) -> dict:
@@ -200,7 +282,7 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
                 pieces.append((a, b, "bubble"))
                 waited[(p, s - 1)] += b - a
             continue
-        cat = _KIND[kind]
+        cat = CATEGORY_OF[kind]
         pieces.append((a, b, cat))
         if kind == "straggle":
             slowdown += b - a

@@ -36,6 +36,9 @@ def test_an_allreduce_waits_for_its_last_member_and_names_it():
     assert w1["compute"] == pytest.approx(0.9) and w1["slowdown"] == pytest.approx(0.8) and w1["group"] == 0
     assert att.named["pipeline"] == 1 and att.named["how"] == "group"
     assert att.bottleneck.startswith("pipeline 1 is the straggler: the other pipelines wait 80% of their time")
+    # the critical path: pipeline 1's forward and sleep, then the averaging; pipeline 0's wait is not on it
+    assert [(p, s, c) for p, s, c, _, _ in att.path] == [(1, 0, "compute"), (1, 0, "compute"), (1, 0, "averaging")]
+    assert att.on_path()[0] == ((1, 0, "compute"), pytest.approx(0.9), pytest.approx(0.9))
 
 
 def test_a_heavy_stage_is_what_its_neighbours_wait_for():
@@ -63,6 +66,12 @@ def test_a_heavy_stage_is_what_its_neighbours_wait_for():
     assert first["waited_on"][(0, 1)] == pytest.approx(3 * 0.89)  # its receives come before backwards
     assert (att.named["pipeline"], att.named["stage"]) == (0, 1)
     assert att.bottleneck.startswith("pipeline 0 is slow at stage 1: its other stages wait")
+    # the critical path runs through stage 1's compute (0.88 s of every second), its hand-offs between, and
+    # covers the whole window without a gap or an overlap
+    assert att.on_path()[0] == ((0, 1, "compute"), pytest.approx(3 * 0.88), pytest.approx(0.88))
+    assert att.path[0][3] == 0.0 and att.path[-1][4] == 3.0
+    assert all(a[4] == pytest.approx(b[3]) for a, b in zip(att.path, att.path[1:]))
+    assert "critical path: pipeline 0 stage 1 compute 88%" in att.table()
 
 
 def test_overlaps_resolve_by_category_and_a_window_clips():
@@ -124,3 +133,6 @@ def test_real_runs_name_the_bottleneck_they_were_built_with(train_data, shared_c
     assert max(n.share(0, s, "group") for s in (0, 1)) < 0.05, n.table()
     assert n.named is None or n.named.get("groups", 0) < 0.05, n.bottleneck
     assert h.named is not None and h.named.get("stage") == 1 and h.named["how"] == "stage", h.table()
+    # the critical path runs most through the slept worker: pipeline 1's stage 0; stage 1 where it is heavy
+    assert a.on_path()[0][0] == (1, 0, "compute"), a.on_path()
+    assert h.on_path()[0][0][1:] == (1, "compute"), h.on_path()

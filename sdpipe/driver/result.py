@@ -46,6 +46,11 @@ class RunResult:
     """Under a policy whose groups the group scheduler forms, per stage at the end: the longest unconnected
     stretch of its sync graph in updates against the bound P x D (:func:`sdpipe.core.scheduler.bounds_of`);
     else empty."""
+    simulated: bool = False
+    """True for a simulated run's (:func:`sdpipe.simulate`): its times are simulated seconds."""
+    stretch: float = 1.0
+    """A run simulated on shared cores (``simulate(cores=...)``): how many times longer each compute took than
+    its costs say, the workers taking turns on the cores (1.0: no turns; a real run's, whose spans hold them)."""
 
     @property
     def metric(self):
@@ -63,6 +68,14 @@ class RunResult:
         from sdpipe.attribution import attribute
 
         return attribute(self.events, since=since, until=until)
+
+    def export_trace(self, path) -> str:
+        """The run's records as a Chrome trace at ``path`` (:func:`sdpipe.trace_export.export_trace`: a track per
+        worker, its rounds linked, its controls and epochs marked); open it in ui.perfetto.dev or chrome://tracing.
+        Returns the path written."""
+        from sdpipe.trace_export import export_trace
+
+        return export_trace(self, path)
 
     def max_param_diff(self) -> float:
         """Largest absolute difference of any parameter between the first finished pipeline and the others."""

@@ -14,6 +14,7 @@ never waits on a worker.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from sdpipe.driver.control import Steering
 from sdpipe.driver.elastic import Elastic
 from sdpipe.driver.result import RunError, RunResult, history
 from sdpipe.hosts import EmulatedHosts
+from sdpipe.simulation.whatif import check_window, last_end
 from sdpipe.wire.protocol import WorkerSpec
 
 __all__ = ["EventInbox", "Run", "RunError", "RunResult"]
@@ -273,10 +275,61 @@ class Run(Steering, Elastic):
         table and the bottleneck in one sentence."""
         from sdpipe.attribution import attribute
 
-        if last is not None and (not isinstance(last, (int, float)) or last <= 0):
-            raise ValueError(f"last: must be a number of seconds > 0, got {last!r}")
+        if last is not None:
+            check_window(last)
         since = None if last is None else time.time() - self.t0 - last
         return attribute(self.events, since=since)
+
+    def export_trace(self, path) -> str:
+        """The records so far as a Chrome trace at ``path`` (:func:`sdpipe.trace_export.export_trace`: a track per
+        worker, its rounds linked, its controls and epochs marked); open it in ui.perfetto.dev or chrome://tracing.
+        Returns the path written."""
+        from sdpipe.trace_export import export_trace
+
+        return export_trace(self, path)
+
+    def _prediction_source(self):
+        """The run as it is now, for :mod:`sdpipe.simulation.whatif`: its records, its configuration with the
+        policy and heterogeneity it runs under now, its workers' cores, the samples it has left."""
+        from sdpipe.simulation.whatif import Source
+
+        events = self.events
+        config = dataclasses.replace(
+            self.config, policy=self.policy, heterogeneity=self.heterogeneity, scheduler=self.scheduler_policy
+        )
+        last_stage = config.stages - 1
+        trained = sum(1 for e in events if e.get("kind") == "optimizer" and e.get("stage") == last_stage)
+        epochs = [e["metrics"]["epoch"] for e in events if e.get("kind") == "epoch"]
+        done_epochs = max(epochs, default=self.start_epoch - 1) + 1
+        total = (config.epochs - self.start_epoch) * self.updates_per_epoch
+        return Source(
+            events,
+            config,
+            self.cores or 0,
+            self.updates_per_epoch,
+            max(0, total - trained) * config.batch_size,
+            max(0, config.epochs - done_epochs),
+        )
+
+    def predict(self, last: float = 30.0, **changes):
+        """The samples/s this run would train at with ``changes`` (``policy``, ``schedule``, ``heterogeneity``,
+        ``pipelines``, ``microbatches``; none: as it runs), simulated on the costs it measured in the last ``last``
+        seconds, its workers sharing their cores (:func:`sdpipe.simulation.whatif.predict`)."""
+        from sdpipe.simulation.whatif import predict
+
+        check_window(last)
+        source = self._prediction_source()
+        return predict(source, since=last_end(source.events) - last, **changes)
+
+    def what_if(self, last: float = 30.0):
+        """Predictions for this run as it runs and for each single change (every other live policy, no
+        heterogeneity, the other schedules, one pipeline more or fewer), beside the samples/s it measured, from
+        its last ``last`` seconds (:func:`sdpipe.simulation.whatif.what_if`).  ``print()`` it for a table."""
+        from sdpipe.simulation.whatif import what_if
+
+        check_window(last)
+        source = self._prediction_source()
+        return what_if(source, since=last_end(source.events) - last)
 
     def done(self) -> bool:
         return self._done.is_set()

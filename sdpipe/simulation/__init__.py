@@ -55,10 +55,10 @@ from __future__ import annotations
 import gc
 
 from sdpipe.config import TrainConfig, config_keywords
-from sdpipe.core.checks import integer
+from sdpipe.core.checks import integer, is_integer
 from sdpipe.core.policies import names
-from sdpipe.simulation.calibrate import Calibration, calibrate
-from sdpipe.simulation.costs import Costs, Network, ring_allreduce_seconds
+from sdpipe.simulation.calibrate import Calibration, calibrate, cores_of
+from sdpipe.simulation.costs import Costs, Network, ring_allreduce_seconds, share_cores, stretch_compute
 from sdpipe.simulation.proxy import Proxy
 from sdpipe.simulation.trace import _check_trace, spot_trace
 
@@ -70,6 +70,7 @@ __all__ = [
     "Network",
     "Proxy",
     "calibrate",
+    "cores_of",
     "ring_allreduce_seconds",
     "simulate",
     "spot_trace",
@@ -106,6 +107,7 @@ def simulate(
     proxy: Proxy = DEFAULT_PROXY,
     record: bool = True,
     trace=None,
+    cores=None,
     **options,
 ):
     """Simulate ``epochs`` epochs of ``steps`` steps' worth of batches per pipeline; returns a
@@ -119,6 +121,13 @@ def simulate(
     ``record=False`` keeps only the history (for very large simulations).  ``trace``: ``(seconds, "leave" |
     "join", pipeline)`` changes of the pipelines present (see :func:`spot_trace`); pipelines absent at the end
     are in ``result.lost``, and ``control`` records ``left`` / ``joined`` mark the changes.
+
+    ``cores``: the cores every worker shares (a laptop's, a host's), or None for a core (a device) of its own.
+    With it, the costs are a worker's alone (``calibrate(result, shared=True)`` measures them in CPU time) and
+    its compute is stretched by the one factor (``result.stretch``) that keeps the workers' demand, each step
+    asking ``costs.cpu`` of a core, within ``cores`` (the kernel shares the cores evenly among the workers that
+    want one: a mean over the run, not moment by moment).  For example, 8 workers whose steps would keep 3.1
+    cores busy on 2 cores compute about 1.5x slower; with 3.1 or more cores nothing changes.
     """
     config = TrainConfig(stages=stages, pipelines=pipelines, **options)
     if config.policy not in SIM_POLICIES:
@@ -132,13 +141,21 @@ def simulate(
         raise ValueError(f"costs: has {costs.stages} stages, the simulation {stages}")
     integer("steps", steps)
     changes = _check_trace(trace, pipelines, config.policy)
+    if cores is not None and not (is_integer(cores) and cores >= 1):
+        raise ValueError(f"cores: must be a whole number >= 1 (the cores the workers share) or None, got {cores!r}")
     from sdpipe.simulation.engine import _Simulation  # the engine loads with the first simulation, not with the costs
 
-    sim = _Simulation(config, costs=costs, network=network, proxy=proxy, steps=steps, record=record)
+    def run(stretch: float):
+        stretched = costs if stretch == 1.0 else stretch_compute(costs, stretch)
+        sim = _Simulation(config, costs=stretched, network=network, proxy=proxy, steps=steps, record=record)
+        result = sim.run(changes).result()
+        result.stretch = stretch
+        return result
+
     collecting = gc.isenabled()
     gc.disable()  # millions of records and no cycles among them: the cyclic collector would scan them over and over
     try:
-        return sim.run(changes).result()
+        return run(1.0) if cores is None else share_cores(run, costs, cores, config.microbatches)
     finally:
         if collecting:
             gc.enable()

@@ -13,7 +13,7 @@ from sdpipe.core.policies import record as policy_record
 from sdpipe.core.sync_rules import PAIR, SERVED, gossip_roles
 from sdpipe.simulation.costs import Costs, Network, _step_finish, _step_plan
 
-__all__ = ["Calibration", "calibrate"]
+__all__ = ["Calibration", "calibrate", "cores_of"]
 
 
 def _mean(values, default=0.0) -> float:
@@ -34,7 +34,7 @@ class Calibration(NamedTuple):
     """The run's heterogeneity with each slowed worker's slowdown as its spans showed it."""
 
 
-def calibrate(result) -> Calibration:
+def calibrate(result, shared: bool = False) -> Calibration:
     """Costs, network and heterogeneity measured in the events of a real run (a :class:`sdpipe.RunResult`).
 
     Means, not medians: a throughput is a sum of times, and on a shared
@@ -72,6 +72,15 @@ def calibrate(result) -> Calibration:
     Spans of the first epoch (warm-up) are left out when the run has more.
     Heterogeneity is taken from the run's configuration (changes made live
     are not undone).  Costs no event measured keep their defaults.
+
+    ``shared=True``: costs for ``simulate(cores=...)``, where the workers share
+    the machine's cores (:func:`cores_of` says how many the run's had).  The
+    forward, backward and optimizer costs are then the spans' CPU seconds on
+    the worker's training thread (its work alone: the spans' wall time also
+    holds the waits for a core), the step overhead the thread's CPU per step
+    on stage 0 beyond them, ``costs.cpu`` each stage's whole process's CPU
+    per step (its other threads too), and the heterogeneity the run's own (a
+    sleeping pipeline's gift of its core to the others is in the model).
     """
     if not all(hasattr(result, a) for a in ("config", "events")) or not isinstance(result.config, TrainConfig):
         raise ValueError(
@@ -98,7 +107,49 @@ def calibrate(result) -> Calibration:
     net = _network(by_kind, weight_bytes)
     net = dataclasses.replace(net, server_rtt=_server_rtt(by_kind, weight_bytes, net))
     costs = dataclasses.replace(costs, serve=_serve(by_kind, config, hetero, costs, net))
-    return Calibration(costs, net, shown)
+    if not shared:
+        return Calibration(costs, net, shown)
+    return Calibration(_cpu_costs(by_kind, costs, config), net, hetero)
+
+
+def _cpu_costs(by_kind: dict, costs: Costs, config: TrainConfig) -> Costs:
+    """``costs`` (from wall times) with a worker's own work in CPU seconds (see :func:`calibrate`'s ``shared``)."""
+    S, M = config.stages, config.microbatches
+    spans = {k: [e for e in by_kind.get(k, ()) if "cpu" in e] for k in ("forward", "backward", "optimizer")}
+    if not spans["forward"]:
+        raise ValueError(
+            "result: its records hold no CPU times (a simulated run, or a run of an earlier sdpipe): "
+            "calibrate it with shared=False"
+        )
+    forward, backward, optimizer = (
+        [_mean(e["cpu"] for e in spans[k] if e["stage"] == s) for s in range(S)]
+        for k in ("forward", "backward", "optimizer")
+    )
+    own = [M * (forward[s] + backward[s]) + optimizer[s] for s in range(S)]
+    # per step: consecutive updates of one epoch only (an epoch's end holds the evaluation and the global sync)
+    after = {(e["pipeline"], e["stage"], e["step"] + 1, e["epoch"]) for e in spans["optimizer"]}
+    steps = [e for e in spans["optimizer"] if (e["pipeline"], e["stage"], e["step"], e["epoch"]) in after]
+    thread = _mean((e["step_cpu"] for e in steps if e["stage"] == 0), own[0])
+    process = [_mean((e["process_cpu"] for e in steps if e["stage"] == s), own[s]) for s in range(S)]
+    return dataclasses.replace(
+        costs,
+        forward=forward,
+        backward=backward,
+        optimizer=optimizer,
+        step_overhead=max(0.0, thread - own[0]),
+        cpu=[max(process[s], own[s]) for s in range(S)],
+    )
+
+
+def cores_of(result) -> int:
+    """The cores a run's workers shared: per host (its workers' address), the most any of its workers' processes
+    could run on, summed over the hosts (0: the records do not say)."""
+    hosts: dict = {}
+    for e in result.events:
+        if e.get("kind") == "stage" and e.get("cores"):
+            host = e.get("address") or ""
+            hosts[host] = max(hosts.get(host, 0), e["cores"])
+    return sum(hosts.values())
 
 
 def _after_warm_up(records) -> dict:

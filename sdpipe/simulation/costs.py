@@ -3,6 +3,7 @@ ring all-reduce's time."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -53,6 +54,10 @@ class Costs:
     """Seconds of its worker's time a server thread takes per request it serves (``ps``: the stage's worker of
     pipeline 0 hosts the stage's server; ``adpsgd``: a passive worker serves its exchanges): the thread shares
     its worker's process, so the pipeline's next step starts that much later (default 0)."""
+    cpu: tuple = ()
+    """CPU seconds one step of each stage's worker asks of the cores, per stage: its compute and the rest of its
+    process (the Python between its actions, its threads).  Used by ``simulate(cores=...)``, where the workers
+    share the machine's cores (default: the compute, ``microbatches x (forward + backward) + optimizer``)."""
     jitter: tuple = ()
     """Relative spread (coefficient of variation) of a stage's compute per step, per stage (or one
     number for all): each simulated step's compute on a stage is scaled by its own log-normal
@@ -74,6 +79,8 @@ class Costs:
             _seconds("activation_bytes", self.activation_bytes or [0.0] * links, links, "one per link between stages"),
         )
         object.__setattr__(self, "weight_bytes", _seconds("weight_bytes", self.weight_bytes or [0.0] * S, S))
+        if self.cpu != ():
+            object.__setattr__(self, "cpu", _seconds("cpu", self.cpu, S))
         for name in ("step_overhead", "serve"):
             v = getattr(self, name)
             if not is_number(v) or not (0 <= v < math.inf):
@@ -199,3 +206,49 @@ def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches
     ]
     busy = [microbatches * (costs.forward[s] + costs.backward[s]) * slowdown[s] for s in range(S)]
     return ends, busy
+
+
+def stretch_compute(costs: Costs, factor: float) -> Costs:
+    """``costs`` with every part a worker computes (forward, backward, optimizer, the step's overhead, a served
+    request) taking ``factor`` times as long."""
+    return dataclasses.replace(
+        costs,
+        forward=[v * factor for v in costs.forward],
+        backward=[v * factor for v in costs.backward],
+        optimizer=[v * factor for v in costs.optimizer],
+        step_overhead=costs.step_overhead * factor,
+        serve=costs.serve * factor,
+    )
+
+
+#: how close to the cores a shared simulation's demand must come (relative), and in how many runs at most
+SHARE_TOLERANCE, SHARE_RUNS = 0.01, 8
+
+
+def share_cores(run, costs: Costs, cores: int, microbatches: int):
+    """The result of ``run(stretch)`` (a simulation with every compute ``stretch`` times as long) whose workers'
+    demand on the cores, ``costs.cpu`` per step of each worker over the simulated time, is at most ``cores``:
+    stretch 1 when the demand fits, else the stretch at which it comes to ``cores`` (within 1%).
+
+    The simulated time T(k) at stretch k grows about linearly in k (the computing parts stretch, the waits for
+    the network and for sleeping stragglers do not): a few runs of the secant method find it.  The demand is
+    fixed by the work (every step asks its CPU), so the target is the time ``T* = demand / cores``."""
+    S = costs.stages
+    cpu = costs.cpu or tuple(
+        microbatches * (costs.forward[s] + costs.backward[s]) + costs.optimizer[s] for s in range(S)
+    )
+    per_step = sum(cpu)  # a step of every stage of one pipeline
+    result = run(1.0)
+    target = per_step * sum(result.steps.values()) / cores
+    if result.wall_time >= target or target <= 0:
+        return result
+    k0, t0 = 1.0, result.wall_time
+    k1 = target / t0  # T(k) <= k T(1): the stretch is at least this
+    for _ in range(SHARE_RUNS):
+        result = run(k1)
+        t1 = result.wall_time
+        target = per_step * sum(result.steps.values()) / cores
+        if abs(t1 - target) <= SHARE_TOLERANCE * target or t1 == t0:
+            break
+        k0, t0, k1 = k1, t1, max(1.0, k1 + (target - t1) * (k1 - k0) / (t1 - t0))
+    return result

@@ -392,4 +392,5 @@ class _Simulation:
             lost={p: "left in the trace" for p in sorted(self._absent_at(end))},
             pipelines=self.D,
             bounds=self.sync.core.bounds() if self.sync.core is not None else [],
+            simulated=True,
         )

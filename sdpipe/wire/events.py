@@ -51,8 +51,10 @@ COMMON = ("kind", "pipeline", "stage", "step", "microbatch", "start", "end")
 #: kind -> (required fields, optional fields) beyond :data:`COMMON`
 SCHEMA: dict = {
     # spans of one worker's work
-    "forward": ((), ()),
-    "backward": ((), ()),
+    # cpu: the span's CPU seconds on the worker's training thread (its work without waiting for a core or a
+    # slowdown's sleep)
+    "forward": ((), ("cpu", "version")),
+    "backward": ((), ("cpu", "version")),
     "send": ((), ()),
     "recv": ((), ()),
     # what="slowdown": the sleep that stretches a slowed worker's step (sdpipe.worker.pace); else a transient straggle
@@ -62,12 +64,14 @@ SCHEMA: dict = {
     # what="group": a step waiting for its group (the service's answer, or an overlapped averaging still running);
     # what="drain": an epoch's end, stop or switch waiting for an overlapped averaging to finish
     "wait": ((), ("what", "group", "round")),
-    "optimizer": (("epoch",), ("loss",)),  # loss: the step's mean loss, at the last stage only
+    # loss: the step's mean loss, at the last stage only; cpu: as forward's; step_cpu, process_cpu: CPU seconds
+    # since the worker's previous update ended, of its training thread and of its whole process
+    "optimizer": (("epoch",), ("loss", "cpu", "step_cpu", "process_cpu")),
     # lane="background": an overlapped averaging, in the worker's background thread while its next step computes
     "sync": (("group",), ("round", "reason", "mass", "weighting", "failed", "served", "server", "lane")),
     "save": (("epoch",), ()),  # this worker's part of a checkpoint
     # instants
-    "stage": (("weight_bytes", "activation_bytes"), ("address",)),  # a worker describes its stage once
+    "stage": (("weight_bytes", "activation_bytes"), ("address", "cores")),  # a worker describes its stage once
     "epoch": (("metrics",), ()),  # metrics: epoch, pipeline, loss, samples, share, samples_per_s, steps, complete, ...
     "group": (("round", "group", "reason", "wait", "connected", "policy"), ()),  # a decision of the group scheduler
     # what: pause, resume, stop, heterogeneity, policy, shaped; and the pipelines present: "add" (the driver was
@@ -201,10 +205,17 @@ def epoch(pipeline: int, stage: int, step: int, at: float, metrics: dict) -> dic
 
 
 def stage_info(
-    pipeline: int, stage: int, at: float, weight_bytes: int, activation_bytes: int, address: Optional[str] = None
+    pipeline: int,
+    stage: int,
+    at: float,
+    weight_bytes: int,
+    activation_bytes: int,
+    address: Optional[str] = None,
+    cores: Optional[int] = None,
 ) -> dict:
-    """A worker's stage: bytes of its synchronized state and of one micro-batch's output."""
-    extra = {} if address is None else {"address": address}
+    """A worker's stage: bytes of its synchronized state and of one micro-batch's output; the address it is
+    reached at and the cores its process may run on."""
+    extra = {k: v for k, v in (("address", address), ("cores", cores)) if v is not None}
     return instant(
         "stage",
         at,

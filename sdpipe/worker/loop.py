@@ -291,7 +291,11 @@ class Worker:
         mb = self.cfg["batch_size"] // self.cfg["microbatches"]
         activation_bytes = 0 if self.last else mb * self.layout_out.sample_bytes()
         now = time.time() - self.t0
-        self.sink.add(events.stage_info(self.pipeline, self.stage, now, weight_bytes, activation_bytes, self.host))
+        self.sink.add(
+            events.stage_info(
+                self.pipeline, self.stage, now, weight_bytes, activation_bytes, self.host, len(os.sched_getaffinity(0))
+            )
+        )
 
     def close(self, failed: bool) -> None:
         """Drop every group (their connections close, so peers still waiting in one fail fast instead of timing out)."""
@@ -353,6 +357,7 @@ class Training:
         self.agreed = (False, 0, False, 0)
         self.stopped = False
         self.batch_rows = 0  # samples of the last batch trained
+        self.cpu_mark: Optional[tuple] = None  # (thread, process) CPU seconds at the last update's end
 
     def run(self) -> dict:
         w, cfg = self.w, self.w.cfg
@@ -522,7 +527,7 @@ class Training:
             check_finite(grads, "gradients", step, loss)
         with w.pace.waiting():  # the policy's collectives and groups wait for other pipelines
             self.agreed = w.policy.after_backward(w, step, *proposal)
-        t = time.time()
+        t, c = time.time(), time.thread_time()
         if w.optimizer is not None:
             w.optimizer.step()
             w.optimizer.zero_grad(set_to_none=False)
@@ -530,7 +535,13 @@ class Training:
                 check_finite([(n, p.detach()) for n, p in w.module.named_parameters()], "weights", step, loss)
         if loss is not None:
             fields["loss"] = loss
-        w.span("optimizer", step, None, t, time.time(), epoch=epoch, **fields)
+        # CPU seconds: the optimizer's, and since the last update's end the training thread's and the process's
+        # (every thread: the Dask worker's event loop, an averaging's, gloo's): what the worker asks of the cores
+        now = (time.thread_time(), time.process_time())
+        if self.cpu_mark is not None:
+            fields["step_cpu"], fields["process_cpu"] = now[0] - self.cpu_mark[0], now[1] - self.cpu_mark[1]
+        self.cpu_mark = now
+        w.span("optimizer", step, None, t, time.time(), epoch=epoch, cpu=now[0] - c, **fields)
         with w.pace.waiting():
             w.policy.after_step(w, step)
         self.step += 1

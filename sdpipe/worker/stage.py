@@ -41,7 +41,7 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
     loss_sum = None
     for a in w.plan:
         m = a.microbatch
-        t = time.time()
+        t, c = time.time(), time.thread_time()
         if a.op == "RF":
             inputs[m] = _receive(w)
             w.span("recv", step, m, t, time.time())
@@ -55,7 +55,7 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
             else:
                 outputs[m] = out
             w.slow(time.time() - t)
-            w.span("forward", step, m, t, time.time())
+            w.span("forward", step, m, t, time.time(), cpu=time.thread_time() - c)
         elif a.op == "SF":
             pending += w.link.isend_tree(
                 outputs[m], w.stage + 1, TAG_ACT, w.layout_out, f"model: stage {w.stage}'s output"
@@ -71,7 +71,7 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
             else:
                 _backward(out, grads.pop(m))
             w.slow(time.time() - t)
-            w.span("backward", step, m, t, time.time())
+            w.span("backward", step, m, t, time.time(), cpu=time.thread_time() - c)
         elif a.op == "SB":
             pending += _send_input_grads(w, input_grads(inputs.pop(m)))
             w.span("send", step, m, t, time.time())
@@ -185,7 +185,7 @@ class AsyncStream:
         step_losses = []
         for a in stage_communication(actions, w.stage, w.stages):
             g = a.microbatch
-            t = time.time()
+            t, c = time.time(), time.thread_time()
             if a.op == "RF":
                 self.inputs[g] = _receive(w)
                 w.span("recv", step_of(), g, t, time.time())
@@ -199,7 +199,7 @@ class AsyncStream:
                     out = loss / self.update_every
                 self.outputs[g] = out
                 w.slow(time.time() - t)
-                w.span("forward", step_of(), g, t, time.time(), version=self.version_of[g])
+                w.span("forward", step_of(), g, t, time.time(), version=self.version_of[g], cpu=time.thread_time() - c)
             elif a.op == "SF":
                 self.pending += w.link.isend_tree(
                     self.outputs[g], w.stage + 1, TAG_ACT, w.layout_out, f"model: stage {w.stage}'s output"
@@ -212,7 +212,7 @@ class AsyncStream:
                 v = self.version_of[g]
                 self.input_grads[g] = self._backward(g)
                 w.slow(time.time() - t)
-                w.span("backward", step_of(), g, t, time.time(), version=v)
+                w.span("backward", step_of(), g, t, time.time(), version=v, cpu=time.thread_time() - c)
             elif a.op == "SB":
                 self.pending += _send_input_grads(w, self.input_grads.pop(g))
                 w.span("send", step_of(), g, t, time.time())

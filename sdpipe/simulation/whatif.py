@@ -1,0 +1,274 @@
+"""What a run would do under another setting, from its own records: the simulator on the costs it measured.
+
+:func:`predict` calibrates the simulator on a window of a run's records (``calibrate(shared=True)``: the
+workers' CPU seconds, their network, on the cores the run's workers share) and simulates one epoch of the run's
+configuration as it is now, with the changes asked (another policy, schedule, heterogeneity, number of pipelines
+or micro-batches).  :func:`what_if` asks it for every such change at once and sets the answers beside what the
+run measured::
+
+    >>> print(run.what_if())                                     # doctest: +SKIP
+    measured: 1,146 samples/s over the last 15 s
+    change                        simulated  vs now   expected  time left
+    as it runs                        1,496   1.00x      1,146      17 s
+    policy sdpipe                     3,491   2.33x      2,674       7 s
+    ...
+
+The simulated figure for the run as it runs shows the model's own error (here the machine was busy with other
+work too): a change is best read against it, ``vs now``, and ``expected`` is the measured figure times that
+ratio.  Time left: the epochs' samples still to train at the expected rate (the simulated one before any epoch
+ended), plus each epoch's evaluation as long as the run's last ones took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Optional
+
+from sdpipe.config import LIVE_POLICIES, SCHEDULE_NAMES, Heterogeneity, TrainConfig
+from sdpipe.core.checks import is_number
+
+__all__ = ["Prediction", "WhatIf", "predict", "what_if"]
+
+#: the changes :func:`predict` takes, and what each must be
+CHANGES = ("policy", "schedule", "heterogeneity", "pipelines", "microbatches")
+#: seconds of records a prediction calibrates on by default
+WINDOW = 30.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One simulated setting: what changed, the predicted samples/s (all pipelines together, evaluation apart),
+    the seconds the run would still take, how much the shared cores stretch its compute, the configuration."""
+
+    change: str
+    samples_per_s: float
+    time_left: Optional[float]
+    stretch: float
+    config: TrainConfig
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """:func:`what_if`'s answers: ``measured`` samples/s in the window, ``predictions`` (the first is the run as it
+    runs), the window's ``since`` and ``until`` on the run's clock."""
+
+    measured: Optional[float]
+    predictions: list
+    since: float
+    until: float
+
+    def __getitem__(self, change: str) -> Prediction:
+        for p in self.predictions:
+            if p.change == change:
+                return p
+        raise KeyError(f"change: no prediction {change!r}; there are {', '.join(p.change for p in self.predictions)}")
+
+    def ratio(self, change: str) -> float:
+        """The change's predicted samples/s over the prediction for the run as it runs."""
+        base = self.predictions[0].samples_per_s
+        return self[change].samples_per_s / base if base > 0 else math.nan
+
+    def expected(self, change: str) -> Optional[float]:
+        """The samples/s to expect after ``change``: the measured figure times the model's :meth:`ratio` (the
+        model's error on the run as it runs, a machine busy with other work for one, cancels out), or None before
+        the run measured any."""
+        return None if self.measured is None else self.measured * self.ratio(change)
+
+    def table(self) -> str:
+        span = self.until - self.since
+        head = (
+            f"measured: {self.measured:,.0f} samples/s over the last {span:.0f} s"
+            if self.measured is not None
+            else "measured: no epoch ended in the window yet"
+        )
+        lines = [
+            head,
+            f"{'change':<28} {'simulated':>10} {'vs now':>7} {'expected':>10} {'time left':>10}",
+        ]
+        for p in self.predictions:
+            expected = self.expected(p.change)
+            left = "-" if p.time_left is None else f"{p.time_left:,.0f} s"
+            shown = "-" if expected is None else f"{expected:,.0f}"
+            lines.append(
+                f"{p.change:<28} {p.samples_per_s:>10,.0f} {self.ratio(p.change):>6.2f}x {shown:>10} {left:>10}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython
+        p.text(self.table())
+
+
+@dataclass
+class Source:
+    """What a prediction reads: the run's records, its configuration as it runs now, the cores its workers share,
+    the batches of one epoch (all pipelines together) and the samples it still has to train."""
+
+    events: list
+    config: TrainConfig
+    cores: int
+    batches_per_epoch: int
+    samples_left: Optional[float] = None
+    epochs_left: int = 0
+
+
+def last_end(events: list) -> float:
+    """The latest end of a record (0 without any)."""
+    return max((e["end"] for e in events if e.get("end") is not None), default=0.0)
+
+
+def _window(events: list, since: Optional[float], until: Optional[float]) -> tuple:
+    """The records inside [since, until] (default: the last :data:`WINDOW` seconds to the last record's end)."""
+    hi = last_end(events) if until is None else until
+    lo = hi - WINDOW if since is None else since
+    return [e for e in events if e.get("start") is not None and lo <= e["start"] and e["end"] <= hi], lo, hi
+
+
+def measured_rate(events: list) -> Optional[float]:
+    """Samples/s of all pipelines together over the epochs that ended among ``events`` (each pipeline's epoch:
+    its samples over its time, evaluation apart; summed over the pipelines of each epoch; the median over the
+    epochs), or None when no epoch ended there."""
+    by_epoch: dict = {}
+    for e in events:
+        if e.get("kind") == "epoch":
+            m = e["metrics"]
+            by_epoch.setdefault(m["epoch"], []).append(m.get("samples_per_s", 0.0))
+    if not by_epoch:
+        return None
+    return statistics.median(sum(v) for v in by_epoch.values())
+
+
+def _eval_seconds(events: list) -> float:
+    """Seconds an epoch's evaluation held a pipeline, the median of the evaluation spans (0 without any)."""
+    spans = [e["end"] - e["start"] for e in events if e.get("kind") == "eval"]
+    return statistics.median(spans) if spans else 0.0
+
+
+def predict(source: Source, *, since=None, until=None, seed: int = 0, **changes) -> Prediction:
+    """The simulated samples/s of ``source``'s run with ``changes`` (see :data:`CHANGES`), its costs calibrated on
+    its records in [``since``, ``until``] (default: the last 30 s)."""
+    from sdpipe.driver.result import RunResult
+    from sdpipe.simulation import calibrate, simulate
+
+    for name in changes:
+        if name not in CHANGES:
+            raise ValueError(f"{name}: not a change a prediction takes; it takes {', '.join(CHANGES)}")
+    window, lo, hi = _window(source.events, since, until)
+    if not any(e.get("kind") == "forward" and "cpu" in e for e in window):
+        raise ValueError(
+            f"window: no forward span with its CPU time from {lo:.1f} s to {hi:.1f} s to measure the costs on "
+            "(has the run trained yet?)"
+        )
+    config = source.config
+    window_result = RunResult(models=[], history=[], events=window, config=config, wall_time=hi - lo)
+    costs, network, _ = calibrate(window_result, shared=True)
+    target = _changed(config, changes)
+    D = target.pipelines
+    sim = simulate(
+        target.stages,
+        D,
+        costs=costs,
+        network=network,
+        steps=max(1, source.batches_per_epoch // D),
+        epochs=1,
+        record=False,
+        cores=source.cores or None,
+        seed=seed,
+        **{f: getattr(target, f) for f in ("policy", "schedule", "microbatches", "batch_size", "heterogeneity")},
+    )
+    rate = sum(h["samples_per_s"] for h in sim.history)
+    left = None
+    if source.samples_left is not None and rate > 0:
+        left = source.samples_left / rate + source.epochs_left * _eval_seconds(window)
+    return Prediction(_name(changes, config.pipelines), rate, left, sim.stretch, target)
+
+
+def _changed(config: TrainConfig, changes: dict) -> TrainConfig:
+    """``config`` with ``changes``, checked as the run's own fields are (one-line errors)."""
+    out = {}
+    for name, value in changes.items():
+        if name == "heterogeneity" and value is None:
+            value = Heterogeneity()
+        if name == "pipelines" and not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"pipelines: must be a whole number >= 1, got {value!r}")
+        out[name] = value
+    if "policy" in out and out["policy"] != config.policy:
+        out["scheduler"] = None  # the other policy's own parameters
+    D = out.get("pipelines", config.pipelines)
+    h = out.get("heterogeneity", config.heterogeneity)
+    if h is not None and D < config.pipelines:  # the pipelines left out take their heterogeneity with them
+        out["heterogeneity"] = _within(h, D)
+    return dataclasses.replace(config, **out)
+
+
+def _within(h: Heterogeneity, pipelines: int) -> Heterogeneity:
+    """``h`` without its entries for pipelines ``pipelines`` and later."""
+
+    def keep(table):
+        return {k: v for k, v in table.items() if (k[0] if isinstance(k, tuple) else k) < pipelines}
+
+    return dataclasses.replace(
+        h, slowdown=keep(h.slowdown), compute_slowdown=keep(h.compute_slowdown), link_delay=keep(h.link_delay)
+    )
+
+
+def heterogeneous(h: Optional[Heterogeneity]) -> bool:
+    """Whether ``h`` slows, delays or makes straggle any worker."""
+    return h is not None and bool(
+        any(v != 1.0 for v in h.slowdown.values())
+        or any(v != 1.0 for v in h.compute_slowdown.values())
+        or (h.straggle_prob > 0 and h.straggle_delay > 0)
+        or any(v > 0 for v in h.link_delay.values())
+    )
+
+
+def _name(changes: dict, pipelines: int) -> str:
+    if not changes:
+        return "as it runs"
+    parts = []
+    for name, value in changes.items():
+        if name == "heterogeneity":
+            parts.append("heterogeneity as given" if heterogeneous(value) else "no heterogeneity")
+        elif name == "pipelines" and value < pipelines:
+            parts.append(f"pipelines {value} (without {', '.join(str(p) for p in range(value, pipelines))})")
+        else:
+            parts.append(f"{name} {value}")
+    return ", ".join(parts)
+
+
+def what_if(source: Source, *, since=None, until=None) -> WhatIf:
+    """Predictions for the run as it runs and for each single change: every other live policy, no heterogeneity
+    (when it has some), every other schedule, one pipeline more and one fewer; with the measured samples/s."""
+    config = source.config
+    variants: list = [{}]
+    variants += [{"policy": p} for p in LIVE_POLICIES if p != config.policy]
+    if heterogeneous(config.heterogeneity):
+        variants.append({"heterogeneity": None})
+    variants += [{"schedule": s} for s in SCHEDULE_NAMES if s != config.schedule]
+    variants += [{"pipelines": config.pipelines + 1}]
+    if config.pipelines > 1:
+        variants.append({"pipelines": config.pipelines - 1})
+    window, lo, hi = _window(source.events, since, until)
+    sub = dataclasses.replace(source, events=window)
+    predictions = [predict(sub, since=lo, until=hi, **v) for v in variants]
+    measured = measured_rate(window)
+    base = predictions[0].samples_per_s
+    if measured is not None and base > 0 and source.samples_left is not None:  # time left at the expected rate
+        evals = source.epochs_left * _eval_seconds(window)
+        predictions = [
+            dataclasses.replace(p, time_left=source.samples_left / (measured * p.samples_per_s / base) + evals)
+            if p.samples_per_s > 0
+            else p
+            for p in predictions
+        ]
+    return WhatIf(measured, predictions, lo, hi)
+
+
+def check_window(last) -> None:
+    if not is_number(last) or isinstance(last, bool) or not (0 < last < math.inf):
+        raise ValueError(f"last: must be a number of seconds > 0, got {last!r}")
