@@ -143,6 +143,7 @@ def main(argv=None) -> int:
                         "change": label,
                         "before": before,
                         "after": after,
+                        "as_is": as_is.samples_per_s,
                         "simulated": changed.samples_per_s,
                         "expected": before * changed.samples_per_s / as_is.samples_per_s,
                         "simulated_wall": wall_changed,
@@ -189,13 +190,14 @@ def main(argv=None) -> int:
         "the change times the model's ratio (what `run.what_if()` shows). *wall*: the same without the cores in "
         "the model (a core per worker, wall-time costs).",
         "",
-        "| run | change | before | after | simulated | error | expected | error | wall: simulated | error | "
-        "wall: expected | error | stretch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | change | before | simulated before (error) | after | simulated | error | expected | error | "
+        "wall: simulated | error | wall: expected | error | stretch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['repeat']} | {r['change']} | {r['before']:.0f} | {r['after']:.0f} | {r['simulated']:.0f} | "
+            f"| {r['repeat']} | {r['change']} | {r['before']:.0f} | {r['as_is']:.0f} "
+            f"({pct(r['as_is'] / r['before'] - 1.0)}) | {r['after']:.0f} | {r['simulated']:.0f} | "
             f"{pct(r['simulated_error'])} | {r['expected']:.0f} | {pct(r['expected_error'])} | "
             f"{r['simulated_wall']:.0f} | {pct(r['simulated_wall_error'])} | {r['expected_wall']:.0f} | "
             f"{pct(r['expected_wall_error'])} | {r['stretch']:.2f} |"

@@ -1,6 +1,8 @@
 """Time attribution (sdpipe.attribution): on recorded event lists, and on real runs whose bottleneck is known by
 construction (a slept straggler pipeline, a stage slept heavy in every pipeline, allreduce against none)."""
 
+import itertools
+
 import pytest
 
 import sdpipe
@@ -70,7 +72,7 @@ def test_a_heavy_stage_is_what_its_neighbours_wait_for():
     # covers the whole window without a gap or an overlap
     assert att.on_path()[0] == ((0, 1, "compute"), pytest.approx(3 * 0.88), pytest.approx(0.88))
     assert att.path[0][3] == 0.0 and att.path[-1][4] == 3.0
-    assert all(a[4] == pytest.approx(b[3]) for a, b in zip(att.path, att.path[1:]))
+    assert all(a[4] == pytest.approx(b[3]) for a, b in itertools.pairwise(att.path))
     assert "critical path: pipeline 0 stage 1 compute 88%" in att.table()
 
 

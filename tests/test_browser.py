@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -31,7 +32,10 @@ from lab_browser import (  # noqa: E402 -- importable only once tools/ is on sys
     wait_js,
 )
 
+from sdpipe.attribution import CATEGORIES as ATTRIBUTION  # noqa: E402
 from sdpipe.widgets.dashboard import COLORS, SPARE_PIPELINES  # noqa: E402
+from sdpipe.widgets.style import ATTRIBUTION_COLORS  # noqa: E402
+from sdpipe.widgets.view import CATEGORIES as KINDS  # noqa: E402
 
 pytestmark = [
     pytest.mark.browser,
@@ -42,8 +46,9 @@ pytestmark = [
 
 ARTIFACTS = Path(os.environ.get("SDPIPE_ARTIFACTS", ROOT / "artifacts")) / "browser"
 NOTEBOOK = "01_quickstart.ipynb"
-#: notebook 01: 2 stages x 4 pipelines (loss and metric curves for them and for pipelines that may join)
-TRACES = len(COLORS) + 1 + 1 + 2 * 2 + 2 + 2 * (4 + SPARE_PIPELINES) + len(COLORS)  # timeline kinds, lane, control
+#: notebook 01: 2 stages x 4 pipelines (loss and metric curves for them and for pipelines that may join); the
+#: timeline's kinds, its background lane and control marks, ..., the time attribution's categories
+TRACES = len(KINDS) + 1 + 1 + 2 * 2 + 2 + 2 * (4 + SPARE_PIPELINES) + len(ATTRIBUTION)
 
 # The live dashboard (the output with a "pause" button and a plot), as the page has it: the figure's traces,
 # the timeline's drawn bars with their fill colours by trace name, sizes, and the dashboard's text.
@@ -54,15 +59,17 @@ LIVE_JS = """() => {
     if (!out) return null;
     const gd = out.querySelector('.js-plotly-plot');
     const rgb = s => s.replace(/\\s/g, '');
+    // the timeline's bars (the time attribution's, named after its categories, have their own legend)
     const bars = Array.from(gd.querySelectorAll('.barlayer .trace')).map(g => {
         const cd = g.__data__, trace = cd && cd[0] && cd[0].trace;
-        return {name: trace ? trace.name : null, n: g.querySelectorAll('path').length,
+        return {name: trace && trace.legend !== 'legend2' ? trace.name : null, n: g.querySelectorAll('path').length,
                 fills: Array.from(new Set(Array.from(g.querySelectorAll('.point path')).map(p => rgb(p.style.fill))))};
     });
     const control = (gd.data || []).find(t => t.name === 'control');
     return {
         traces: (gd.data || []).length,
-        points: (gd.data || []).filter(t => t.name === 'compute').reduce((a, t) => a + (t.x || []).length, 0),
+        points: (gd.data || []).filter(t => t.name === 'compute' && t.legend !== 'legend2')
+            .reduce((a, t) => a + (t.x || []).length, 0),
         bars: bars,
         drawn: bars.filter(b => b.name === 'compute').reduce((a, b) => a + b.n, 0),
         markers: control ? (control.text || []) : [],
@@ -235,6 +242,89 @@ CONTROLS_JS = """() => {
 }"""
 
 
+# The time attribution as drawn: each segment of the workers' bars (its category, row, share, drawn width and fill;
+# a hatched one's fill is its pattern's background), the panel's rows and length, its legend's box and entries and
+# the tick labels' boxes above it, the titles' boxes, and the bottleneck's line (its box and whether its text fits).
+ATTRIBUTION_JS = """() => {
+    const outs = Array.from(document.querySelectorAll('.jp-OutputArea-output'));
+    const out = outs.find(o => o.querySelector('.js-plotly-plot')
+        && Array.from(o.querySelectorAll('button')).some(b => b.textContent.trim() === 'pause'));
+    if (!out) return null;
+    const gd = out.querySelector('.js-plotly-plot');
+    const box = e => { const r = e.getBoundingClientRect();
+        return {left: r.left, right: r.right, top: r.top, bottom: r.bottom, width: r.width, height: r.height}; };
+    const fill = p => {
+        const m = /url\\(["']?[^#]*#([^"')]+)/.exec(p.style.fill);
+        if (!m) return p.style.fill.replace(/\\s/g, '');
+        const rect = document.getElementById(m[1]) && document.getElementById(m[1]).querySelector('rect');
+        return 'pattern ' + (rect ? rect.getAttribute('fill').replace(/\\s/g, '') : '?');
+    };
+    const segments = [];
+    for (const g of gd.querySelectorAll('.barlayer .trace')) {
+        const cd = g.__data__, trace = cd && cd[0] && cd[0].trace;
+        if (!trace || trace.legend !== 'legend2') continue;
+        for (const pt of g.querySelectorAll('.point')) {
+            const path = pt.querySelector('path');
+            if (path) segments.push({name: trace.name, row: pt.__data__.p, share: pt.__data__.s,
+                                     width: path.getBoundingClientRect().width, fill: fill(path)});
+        }
+    }
+    const first = gd.data.find(t => t.legend === 'legend2');
+    const xa = gd._fullLayout[first.xaxis.replace('x', 'xaxis')];
+    const ya = gd._fullLayout[first.yaxis.replace('y', 'yaxis')];
+    const legend = gd.querySelector('g.legend2');
+    const line = Array.from(out.querySelectorAll('.widget-html')).find(e => /^\\s*bottleneck/.test(e.textContent));
+    const content = line && (line.querySelector('.widget-html-content') || line);
+    return {
+        segments: segments, rows: Array.from(ya.ticktext || []), length: xa._length,
+        svg: box(gd.querySelector('svg.main-svg')), area: box(out),
+        legend: legend && box(legend),
+        entries: legend ? Array.from(legend.querySelectorAll('g.traces')).map(g => g.textContent.trim()) : [],
+        ticks: Array.from(gd.querySelectorAll('g.' + first.xaxis + 'tick text')).map(box),
+        titles: Array.from(gd.querySelectorAll('g.annotation')).map(box),
+        sentence: line && {text: line.textContent.replace(/\\s+/g, ' ').trim(), box: box(line),
+            fits: content.scrollWidth <= content.clientWidth + 1 && content.scrollHeight <= content.clientHeight + 1,
+            shown: line.checkVisibility({checkOpacity: true, checkVisibilityCSS: true})},
+    };
+}"""
+
+
+def check_attribution(page, where: str, workers: int) -> dict:
+    """The time attribution drawn: a bar per worker (the timeline's rows) with non-zero segments across the whole
+    panel, each in its category's colour (the timeline's kinds'; a pause hatched), its legend clear of the tick
+    labels and the titles; the bottleneck's sentence (of the last 30 s) under the figure, whole, inside the output
+    area."""
+    drawn = "new Set(s.segments.filter(x => x.share > 0).map(x => x.row)).size"
+    test = f"s.rows.length == {workers} && {drawn} == {workers}"
+    state = wait_js(
+        page,
+        f"() => {{ const s = ({ATTRIBUTION_JS})(); return s && ({test}) ? s : null; }}",
+        30,
+        f"{where}: the time attribution's bars drawn for every worker",
+    )
+    rows = {}
+    for seg in state["segments"]:
+        if seg["share"] > 0:
+            rows.setdefault(seg["row"], []).append(seg)
+            want = rgb(ATTRIBUTION_COLORS[seg["name"]])
+            assert seg["fill"] == (f"pattern {want}" if seg["name"] == "paused" else want), (where, seg)
+    assert sorted(rows) == list(range(workers)), (where, rows)
+    for row, segs in rows.items():
+        assert sum(x["share"] for x in segs) == pytest.approx(1.0, abs=0.01), (where, row, segs)
+        assert sum(x["width"] for x in segs) >= 0.97 * state["length"], (where, row, segs, state["length"])
+    legend, svg = state["legend"], state["svg"]
+    assert state["entries"] == list(ATTRIBUTION_COLORS), (where, state["entries"])
+    assert svg["left"] - 1 <= legend["left"] and legend["right"] <= svg["right"] + 1, (where, legend, svg)
+    assert legend["bottom"] <= svg["bottom"] + 1 and legend["top"] >= max(t["bottom"] for t in state["ticks"]) - 1
+    assert not [t for t in state["titles"] if t["top"] < legend["bottom"] - 1 and legend["top"] < t["bottom"] - 1]
+    line, area = state["sentence"], state["area"]
+    assert line and line["text"].startswith("bottleneck (over the last 30 s): "), (where, line)
+    assert line["fits"] and line["shown"] and line["box"]["height"] > 10, (where, line)
+    assert line["box"]["top"] >= svg["bottom"] - 1, (where, line, svg)  # under the figure
+    assert area["left"] - 1 <= line["box"]["left"] and line["box"]["right"] <= area["right"] + 1, (where, line, area)
+    return state
+
+
 def check_panels(page, where: str) -> dict:
     """Every subplot title drawn whole, inside the figure, clear of the others; no subplot without data."""
     state = page.evaluate(PANELS_JS)
@@ -245,9 +335,30 @@ def check_panels(page, where: str) -> dict:
     return state
 
 
+# The output area scrolled to the top of the notebook's scroll box: whether all of it is in that box now.
+IN_VIEW_JS = """e => {
+    let box = e.parentElement;
+    while (box && !/(auto|scroll)/.test(getComputedStyle(box).overflowY)) box = box.parentElement;
+    e.scrollIntoView({block: 'start'});
+    return !box || e.getBoundingClientRect().bottom <= box.getBoundingClientRect().bottom + 1;
+}"""
+
+
 def screenshot(page, name: str) -> Path:
+    """The live dashboard's output area, all of it: the viewport made taller than it where it is not, and the
+    area scrolled to the top of the notebook (what lies outside the notebook's scroll box photographs blank: in
+    one column, eight workers' dashboard is some 3,400 pixels tall)."""
     path = ARTIFACTS / name
-    page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first.screenshot(path=str(path))
+    out = page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first
+    size = page.viewport_size
+    tall = int(out.evaluate("e => e.getBoundingClientRect().height")) + 300
+    if tall > size["height"]:
+        page.set_viewport_size({"width": size["width"], "height": tall})
+    deadline = time.monotonic() + 10
+    while not out.evaluate(IN_VIEW_JS):  # JupyterLab lays its panels out for the new size in a moment
+        assert time.monotonic() < deadline, f"{name}: the dashboard does not fit the notebook's scroll box"
+        time.sleep(0.2)
+    out.screenshot(path=str(path))
     return path
 
 
@@ -292,6 +403,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         )
         check_drawn(state)
         page.set_viewport_size({"width": 1440, "height": 3000})
+        check_attribution(page, "paused, 1440 px", 8)
         shots = [screenshot(page, "live-1440-filebrowser.png")]
         page.set_viewport_size({"width": 1000, "height": 3000})
         fitted = (
@@ -299,6 +411,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         )
         state = wait_live(page, f"{fitted} && s.area_width < 900", 30, "the figure fitted to 1000 px")
         check_drawn(state, bars=False)
+        check_attribution(page, "paused, 1000 px", 8)
         shots.append(screenshot(page, "live-1000-filebrowser.png"))
         page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
         state = wait_live(
@@ -354,7 +467,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         # the run ended: no button applies any more, every panel has data, titles whole at both widths
         controls = page.evaluate(CONTROLS_JS)
         assert controls["enabled"] == [] and controls["inputs"] == 0, controls
-        shots += views_after_the_end(page, "01")
+        shots += views_after_the_end(page, "01", workers=6)  # pipeline 3 removed
         (ARTIFACTS / "live.json").write_text(
             json.dumps({**{k: v for k, v in state.items() if k != "bars"}, "shown_after_s": SHOWN_AFTER}, indent=1)
         )
@@ -384,13 +497,16 @@ def controls(page) -> dict:
     return page.evaluate(CONTROLS_JS)
 
 
-def views_after_the_end(page, notebook: str) -> list:
-    """At 1440 and 1000 px: the figure fitted, every panel drawn whole with data (check_panels); screenshots."""
+def views_after_the_end(page, notebook: str, workers: Optional[int] = None) -> list:
+    """At 1440 and 1000 px: the figure fitted, every panel drawn whole with data (check_panels), and with
+    ``workers`` the time attribution of that many workers (check_attribution); screenshots."""
     shots = []
     for width in (1440, 1000):
         page.set_viewport_size({"width": width, "height": 3000})
         wait_live(page, "s.svg_width <= s.area_width + 1 && s.svg_width >= s.area_width - 40", 30, f"{width} px")
         check_panels(page, f"notebook {notebook} at {width} px")
+        if workers is not None:
+            check_attribution(page, f"notebook {notebook} at {width} px", workers)
         shots.append(screenshot(page, f"nb{notebook}-{width}.png"))
     return shots
 

@@ -1,5 +1,6 @@
 """The notebook layer: the dashboard over real runs (live and replayed), and the core without it."""
 
+import html
 import subprocess
 import sys
 import time
@@ -35,10 +36,10 @@ def test_core_imports_without_notebook_packages():
     assert "sdpipe.widgets needs ipywidgets and plotly: pip install 'sdpipe[notebook]'" in out.stdout
 
 
-def test_view_keeps_recent_spans_and_totals_of_all():
+def test_view_keeps_recent_spans_and_a_replay_attributes_all():
     from sdpipe.widgets import RunView
 
-    v = RunView(1, 2, 32, window=1.0)
+    v = RunView(1, 2, 32, window=1.0, attribution_window=None)
     spans = [
         {"kind": "forward", "pipeline": p, "stage": 0, "step": i, "start": i * 0.5, "end": i * 0.5 + 0.2}
         for i in range(10)
@@ -49,7 +50,43 @@ def test_view_keeps_recent_spans_and_totals_of_all():
     assert len(tl["compute"]["x"]) == 2 * 2  # the last second holds the spans of steps 8 and 9 (and 7's end)
     assert min(tl["compute"]["base"]) >= v.now - 1.0
     assert sum(tl["compute"]["x"]) == pytest.approx(2 * 0.4, abs=0.05)
-    assert v.shares()["compute"] == pytest.approx([2.0, 2.0])  # every span counts in the totals
+    a = v.attribution()  # a replay's covers every span
+    assert [w["compute"] for w in a.workers] == pytest.approx([2.0, 2.0]) and a.window == (None, None)
+
+
+def test_a_live_view_attributes_its_last_seconds_from_the_records_of_those_only():
+    """The view keeps the span records of the attribution's window (not the run's), and attributes them as
+    :func:`sdpipe.attribution.attribute` does the run's records over that window."""
+    from sdpipe.attribution import attribute
+    from sdpipe.widgets import RunView
+
+    # one pipeline of two stages, a step each 0.5 s for 100 s: stage 1 computes 0.4 s of it for the first 70 s
+    # (stage 0 waits for its gradients), then 0.1 s (stage 0 computes 0.3 s: the heavy one)
+    events, batches = [], []
+    for second in range(100):
+        per_worker = {0: [], 1: []}
+        for k in range(2 * second, 2 * second + 2):
+            t, early = 0.5 * k, second < 70
+            c0, c1 = (0.05, 0.4) if early else (0.3, 0.1)
+            span = lambda kind, s, a, b, k=k: {"kind": kind, "pipeline": 0, "stage": s, "step": k, "start": a, "end": b}
+            per_worker[0] += [span("forward", 0, t, t + c0), span("recv", 0, t + c0, t + 0.45)]
+            per_worker[0] += [span("backward", 0, t + 0.45, t + 0.5)]
+            per_worker[1] += [span("recv", 1, t, t + c0), span("forward", 1, t + c0, t + c0 + c1)]
+        for w in (1, 0):  # as a live run's records come: in batches per worker, not in order of their ends
+            batches.append(per_worker[w])
+            events += per_worker[w]
+    v = RunView(2, 1, 32, attribution_window=30.0)
+    for batch in batches:
+        v.add(batch)
+    a, lo = v.attribution(), v.now - 30.0
+    assert v.now == pytest.approx(100.0) and a.window == (lo, None)
+    in_window = sum(e["end"] >= lo for e in events)
+    assert in_window <= len(v._spans) <= in_window + 6 and len(v._spans) < 0.35 * len(events)  # 6: one batch
+    want = attribute(events, since=lo)
+    for got, exp in zip(a.workers, want.workers, strict=True):
+        assert got == {k: pytest.approx(x) if isinstance(x, float) else x for k, x in exp.items()}
+    assert a.bottleneck == want.bottleneck and a.named["stage"] == 0  # the heavy stage of the last 30 s
+    assert a.share(0, 0, "compute") == pytest.approx(0.7) and attribute(events).named["stage"] == 1  # the run's
 
 
 def test_view_rows_follow_pipelines_that_join_leave_and_are_lost():
@@ -73,6 +110,7 @@ def test_view_rows_follow_pipelines_that_join_leave_and_are_lost():
     v.add([lost])
     assert v.workers == [(2, 0), (2, 1)]
     assert set(v.timeline()["compute"]["y"]) == {"pipeline 2 stage 0", "pipeline 2 stage 1"}
+    assert [(w["pipeline"], w["stage"]) for w in v.attribution().workers] == v.workers  # nor named the bottleneck
     v.add([control("joined", 1, 4.0)])  # it came back
     assert v.workers == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert [label for _, label in v.controls] == ["joined: pipeline 2", "lost: pipeline 1", "joined: pipeline 1"]
@@ -110,7 +148,9 @@ def test_overlapped_averaging_has_its_own_lane_and_the_histogram_counts_ordinary
     assert len(tl["background"]["x"]) == 2 * 4 and sum(tl["background"]["x"]) == pytest.approx(8 * 0.15)
     assert "synchronization" not in {c for c, d in tl.items() if d["x"]}  # background spans leave the step lanes
     assert sum(tl["compute"]["x"]) == pytest.approx(2 * 4 * 0.4, abs=0.05)  # compute bars keep their time
-    assert v.shares()["synchronization"] == [0.0, 0.0]
+    a = v.attribution()  # overlapped averaging is no share of the wall time: it runs beside the compute
+    assert [w["averaging"] for w in a.workers] == [0.0, 0.0]
+    assert [w["background"] for w in a.workers] == pytest.approx([4 * 0.15] * 2)
     assert dict(v.sizes[0]) == {2: 2, 1: 2}  # the global sync aside; a round alone counts one group per worker
 
 
@@ -233,6 +273,36 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     assert flagged and all(label.startswith("p1<br>") for label in flagged)
     assert len(dash.trace("loss/0").y) > 5 and list(dash.trace("accuracy/0").x) == [0, 1, 2]  # per step, per epoch
     assert "finished" in dash.header.value and "ideal" in dash.numbers.value
+    # where each worker's time went, over the whole run: a bar per worker (the timeline's rows), its segments the
+    # shares attribute() finds in the run's records, in the colours of the timeline's kinds in them
+    from sdpipe.attribution import attribute
+    from sdpipe.widgets.style import ATTRIBUTION_COLORS
+
+    want = attribute(result.events)
+    assert dash.plot.attribution.window == (None, None) and dash.plot.titles["attribution"].startswith(
+        "Where each worker's time went, whole run: shares of its wall time"
+    )
+    assert dash.figure.layout[dash.plot.axes["attribution"][1]].ticktext == layout.ticktext
+    ends = [0.0] * 4
+    for c, color in ATTRIBUTION_COLORS.items():
+        bar = dash.trace(f"attribution/{c}")
+        assert bar.name == c and bar.marker.color == color and len(bar.x) == 4
+        for y, x, base in zip(bar.y, bar.x, bar.base, strict=True):
+            p, s = dash.view.workers[y]
+            assert x == pytest.approx(want.share(p, s, c), abs=1e-5) and base == pytest.approx(ends[y], abs=1e-4)
+            ends[y] = base + x
+    assert ends == pytest.approx([1.0] * 4, abs=1e-4)  # each bar the worker's whole wall time
+    timeline = lambda kind: dash.trace(f"timeline/{kind}").marker.color
+    assert [dash.trace(f"attribution/{c}").marker.color for c in ("compute", "bubble", "group", "averaging")] == [
+        timeline("compute"),
+        timeline("communication"),  # receives and sends
+        timeline("waiting"),  # group waits
+        timeline("synchronization"),  # the syncs
+    ]
+    # the bottleneck in a sentence under the figure: the 4x slower pipeline 1, which the other waits for in groups
+    assert want.named["pipeline"] == 1 and dash.plot.attribution.bottleneck == want.bottleneck
+    assert html.escape(want.bottleneck) in dash.bottleneck.value and "over the whole run" in dash.bottleneck.value
+    assert dash.widget.children[-1] is dash.bottleneck
     # a page's answer (a custom message, as the width probe's page code sends it) counts only for the last redraw
     dash.figure._drawn.clear()
     last = dash._width.seq
@@ -283,8 +353,15 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
         t = time.monotonic()
         sum(range(1000))  # the caller's thread is free while the dashboard redraws
         assert time.monotonic() - t < 1.0
+        attributed = []  # the time attribution is drawn every ATTRIBUTION_EVERY seconds, not at each redraw
+        attribution = dash.view.attribution
+        dash.view.attribution = lambda: attributed.append(time.monotonic()) or attribution()
         time.sleep(3.0)
-        assert dash.redraw_rate(3.0) >= 2.0
+        assert dash.redraw_rate(3.0) >= 2.0 and len(attributed) <= 2, attributed
+        a = dash.plot.attribution  # over the last 30 s of the run's clock, a bar per worker
+        assert dash.plot.titles["attribution"].startswith("Where each worker's time went, last 30 s")
+        assert a.window[0] is not None and len(a.workers) == 4 and "over the last 30 s" in dash.bottleneck.value
+        assert html.escape(a.bottleneck) in dash.bottleneck.value
         # a change made from code shows in the panel at the next redraw
         run.set_heterogeneity(slowdown={0: 2.0}, straggle_prob=0.1, straggle_delay=0.02)
         run.set_policy("sdpipe", staleness=7)
@@ -398,10 +475,10 @@ def test_the_grid_puts_every_panel_once_wide_or_in_one_column():
         wide, narrow = layout.grid(stages, workers, narrow=False), layout.grid(stages, workers, narrow=True)
         assert set(wide.pos) == set(narrow.pos) == keys and sorted(wide.ordered) == sorted(keys)
         assert len(set(wide.pos.values())) == len(keys) and wide.cols == 3 and narrow.cols == 1
-        assert narrow.ordered[0] == "timeline" and narrow.ordered[-1] == "shares"
+        assert narrow.ordered[0] == "timeline" and narrow.ordered[-1] == "attribution"
         assert [narrow.pos[k][0] for k in narrow.ordered] == list(range(1, len(keys) + 1))
         assert len(wide.specs) == len(wide.heights) == stages + 3
-        assert wide.height == sum(wide.heights) + layout.ROW_GAP * len(wide.heights) + 80
+        assert wide.height == sum(wide.heights) + layout.ROW_GAP * len(wide.heights) + 40 + layout.BOTTOM
     assert layout.grid(2, 16, False).heights[0] > layout.grid(2, 4, False).heights[0]  # a row per worker
     assert layout.titles(1, "eval_loss", True)["accuracy"] == "held-out loss per epoch"
     assert layout.titles(1, "loss", False)["accuracy"] == "training loss per epoch (no held-out data given)"

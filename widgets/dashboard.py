@@ -43,6 +43,14 @@ BEHIND = 20.0
 ATTACHED = 30.0
 #: seconds between full resends of the figure while a run is followed (see Dashboard.resync)
 RESYNC = 10.0
+#: seconds of the run's clock a live run's time attribution covers (a replay's covers the whole run)
+ATTRIBUTION_WINDOW = 30.0
+#: seconds between a live run's time attributions at the most often
+ATTRIBUTION_EVERY = 2.0
+#: the share of the time between a live run's time attributions that one may take: each costs 2.5-7 us per record
+#: of its window (a 2 x 2 run of the digits MLP records some 3,000 a second: 0.3-0.7 s for 30 s), so a run that
+#: records more is attributed less often
+ATTRIBUTION_SHARE = 0.1
 
 
 class _Controls:
@@ -129,7 +137,11 @@ class Dashboard:
     """Live (``Dashboard(run)``) or replayed (``Dashboard(result)``) view of a training run.
 
     ``interval`` is the seconds between redraws (default 0.25: four a
-    second); ``window`` the seconds of the scrolling timeline.  Display it as
+    second); ``window`` the seconds of the scrolling timeline.  Where each
+    worker's time went (:mod:`sdpipe.attribution`) is drawn over the last
+    ``ATTRIBUTION_WINDOW`` seconds of a live run, every ``ATTRIBUTION_EVERY``
+    seconds or less often (it takes at most ``ATTRIBUTION_SHARE`` of the
+    time), and over the whole of a replayed one.  Display it as
     the last expression of a cell or with ``display(dashboard)``.  The
     constructor only builds the widgets (well under a second, also while the
     run's workers load the machine); the first data arrives with the first
@@ -156,7 +168,13 @@ class Dashboard:
         #: "perplexity", ...) or loss, else the training loss
         self.metric = (source.metric or "eval_loss") if self.held_out else "loss"
         self.interval = interval
-        self.view = RunView(cfg.stages, cfg.pipelines, cfg.batch_size, window=window)
+        self.view = RunView(
+            cfg.stages,
+            cfg.pipelines,
+            cfg.batch_size,
+            window=window,
+            attribution_window=ATTRIBUTION_WINDOW if self.run is not None else None,
+        )
         #: pipelines with their own loss and metric curves: the run's and up to SPARE_PIPELINES that join it
         self._slots = cfg.pipelines + SPARE_PIPELINES
         self._cursor = 0
@@ -196,7 +214,10 @@ class Dashboard:
         self.hetero = W.HTML()
         #: the answer to the last control: what was applied and when, or why not
         self.message = W.HTML(layout=W.Layout(min_height="1.7em", width="100%"))
-        parts = [self.header, self.numbers, self.hetero, self.note, self._width, self.figure]
+        #: the bottleneck in a sentence (:attr:`sdpipe.attribution.Attribution.bottleneck`), under the figure (its
+        #: last panel is the time attribution it sums up), where its length changes move nothing
+        self.bottleneck = W.HTML()
+        parts = [self.header, self.numbers, self.hetero, self.note, self._width, self.figure, self.bottleneck]
         #: the control panel (None for a replay or controls=False); ``panel.press(...)`` presses a button
         self._controls = _Controls(self.run, self.message, self._lock, self._poke) if controls else None
         self.panel = self._controls.panel if controls else None
@@ -219,7 +240,7 @@ class Dashboard:
 
     def trace(self, key: str):
         """A trace of the dashboard's figure: "timeline/compute", "groups/0", "sizes/0", "stragglers",
-        "stragglers/median", "loss/0", "accuracy/0", "shares/compute", ..."""
+        "stragglers/median", "loss/0", "accuracy/0", "attribution/compute", ..."""
         return self.plot.trace(key)
 
     def _page_drew(self, seq: int) -> None:
@@ -227,8 +248,9 @@ class Dashboard:
         self.figure.answered(seq >= self._width.seq)
 
     # ------------------------------------------------------------ updates
-    def refresh(self, fetch: bool = True, full: bool = True) -> int:
-        """Take in new events and redraw; returns how many events were new."""
+    def refresh(self, fetch: bool = True, full: bool = True, attribution: Optional[bool] = None) -> int:
+        """Take in new events and redraw; returns how many events were new.  ``full``: also the slower-moving
+        views; ``attribution`` (default: ``full``): also the time attribution and the bottleneck."""
         with self._lock:
             new = 0
             if fetch and self.run is not None:
@@ -236,19 +258,33 @@ class Dashboard:
                 self.view.add(events)
                 self.view.status = self.run.status
                 new = len(events)
-            self._draw(full)
+            self._draw(full, full if attribution is None else attribution)
             self._width.seq += 1  # the page answers it when drawn (see WidthProbe)
             self.redraws.append(time.monotonic())
             if len(self.redraws) > 1000:
                 del self.redraws[:500]
             return new
 
-    def _draw(self, full: bool = True) -> None:
-        """Redraw the figure's timeline and header; with ``full`` also the slower-moving views and the numbers."""
-        steps = self.plot.draw(full)
+    def _draw(self, full: bool = True, attribution: bool = True) -> None:
+        """Redraw the figure's timeline and header; with ``full`` also the slower-moving views and the numbers,
+        with ``attribution`` the time attribution and the bottleneck."""
+        steps = self.plot.draw(full, attribution)
         self._draw_header()
         if full:
             self._draw_numbers(steps)
+        if attribution:
+            self._draw_bottleneck()
+
+    def _draw_bottleneck(self) -> None:
+        """The bottleneck's sentence, over the time attribution's window; wrapped, never cut."""
+        a, w = self.plot.attribution, self.view.attribution_window
+        covered = "over the whole run" if w is None else f"over the last {w:g} s"
+        value = (
+            "<div style='white-space:normal; overflow-wrap:anywhere; line-height:1.4'>"
+            f"<b>bottleneck</b> ({covered}): {html.escape(a.bottleneck)}</div>"
+        )
+        if self.bottleneck.value != value:
+            self.bottleneck.value = value
 
     def _draw_numbers(self, st: dict) -> None:
         """The numbers line; ``st`` is the view's step_times() the views were drawn with."""
@@ -318,7 +354,7 @@ class Dashboard:
         for one that attaches.
         """
         try:
-            last_full = 0.0
+            last_full = last_attribution = 0.0
             last_resync = time.monotonic()
             while not self._stopping.is_set():
                 t = time.monotonic()
@@ -326,12 +362,16 @@ class Dashboard:
                 if t - last_resync >= RESYNC:
                     self.resync()
                     last_resync = t
-                # the timeline every time; the other views about once a second (they move slowly)
+                # the timeline every time; the other views about once a second (they move slowly), the time
+                # attribution every ATTRIBUTION_EVERY seconds, or as often as ATTRIBUTION_SHARE of the time allows
                 full = t - last_full >= 1.0
+                every = max(ATTRIBUTION_EVERY, self.plot.attribution_cost / ATTRIBUTION_SHARE)
+                attribution = full and t - last_attribution >= every
                 self.figure._drawn.clear()
                 self._poke.clear()
-                self.refresh(full=full)
+                self.refresh(full=full, attribution=attribution)
                 last_full = t if full else last_full
+                last_attribution = t if attribution else last_attribution
                 if done:
                     self.refresh()  # the last records
                     self.resync()

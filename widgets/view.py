@@ -3,8 +3,9 @@
 :class:`RunView` takes event records as they arrive (``run.events_since``) or
 all at once (a finished run's ``result.events``) and keeps, in bounded memory:
 
-* the recent spans of every worker for the timeline (older spans only add to
-  per-worker totals by category, so long runs stay fast);
+* the recent spans of every worker for the timeline, and the span records of
+  the last ``attribution_window`` seconds (all of them for a replay) for the
+  time attribution (:mod:`sdpipe.attribution`), so long runs stay fast;
 * the recent group formations per stage, the distribution of group sizes and
   when graph syncs happened;
 * per-worker step and compute times for straggler detection, and the run's
@@ -21,6 +22,9 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections import Counter, defaultdict, deque
+from typing import Optional
+
+from sdpipe.attribution import Attribution, attribute
 
 __all__ = ["CATEGORIES", "RunView", "category"]
 
@@ -104,9 +108,12 @@ class RunView:
         rounds: int = 60,
         steps: int = 12,
         flag_factor: float = 2.0,
+        attribution_window: Optional[float] = 30.0,
     ):
         self.stages, self.pipelines, self.batch_size = stages, pipelines, batch_size
         self.window, self.rounds, self.steps, self.flag_factor = window, rounds, steps, flag_factor
+        #: seconds of the run's clock the time attribution covers, up to the latest record (None: the whole run)
+        self.attribution_window = attribution_window
         #: the pipelines taking part now: a pipeline that joins adds its rows, one that leaves or is lost drops them
         self.active = set(range(pipelines))
         self.workers = [(p, s) for p in range(pipelines) for s in range(stages)]
@@ -114,7 +121,7 @@ class RunView:
         self.count = 0
         self._recent = {w: deque() for w in self.workers}  # (category, start, end), merged
         self._background = {w: deque() for w in self.workers}  # (start, end) of overlapped averaging
-        self.totals = {w: Counter() for w in self.workers}  # seconds by category over the whole run
+        self._spans: deque = deque()  # the span records of the attribution's window, in arrival order
         self._rounds = {s: {} for s in range(stages)}  # stage -> key -> {"members": set, "reason": str, "end": t}
         self._order = {s: deque() for s in range(stages)}  # keys in arrival order, bounded
         self.sizes = {s: Counter() for s in range(stages)}  # groups of the ordinary rounds by members
@@ -145,6 +152,17 @@ class RunView:
     def add(self, events) -> None:
         for e in events:
             self._add(e)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the span records that ended before the attribution's window.  Records come in batches per worker,
+        not in order of their ends: one that ended earlier than the first kept goes when the ones before it
+        have (the window's start clips it meanwhile)."""
+        if self.attribution_window is None:
+            return
+        lo, q = self.now - self.attribution_window, self._spans
+        while q and q[0]["end"] < lo:
+            q.popleft()
 
     def _add(self, e: dict) -> None:
         self.count += 1
@@ -182,14 +200,14 @@ class RunView:
             return
         cat = category(kind)
         p, s = e.get("pipeline"), e.get("stage")
-        if cat is None or (p, s) not in self.totals:
+        if cat is None or (p, s) not in self._recent:
             return
         w = (p, s)
         start = e["start"]
+        self._spans.append(e)
         if e.get("lane") == "background":  # overlapped averaging: beside the step's own spans, on its own lane
             self._background[w].append((start, end))
             return
-        self.totals[w][cat] += end - start
         q = self._recent[w]
         if q and q[-1][0] == cat and start - q[-1][2] < 0.002:
             q[-1] = (cat, q[-1][1], max(end, q[-1][2]))
@@ -212,7 +230,7 @@ class RunView:
             for p in range(self.pipelines, pipeline + 1):
                 for s in range(self.stages):
                     w = (p, s)
-                    self._recent[w], self._background[w], self.totals[w] = deque(), deque(), Counter()
+                    self._recent[w], self._background[w] = deque(), deque()
                     self._opt_end[w] = deque(maxlen=self.steps + 1)
                     self._compute[w], self._own[w] = deque(maxlen=self.steps), deque(maxlen=self.steps)
                     self._steps[w] = {}
@@ -312,9 +330,16 @@ class RunView:
     def label(self, w) -> str:
         return f"pipeline {w[0]} stage {w[1]}"
 
-    def shares(self) -> dict:
-        """Whole-run seconds per worker by category: category -> list in worker order."""
-        return {c: [self.totals[w][c] for w in self.workers] for c in CATEGORIES}
+    def attribution(self) -> Attribution:
+        """Where the time of each worker taking part went (:func:`sdpipe.attribution.attribute`) over the last
+        ``attribution_window`` seconds of the run's clock (up to its latest record), or the whole run.  Its
+        cost grows with the records in the window (a few microseconds each), not with the run's length.
+
+        A pipeline that left or was lost has no row, and is not named the bottleneck (on the few records it may
+        still have in the window, its shares can be extreme)."""
+        self._forget()
+        since = None if self.attribution_window is None else self.now - self.attribution_window
+        return attribute([e for e in self._spans if e["pipeline"] in self.active], since=since)
 
     def formations(self, stage: int) -> dict:
         """The recent formations of ``stage``: keys, a pipelines x formations membership matrix and reasons.
