@@ -149,6 +149,7 @@ def main(argv=None) -> int:
                         "simulated_wall": wall_changed,
                         "expected_wall": before * wall_changed / wall_as_is,
                         "stretch": changed.stretch,
+                        "cores": changed.cores,
                         "predict_seconds": cost,
                     }
                     for k in ("simulated", "expected", "simulated_wall", "expected_wall"):
@@ -191,8 +192,8 @@ def main(argv=None) -> int:
         "the model (a core per worker, wall-time costs).",
         "",
         "| run | change | before | simulated before (error) | after | simulated | error | expected | error | "
-        "wall: simulated | error | wall: expected | error | stretch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "wall: simulated | error | wall: expected | error | stretch | cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
             f"({pct(r['as_is'] / r['before'] - 1.0)}) | {r['after']:.0f} | {r['simulated']:.0f} | "
             f"{pct(r['simulated_error'])} | {r['expected']:.0f} | {pct(r['expected_error'])} | "
             f"{r['simulated_wall']:.0f} | {pct(r['simulated_wall_error'])} | {r['expected_wall']:.0f} | "
-            f"{pct(r['expected_wall_error'])} | {r['stretch']:.2f} |"
+            f"{pct(r['expected_wall_error'])} | {r['stretch']:.2f} | {r['cores']:.2f} |"
         )
     lines += ["", "Median absolute error over every change (smallest - largest):", ""]
     for key, name in (

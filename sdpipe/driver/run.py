@@ -288,22 +288,39 @@ class Run(Steering, Elastic):
 
         return export_trace(self, path)
 
-    def _prediction_source(self):
-        """The run as it is now, for :mod:`sdpipe.simulation.whatif`: its records, its configuration with the
-        policy and heterogeneity it runs under now, its workers' cores, the samples it has left."""
+    def _config_at(self, t: Optional[float]) -> TrainConfig:
+        """The run's configuration as it ran at ``t`` on its clock (None: now): its policy and heterogeneity as
+        the driver's controls up to then set them (a policy's parameters set live: only now's are known; an
+        earlier policy is taken with its defaults)."""
+        if t is None:
+            return dataclasses.replace(
+                self.config, policy=self.policy, heterogeneity=self.heterogeneity, scheduler=self.scheduler_policy
+            )
+        policy, hetero, changed = self.config.policy, self.config.heterogeneity, False
+        for e in self.events:
+            if e.get("kind") == "control" and e.get("applied_by") == "driver" and e["start"] <= t:
+                if e["what"] == "policy":
+                    policy, changed = e["policy"], True
+                elif e["what"] == "heterogeneity":
+                    hetero = Heterogeneity.from_dict(e["heterogeneity"])
+        scheduler = self.config.scheduler if not changed else None
+        return dataclasses.replace(self.config, policy=policy, heterogeneity=hetero, scheduler=scheduler)
+
+    def _prediction_source(self, until: Optional[float] = None):
+        """The run as it was at ``until`` (None: now), for :mod:`sdpipe.simulation.whatif`: its records, its
+        configuration, its workers' cores, the samples and epochs it had left."""
         from sdpipe.simulation.whatif import Source
 
         events = self.events
-        config = dataclasses.replace(
-            self.config, policy=self.policy, heterogeneity=self.heterogeneity, scheduler=self.scheduler_policy
-        )
+        config = self._config_at(until)
+        before = events if until is None else [e for e in events if e.get("end") is not None and e["end"] <= until]
         last_stage = config.stages - 1
-        trained = sum(1 for e in events if e.get("kind") == "optimizer" and e.get("stage") == last_stage)
-        epochs = [e["metrics"]["epoch"] for e in events if e.get("kind") == "epoch"]
+        trained = sum(1 for e in before if e.get("kind") == "optimizer" and e.get("stage") == last_stage)
+        epochs = [e["metrics"]["epoch"] for e in before if e.get("kind") == "epoch"]
         done_epochs = max(epochs, default=self.start_epoch - 1) + 1
         total = (config.epochs - self.start_epoch) * self.updates_per_epoch
         return Source(
-            events,
+            before,
             config,
             self.cores or 0,
             self.updates_per_epoch,
@@ -311,24 +328,27 @@ class Run(Steering, Elastic):
             max(0, config.epochs - done_epochs),
         )
 
-    def predict(self, last: float = 30.0, **changes):
+    def predict(self, last: float = 30.0, until: Optional[float] = None, **changes):
         """The samples/s this run would train at with ``changes`` (``policy``, ``schedule``, ``heterogeneity``,
-        ``pipelines``, ``microbatches``; none: as it runs), simulated on the costs it measured in the last ``last``
-        seconds, its workers sharing their cores (:func:`sdpipe.simulation.whatif.predict`)."""
+        ``pipelines``, ``microbatches``; none: as it runs), simulated on the costs it measured in the ``last``
+        seconds before ``until`` (the run's clock; None: its latest record), its workers sharing their cores
+        (:func:`sdpipe.simulation.whatif.predict`).  With ``until``, the run as it was then: a prediction made
+        just before a live change, to set against what the change brought."""
         from sdpipe.simulation.whatif import predict
 
         check_window(last)
-        source = self._prediction_source()
+        source = self._prediction_source(until)
         return predict(source, since=last_end(source.events) - last, **changes)
 
-    def what_if(self, last: float = 30.0):
+    def what_if(self, last: float = 30.0, until: Optional[float] = None):
         """Predictions for this run as it runs and for each single change (every other live policy, no
         heterogeneity, the other schedules, one pipeline more or fewer), beside the samples/s it measured, from
-        its last ``last`` seconds (:func:`sdpipe.simulation.whatif.what_if`).  ``print()`` it for a table."""
+        its ``last`` seconds before ``until`` (:func:`sdpipe.simulation.whatif.what_if`; see :meth:`predict`).
+        ``print()`` it for a table."""
         from sdpipe.simulation.whatif import what_if
 
         check_window(last)
-        source = self._prediction_source()
+        source = self._prediction_source(until)
         return what_if(source, since=last_end(source.events) - last)
 
     def done(self) -> bool:

@@ -53,9 +53,10 @@ real run's events; ``docs/simulator.md`` has the model and its agreement with re
 from __future__ import annotations
 
 import gc
+import math
 
 from sdpipe.config import TrainConfig, config_keywords
-from sdpipe.core.checks import integer, is_integer
+from sdpipe.core.checks import integer, is_number
 from sdpipe.core.policies import names
 from sdpipe.simulation.calibrate import Calibration, calibrate, cores_of
 from sdpipe.simulation.costs import Costs, Network, ring_allreduce_seconds, share_cores, stretch_compute
@@ -122,12 +123,13 @@ def simulate(
     "join", pipeline)`` changes of the pipelines present (see :func:`spot_trace`); pipelines absent at the end
     are in ``result.lost``, and ``control`` records ``left`` / ``joined`` mark the changes.
 
-    ``cores``: the cores every worker shares (a laptop's, a host's), or None for a core (a device) of its own.
-    With it, the costs are a worker's alone (``calibrate(result, shared=True)`` measures them in CPU time) and
-    its compute is stretched by the one factor (``result.stretch``) that keeps the workers' demand, each step
-    asking ``costs.cpu`` of a core, within ``cores`` (the kernel shares the cores evenly among the workers that
-    want one: a mean over the run, not moment by moment).  For example, 8 workers whose steps would keep 3.1
-    cores busy on 2 cores compute about 1.5x slower; with 3.1 or more cores nothing changes.
+    ``cores``: the cores every worker shares (a laptop's, a host's: a number, 1.5 for a machine whose other
+    processes keep half a core busy), or None for a core (a device) of its own.  With it, the costs are a worker's
+    alone (``calibrate(result, shared=True)`` measures them in CPU seconds) and its compute is stretched, the
+    kernel sharing the cores among the workers that compute at each instant and the other threads of their
+    processes (``costs.cpu``); ``result.stretch`` says by how much on the whole (:func:`share_cores`).  For
+    example, 8 workers of a lock-step run that all compute at once on 2 cores compute about 4x slower than
+    alone, and not at all slower while a sleeping straggler holds them.
     """
     config = TrainConfig(stages=stages, pipelines=pipelines, **options)
     if config.policy not in SIM_POLICIES:
@@ -141,13 +143,13 @@ def simulate(
         raise ValueError(f"costs: has {costs.stages} stages, the simulation {stages}")
     integer("steps", steps)
     changes = _check_trace(trace, pipelines, config.policy)
-    if cores is not None and not (is_integer(cores) and cores >= 1):
-        raise ValueError(f"cores: must be a whole number >= 1 (the cores the workers share) or None, got {cores!r}")
+    if cores is not None and not (is_number(cores) and 0 < cores < math.inf):
+        raise ValueError(f"cores: must be a number > 0 (the cores the workers share) or None, got {cores!r}")
     from sdpipe.simulation.engine import _Simulation  # the engine loads with the first simulation, not with the costs
 
-    def run(stretch: float):
+    def run(stretch: float, records: bool = record):
         stretched = costs if stretch == 1.0 else stretch_compute(costs, stretch)
-        sim = _Simulation(config, costs=stretched, network=network, proxy=proxy, steps=steps, record=record)
+        sim = _Simulation(config, costs=stretched, network=network, proxy=proxy, steps=steps, record=records)
         result = sim.run(changes).result()
         result.stretch = stretch
         return result
@@ -155,7 +157,12 @@ def simulate(
     collecting = gc.isenabled()
     gc.disable()  # millions of records and no cycles among them: the cyclic collector would scan them over and over
     try:
-        return run(1.0) if cores is None else share_cores(run, costs, cores, config.microbatches)
+        if cores is None:
+            return run(1.0)
+        result = share_cores(run, costs, cores, config, network)
+        if not record:
+            result.events = []
+        return result
     finally:
         if collecting:
             gc.enable()

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from sdpipe.config import TrainConfig
+from sdpipe.config import Heterogeneity, TrainConfig
 from sdpipe.core.checks import is_number
 from sdpipe.core.schedule import ASYNC_SCHEDULES, build_plan, dry_run
 
@@ -162,14 +162,8 @@ def _step_plan(config: TrainConfig):
     )
 
 
-def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches: int) -> tuple:
-    """(per-stage finish times of one step, per-stage compute seconds) of a pipeline slowed by ``slowdown``
-    (one factor per stage), from the dry run of ``plan``.
-
-    An asynchronous schedule's ``plan`` is ``((plan of n steps, n), plan of n + 1 steps)``: a step of the
-    steady state lasts the difference of their makespans on every stage (no fill, no flush; the warm-up and
-    drain of each epoch are left out), plus its updates' optimizer time.  A stage's updates within a step
-    count as one ready signal at its end."""
+def _action_cost(costs: Costs, net: Network, slowdown: tuple):
+    """Seconds of one action of a plan: a forward's or backward's (slowed), a send's transfer."""
 
     def cost(a):
         if a.op == "F":
@@ -181,6 +175,35 @@ def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches
             return costs.activation_bytes[boundary] / net.bandwidth + net.latency
         return 0.0
 
+    return cost
+
+
+def _computing(plan, costs: Costs, net: Network, slowdown: tuple, ends: list) -> list:
+    """Per stage, the (start, end) seconds from a synchronous step's start in which its worker computes: each
+    forward and backward without the sleep a compute slowdown adds after it (the runtime's), the optimizer at the
+    step's end; the step's overhead before its start on stage 0."""
+    out = [[] for _ in slowdown]
+    for a, st, en in dry_run(plan, _action_cost(costs, net, slowdown)).spans:
+        if a.op in ("F", "B"):
+            out[a.stage].append((st, st + (en - st) / slowdown[a.stage]))
+    for s, end in enumerate(ends):
+        if costs.optimizer[s] > 0:
+            out[s].append((end - costs.optimizer[s], end))
+    if costs.step_overhead > 0:
+        out[0].append((-costs.step_overhead, 0.0))
+    return out
+
+
+def _step_finish(plan, costs: Costs, net: Network, slowdown: tuple, microbatches: int) -> tuple:
+    """(per-stage finish times of one step, per-stage compute seconds) of a pipeline slowed by ``slowdown``
+    (one factor per stage), from the dry run of ``plan``.
+
+    An asynchronous schedule's ``plan`` is ``((plan of n steps, n), plan of n + 1 steps)``: a step of the
+    steady state lasts the difference of their makespans on every stage (no fill, no flush; the warm-up and
+    drain of each epoch are left out), plus its updates' optimizer time.  A stage's updates within a step
+    count as one ready signal at its end."""
+
+    cost = _action_cost(costs, net, slowdown)
     if isinstance(plan, tuple):  # an asynchronous schedule: the steady state's step, one period for every stage
         (short, steps), longer = plan
         period = dry_run(longer, cost).makespan - dry_run(short, cost).makespan
@@ -221,31 +244,89 @@ def stretch_compute(costs: Costs, factor: float) -> Costs:
     )
 
 
-#: how close to the cores a shared simulation's demand must come (relative), and in how many runs at most
-SHARE_TOLERANCE, SHARE_RUNS = 0.01, 8
+#: how close a shared simulation's stretch must come to the one its timeline asks for (relative), in how many runs
+SHARE_TOLERANCE, SHARE_RUNS = 0.01, 12
 
 
-def share_cores(run, costs: Costs, cores: int, microbatches: int):
-    """The result of ``run(stretch)`` (a simulation with every compute ``stretch`` times as long) whose workers'
-    demand on the cores, ``costs.cpu`` per step of each worker over the simulated time, is at most ``cores``:
-    stretch 1 when the demand fits, else the stretch at which it comes to ``cores`` (within 1%).
+def share_cores(run, costs: Costs, cores: float, config: TrainConfig, network: Network):
+    """The result of ``run(stretch, record)`` (a simulation with every compute ``stretch`` times as long) whose
+    stretch is the one its own timeline asks for on ``cores`` cores.
 
-    The simulated time T(k) at stretch k grows about linearly in k (the computing parts stretch, the waits for
-    the network and for sleeping stragglers do not): a few runs of the secant method find it.  The demand is
-    fixed by the work (every step asks its CPU), so the target is the time ``T* = demand / cores``."""
+    The kernel shares the cores evenly among the threads that want one: at an instant when n workers compute and
+    the workers' other threads (``costs.cpu`` beyond their compute: the Python between actions, the Dask worker's
+    loop, an averaging's thread) keep b cores busy on average, each computing worker runs at ``cores / (n + b)``
+    of a core when that is below 1.  Its compute, over its time, is stretched by the mean of
+    ``max(1, (n + b) / cores)`` over the instants it computes; a simulation stretched by k has compute at other
+    instants than one stretched by k', so the stretch is found as a fixed point (a few runs).  The instants come
+    from each step's start in the records and the schedule's dry run (when each stage computes within a step); an
+    asynchronous schedule, whose steady state has no such plan here, is taken as computing evenly over its
+    steps (the demand's mean: the stretch at which the workers' CPU over the simulated time comes to ``cores``).
+    """
+    S, M = costs.stages, config.microbatches
+    own = [M * (costs.forward[s] + costs.backward[s]) + costs.optimizer[s] for s in range(S)]
+    own[0] += costs.step_overhead
+    cpu = costs.cpu or tuple(own)
+    if config.schedule in ASYNC_SCHEDULES:
+        return _share_evenly(run, cpu, cores)
+    extra = [max(0.0, cpu[s] - own[s]) for s in range(S)]  # per step, beyond its compute
+    plan = _step_plan(config)
+    hetero = config.heterogeneity or Heterogeneity()
+    stretch = 1.0
+    for _ in range(SHARE_RUNS):
+        result = run(stretch, True)
+        stretched = stretch_compute(costs, stretch)
+        wanted = _wanted_stretch(result, stretched, network, plan, hetero, extra, cores)
+        if abs(wanted - stretch) <= SHARE_TOLERANCE * stretch:
+            break
+        stretch = wanted
+    return result
+
+
+def _wanted_stretch(result, costs: Costs, net: Network, plan, hetero, extra: list, cores: float) -> float:
+    """The mean of ``max(1, (n + b) / cores)`` over the computing instants of ``result``'s workers (see
+    :func:`share_cores`): n the workers computing at the instant, b the cores their other threads keep busy."""
     S = costs.stages
-    cpu = costs.cpu or tuple(
-        microbatches * (costs.forward[s] + costs.backward[s]) + costs.optimizer[s] for s in range(S)
-    )
-    per_step = sum(cpu)  # a step of every stage of one pipeline
-    result = run(1.0)
+    offsets: dict = {}
+    marks = []
+    for e in result.events:
+        if e["kind"] != "forward" or e.get("microbatch") is not None:
+            continue
+        p, s = e["pipeline"], e["stage"]
+        k = tuple(hetero.compute_slowdown_of(p, x) for x in range(S))
+        if k not in offsets:
+            ends, _ = _step_finish(plan, costs, net, k, 0)
+            offsets[k] = _computing(plan, costs, net, k, ends)
+        begin = e["start"]
+        for a, b in offsets[k][s]:
+            marks.append((begin + a, 1))
+            marks.append((begin + b, -1))
+    if not marks or result.wall_time <= 0:
+        return 1.0
+    steps = sum(result.steps.values())
+    busy_elsewhere = steps * sum(extra) / result.wall_time  # mean cores of their other threads
+    marks.sort()
+    n, last, num, den = 0, marks[0][0], 0.0, 0.0
+    for t, d in marks:
+        if n > 0 and t > last:
+            num += n * (t - last) * max(1.0, (n + busy_elsewhere) / cores)
+            den += n * (t - last)
+        n, last = n + d, t
+    return num / den if den > 0 else 1.0
+
+
+def _share_evenly(run, cpu, cores: float):
+    """:func:`share_cores` for an asynchronous schedule: the stretch at which the workers' CPU per step over the
+    simulated time comes to ``cores`` (1 when it fits), found by the secant method (the simulated time grows about
+    linearly in the stretch)."""
+    per_step = sum(cpu)
+    result = run(1.0, False)
     target = per_step * sum(result.steps.values()) / cores
     if result.wall_time >= target or target <= 0:
         return result
     k0, t0 = 1.0, result.wall_time
     k1 = target / t0  # T(k) <= k T(1): the stretch is at least this
     for _ in range(SHARE_RUNS):
-        result = run(k1)
+        result = run(k1, False)
         t1 = result.wall_time
         target = per_step * sum(result.steps.values()) / cores
         if abs(t1 - target) <= SHARE_TOLERANCE * target or t1 == t0:

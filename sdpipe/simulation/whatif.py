@@ -41,13 +41,15 @@ WINDOW = 30.0
 @dataclass(frozen=True)
 class Prediction:
     """One simulated setting: what changed, the predicted samples/s (all pipelines together, evaluation apart),
-    the seconds the run would still take, how much the shared cores stretch its compute, the configuration."""
+    the seconds the run would still take, how much the shared cores stretch its compute, the configuration, the
+    cores' worth it was simulated on."""
 
     change: str
     samples_per_s: float
     time_left: Optional[float]
     stretch: float
     config: TrainConfig
+    cores: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class WhatIf:
     predictions: list
     since: float
     until: float
+    cores: Optional[float] = None
+    """The cores' worth the workers got in the window (fitted: see :meth:`_Model.fit_cores`), the predictions'."""
+    machine_cores: Optional[float] = None
+    """The cores of the machines the workers run on."""
 
     def __getitem__(self, change: str) -> Prediction:
         for p in self.predictions:
@@ -84,6 +90,8 @@ class WhatIf:
             if self.measured is not None
             else "measured: no epoch ended in the window yet"
         )
+        if self.cores is not None and self.machine_cores:
+            head += f"; the workers got {self.cores:.1f} of the {self.machine_cores:g} cores (fitted)"
         lines = [
             head,
             f"{'change':<28} {'simulated':>10} {'vs now':>7} {'expected':>10} {'time left':>10}",
@@ -149,43 +157,86 @@ def _eval_seconds(events: list) -> float:
     return statistics.median(spans) if spans else 0.0
 
 
-def predict(source: Source, *, since=None, until=None, seed: int = 0, **changes) -> Prediction:
-    """The simulated samples/s of ``source``'s run with ``changes`` (see :data:`CHANGES`), its costs calibrated on
-    its records in [``since``, ``until``] (default: the last 30 s)."""
-    from sdpipe.driver.result import RunResult
-    from sdpipe.simulation import calibrate, simulate
+class _Model:
+    """The simulator calibrated once on a window of a run's records, for any number of predictions."""
 
+    def __init__(self, source: Source, since, until, seed: int = 0):
+        from sdpipe.driver.result import RunResult
+        from sdpipe.simulation import calibrate
+
+        window, lo, hi = _window(source.events, since, until)
+        if not any(e.get("kind") == "forward" and "cpu" in e for e in window):
+            raise ValueError(
+                f"window: no forward span with its CPU time from {lo:.1f} s to {hi:.1f} s to measure the costs on "
+                "(has the run trained yet?)"
+            )
+        self.source, self.window, self.since, self.until, self.seed = source, window, lo, hi, seed
+        run = RunResult(models=[], history=[], events=window, config=source.config, wall_time=hi - lo)
+        self.costs, self.network, _ = calibrate(run, shared=True)
+        self.measured = measured_rate(window)
+        self.cores = source.cores or None
+
+    def rate(self, target: TrainConfig, cores) -> tuple:
+        """(samples/s, stretch) of one simulated epoch of ``target`` on ``cores``."""
+        from sdpipe.simulation import simulate
+
+        D = target.pipelines
+        sim = simulate(
+            target.stages,
+            D,
+            costs=self.costs,
+            network=self.network,
+            steps=max(1, self.source.batches_per_epoch // D),
+            epochs=1,
+            record=False,
+            cores=cores,
+            seed=self.seed,
+            **{f: getattr(target, f) for f in ("policy", "schedule", "microbatches", "batch_size", "heterogeneity")},
+        )
+        return sum(h["samples_per_s"] for h in sim.history), sim.stretch
+
+    def fit_cores(self):
+        """The cores' worth the workers got: the number of cores (at most the machine's) on which the run as it
+        runs simulates at the samples/s it measured (other processes, the Dask scheduler and the notebook's
+        among them, take the rest).  The machine's cores when nothing was measured, or when even those simulate
+        slower than measured."""
+        if self.cores is None or not self.measured:
+            return self.cores
+        config = self.source.config
+        hi = float(self.cores)
+        if self.rate(config, hi)[0] <= self.measured:
+            return hi
+        lo = hi * FIT_LOWEST
+        if self.rate(config, lo)[0] >= self.measured:
+            return lo
+        for _ in range(FIT_STEPS):  # the rate grows with the cores
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.rate(config, mid)[0] < self.measured else (lo, mid)
+        return (lo + hi) / 2
+
+    def predict(self, changes: dict, cores) -> Prediction:
+        config = self.source.config
+        target = _changed(config, changes)
+        rate, stretch = self.rate(target, cores)
+        left = None
+        if self.source.samples_left is not None and rate > 0:
+            left = self.source.samples_left / rate + self.source.epochs_left * _eval_seconds(self.window)
+        return Prediction(_name(changes, config.pipelines), rate, left, stretch, target, cores)
+
+
+#: the fitted cores' lowest share of the machine's, and the bisection's steps (to 1% of the range)
+FIT_LOWEST, FIT_STEPS = 0.1, 7
+
+
+def predict(source: Source, *, since=None, until=None, seed: int = 0, fit: bool = True, **changes) -> Prediction:
+    """The simulated samples/s of ``source``'s run with ``changes`` (see :data:`CHANGES`), its costs calibrated on
+    its records in [``since``, ``until``] (default: the last 30 s), on the cores' worth its workers got there
+    (``fit``; else on the machine's cores: see :meth:`_Model.fit_cores`)."""
     for name in changes:
         if name not in CHANGES:
             raise ValueError(f"{name}: not a change a prediction takes; it takes {', '.join(CHANGES)}")
-    window, lo, hi = _window(source.events, since, until)
-    if not any(e.get("kind") == "forward" and "cpu" in e for e in window):
-        raise ValueError(
-            f"window: no forward span with its CPU time from {lo:.1f} s to {hi:.1f} s to measure the costs on "
-            "(has the run trained yet?)"
-        )
-    config = source.config
-    window_result = RunResult(models=[], history=[], events=window, config=config, wall_time=hi - lo)
-    costs, network, _ = calibrate(window_result, shared=True)
-    target = _changed(config, changes)
-    D = target.pipelines
-    sim = simulate(
-        target.stages,
-        D,
-        costs=costs,
-        network=network,
-        steps=max(1, source.batches_per_epoch // D),
-        epochs=1,
-        record=False,
-        cores=source.cores or None,
-        seed=seed,
-        **{f: getattr(target, f) for f in ("policy", "schedule", "microbatches", "batch_size", "heterogeneity")},
-    )
-    rate = sum(h["samples_per_s"] for h in sim.history)
-    left = None
-    if source.samples_left is not None and rate > 0:
-        left = source.samples_left / rate + source.epochs_left * _eval_seconds(window)
-    return Prediction(_name(changes, config.pipelines), rate, left, sim.stretch, target)
+    model = _Model(source, since, until, seed)
+    return model.predict(changes, model.fit_cores() if fit else model.cores)
 
 
 def _changed(config: TrainConfig, changes: dict) -> TrainConfig:
@@ -253,20 +304,19 @@ def what_if(source: Source, *, since=None, until=None) -> WhatIf:
     variants += [{"pipelines": config.pipelines + 1}]
     if config.pipelines > 1:
         variants.append({"pipelines": config.pipelines - 1})
-    window, lo, hi = _window(source.events, since, until)
-    sub = dataclasses.replace(source, events=window)
-    predictions = [predict(sub, since=lo, until=hi, **v) for v in variants]
-    measured = measured_rate(window)
-    base = predictions[0].samples_per_s
+    model = _Model(source, since, until)
+    cores = model.fit_cores()
+    predictions = [model.predict(v, cores) for v in variants]
+    measured, base = model.measured, predictions[0].samples_per_s
     if measured is not None and base > 0 and source.samples_left is not None:  # time left at the expected rate
-        evals = source.epochs_left * _eval_seconds(window)
+        evals = source.epochs_left * _eval_seconds(model.window)
         predictions = [
             dataclasses.replace(p, time_left=source.samples_left / (measured * p.samples_per_s / base) + evals)
             if p.samples_per_s > 0
             else p
             for p in predictions
         ]
-    return WhatIf(measured, predictions, lo, hi)
+    return WhatIf(measured, predictions, model.since, model.until, cores, model.cores)
 
 
 def check_window(last) -> None:
