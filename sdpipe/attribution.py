@@ -75,7 +75,8 @@ class Attribution:
 
     ``workers``: one dict per worker, ``pipeline``, ``stage``, ``wall`` (seconds), each category's seconds,
     ``slowdown`` (seconds of emulated slowdown and straggles, inside ``compute``), ``background`` (overlapped
-    averaging beside it) and ``waited_on``: ``{(pipeline, stage): seconds}`` it waited for each other worker."""
+    averaging beside it), ``waited_on``: ``{(pipeline, stage): seconds}`` it waited for each other worker, and
+    ``start`` and ``end``: the first and last instant of its spans in the window (``wall`` is the time between)."""
 
     workers: list
     bottleneck: str
@@ -84,6 +85,56 @@ class Attribution:
     path: list = field(default_factory=list)
     """The critical path: the chain of work the window's last step waited on, back to the window's start,
     ``(pipeline, stage, category, start, end)`` in time order (see :meth:`on_path`)."""
+
+    @classmethod
+    def merge(cls, parts: list) -> "Attribution":
+        """The attribution of the windows of ``parts`` together: each an :class:`Attribution` of the same run's
+        records over its own window, the windows one after the other without overlapping (slices of the run's
+        clock).  Per worker its seconds by category, ``wall``, ``slowdown``, ``background`` and ``waited_on`` are
+        summed, the time between its last span in one part and its first in the next (no span covered it) is
+        added to its ``other`` and ``wall``, and the bottleneck is found on the sums::
+
+            attribute(events, 0, 2)   compute 1.2 s   wall 1.9 s (its spans from 0.1 to 2.0)
+            attribute(events, 2, 4)   compute 1.1 s   wall 1.8 s (from 2.1 to 3.9)
+            merge of the two          compute 2.3 s   wall 3.8 s, the 0.1 s from 2.0 to 2.1 in other
+
+        That is what :func:`attribute` finds over the whole window (``since`` of the first part, ``until`` of the
+        last) when each part was attributed with every record of a span that crosses its window, and those of
+        the collectives around it (a sync is split where the last member came, then clipped); a span missing
+        from a part's records is missing from the merge.  A merge has no critical path (it walks back from the
+        window's end: attribute the whole window for it)."""
+        by_worker = defaultdict(list)
+        for part in parts:
+            for w in part.workers:
+                by_worker[(w["pipeline"], w["stage"])].append(w)
+        workers = []
+        for (p, s), ws in sorted(by_worker.items()):
+            timed = sorted((w for w in ws if w["start"] is not None), key=lambda w: w["start"])
+            if not timed:  # overlapped averaging only: no share of any wall time
+                continue
+            out = {"pipeline": p, "stage": s, **{c: sum(w[c] for w in timed) for c in CATEGORIES}}
+            between = sum(max(0.0, b["start"] - a["end"]) for a, b in itertools.pairwise(timed))
+            out["other"] += between
+            waited = defaultdict(float)
+            for w in timed:
+                for k, v in w["waited_on"].items():
+                    waited[k] += v
+            workers.append(
+                out
+                | {
+                    "wall": sum(w["wall"] for w in timed) + between,
+                    "slowdown": sum(w["slowdown"] for w in timed),
+                    "background": sum(w["background"] for w in ws),
+                    "waited_on": dict(waited),
+                    "start": timed[0]["start"],
+                    "end": timed[-1]["end"],
+                }
+            )
+        named, sentence = _bottleneck(workers)
+        windows = [part.window for part in parts]
+        since = min((a for a, _ in windows if a is not None), default=None)
+        until = max((b for _, b in windows if b is not None), default=None)
+        return cls(workers, sentence, named, (since, until))
 
     def on_path(self) -> list:
         """The critical path's seconds per worker and category, the most first:
@@ -144,9 +195,14 @@ def _collective(e: dict) -> tuple:
     return (e["stage"], "step", e["step"], tuple(e.get("group") or ()))
 
 
-def attribute(events: list, since: Optional[float] = None, until: Optional[float] = None) -> Attribution:
+def attribute(
+    events: list, since: Optional[float] = None, until: Optional[float] = None, *, part: bool = False
+) -> Attribution:
     """Attribute every worker's time in ``events`` (a run's records) between ``since`` and ``until`` (seconds on
-    the run's clock; None: from each worker's first span, to its last).  See the module docstring."""
+    the run's clock; None: from each worker's first span, to its last).  See the module docstring.  ``part``: the
+    window is a part of a longer one, for :meth:`Attribution.merge`: no critical path is walked, and a worker
+    whose only spans in it are overlapped averaging keeps its row (``wall`` 0; its ``background`` counts in the
+    merge)."""
     spans = defaultdict(list)
     for e in events:
         p, s = e.get("pipeline"), e.get("stage")
@@ -173,10 +229,37 @@ def attribute(events: list, since: Optional[float] = None, until: Optional[float
     ordered = {key: sorted(es, key=lambda e: e["start"]) for key, es in sorted(spans.items())}
     for key, es in ordered.items():
         workers.append(_one(key, es, since, until, last_in, group_waits))
-    workers = [w for w in workers if w["wall"] > 0]
-    named, sentence = _bottleneck(workers)
-    path = _critical_path(ordered, since, until, last_in, group_waits)
+    workers = [w for w in workers if w["wall"] > 0 or (part and w["background"] > 0)]
+    named, sentence = _bottleneck([w for w in workers if w["wall"] > 0])
+    path = [] if part else _critical_path(ordered, since, until, last_in, group_waits)
     return Attribution(workers, sentence, named, (since, until), path)
+
+
+def _directions(es: list) -> tuple:
+    """Per span of one worker (in start order): the kind of the next forward or backward after it (which way a
+    receive's data came: a forward's activations from the stage before, a backward's gradients from the one
+    after), and of the last one before it (which way its sends went)."""
+    ahead, nxt = [], "forward"
+    for e in reversed(es):
+        ahead.append(nxt)
+        if e["kind"] in ("forward", "backward"):
+            nxt = e["kind"]
+    ahead.reverse()
+    behind, last = [], "forward"
+    for e in es:
+        behind.append(last)
+        if e["kind"] in ("forward", "backward"):
+            last = e["kind"]
+    return ahead, behind
+
+
+def _sent_to(e: dict, p: int, s: int, before: str) -> tuple:
+    """Whom a ``wait`` without a group waited on: for its sends (``what="sends"``) the stage its last compute
+    sent to (after a forward the next stage, after a backward the one before); else the stage before, for the
+    step's control message."""
+    if e.get("what") == "sends":
+        return (p, s + 1 if before == "forward" else s - 1)
+    return (p, s - 1)
 
 
 def _critical_path(ordered: dict, since, until, last_in, group_waits) -> list:
@@ -189,14 +272,7 @@ def _critical_path(ordered: dict, since, until, last_in, group_waits) -> list:
     if not lanes:
         return []
     starts = {k: [e["start"] for e in es] for k, es in lanes.items()}
-    ahead = {}
-    for k, es in lanes.items():  # the direction of each receive: the next forward or backward
-        nxt, out = "forward", []
-        for e in reversed(es):
-            out.append(nxt)
-            if e["kind"] in ("forward", "backward"):
-                nxt = e["kind"]
-        ahead[k] = out[::-1]
+    directions = {k: _directions(es) for k, es in lanes.items()}
     ends = [(es[-1]["end"], k) for k, es in lanes.items()]
     t, key = max(ends) if until is None else max((min(e, until), k) for e, k in ends)
     lo = since if since is not None else min(es[0]["start"] for es in lanes.values())
@@ -213,13 +289,13 @@ def _critical_path(ordered: dict, since, until, last_in, group_waits) -> list:
         kind, (p, s) = e["kind"], key
         jump = None
         if kind == "recv":
-            jump = (p, s - 1 if ahead[key][i] == "forward" else s + 1)
+            jump = (p, s - 1 if directions[key][0][i] == "forward" else s + 1)
             cat = "bubble"
         elif kind == "wait" and e.get("what") in ("group", "drain"):
             others = [m for m in group_waits.get(_collective(e), []) if m[1] != key]
             jump, cat = (max(others)[1] if others else None), "group"
         elif kind == "wait":
-            jump, cat = (p, s - 1), "bubble"
+            jump, cat = _sent_to(e, p, s, directions[key][1][i]), "bubble"
         elif kind == "sync":
             last, pure = last_in.get(_collective(e), (key, t - e["start"]))
             if last != key and t - e["start"] > pure:  # it waited for the last member, then averaged
@@ -245,12 +321,7 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
     pieces = []  # (start, end, category)
     waited = defaultdict(float)
     slowdown = background = 0.0
-    ahead, nxt = [], "forward"  # per span, the kind of the next forward or backward after it (one pass back)
-    for e in reversed(es):
-        ahead.append(nxt)
-        if e["kind"] in ("forward", "backward"):
-            nxt = e["kind"]
-    ahead.reverse()
+    ahead, behind = _directions(es)
     for i, e in enumerate(es):
         a, b = e["start"], e["end"]
         if since is not None:
@@ -264,13 +335,15 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
             if e.get("lane") == "background":
                 background += b - a
                 continue
-            c = _collective(e)
-            last, pure = last_in.get(c, (key, b - a))
-            pure = min(pure, b - a)
-            if last != key and b - a > pure:
-                pieces.append((a, b - pure, "group"))
-                waited[last] += b - a - pure
-            pieces.append((max(a, b - pure), b, "averaging"))
+            # the whole span splits (the wait for the last member, then the averaging), then each part is clipped:
+            # a window's edge through a sync cuts the parts where they lie, not the averaging off its clipped end
+            last, pure = last_in.get(_collective(e), (key, e["end"] - e["start"]))
+            split = e["end"] - min(pure, e["end"] - e["start"]) if last != key else e["start"]
+            if min(split, b) > a:
+                pieces.append((a, min(split, b), "group"))
+                waited[last] += min(split, b) - a
+            if b > max(a, split):
+                pieces.append((max(a, split), b, "averaging"))
             continue
         if kind == "wait":
             if e.get("what") in ("group", "drain"):
@@ -278,9 +351,9 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
                 others = [m for m in group_waits.get(_collective(e), []) if m[1] != key]
                 if others:
                     waited[max(others)[1]] += b - a
-            else:  # the control message from the stage before
+            else:  # its sends to be received, or the control message from the stage before
                 pieces.append((a, b, "bubble"))
-                waited[(p, s - 1)] += b - a
+                waited[_sent_to(e, p, s, behind[i])] += b - a
             continue
         cat = CATEGORY_OF[kind]
         pieces.append((a, b, cat))
@@ -290,7 +363,14 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
             waited[(p, s - 1 if ahead[i] == "forward" else s + 1)] += b - a
     out = {"pipeline": p, "stage": s, **dict.fromkeys(CATEGORIES, 0.0)}
     if not pieces:
-        return out | {"wall": 0.0, "slowdown": 0.0, "background": background, "waited_on": {}}
+        return out | {
+            "wall": 0.0,
+            "slowdown": 0.0,
+            "background": background,
+            "waited_on": {},
+            "start": None,
+            "end": None,
+        }
     start, end = min(x[0] for x in pieces), max(x[1] for x in pieces)
     # the sweep: at every instant the first category (CATEGORIES' order) of the spans covering it
     cuts = sorted({x[0] for x in pieces} | {x[1] for x in pieces})
@@ -310,6 +390,8 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
         "slowdown": slowdown,
         "background": background,
         "waited_on": {k: v for k, v in waited.items() if k != key},
+        "start": start,
+        "end": end,
     }
 
 

@@ -31,7 +31,8 @@ from sdpipe.widgets.figure import WidthProbe
 from sdpipe.widgets.layout import NARROW, TITLE_CHAR_PX, wrap_text
 from sdpipe.widgets.plot import RunPlot
 from sdpipe.widgets.style import COLORS
-from sdpipe.widgets.view import RunView
+from sdpipe.widgets.view import SLICE, RunView
+from sdpipe.widgets.whatif import WhatIfPanel
 
 __all__ = ["COLORS", "NARROW", "SPARE_PIPELINES", "TITLE_CHAR_PX", "Dashboard", "wrap_text"]
 
@@ -43,13 +44,15 @@ BEHIND = 20.0
 ATTACHED = 30.0
 #: seconds between full resends of the figure while a run is followed (see Dashboard.resync)
 RESYNC = 10.0
-#: seconds of the run's clock a live run's time attribution covers (a replay's covers the whole run)
+#: seconds of the run's clock a live run's time attribution covers (a replay's covers the whole run); also the
+#: window the what-if panel's predictions calibrate on
 ATTRIBUTION_WINDOW = 30.0
-#: seconds between a live run's time attributions at the most often
-ATTRIBUTION_EVERY = 2.0
-#: the share of the time between a live run's time attributions that one may take: each costs 2.5-7 us per record
-#: of its window (a 2 x 2 run of the digits MLP records some 3,000 a second: 0.3-0.7 s for 30 s), so a run that
-#: records more is attributed less often
+#: seconds between a live run's time attributions at the most often: one slice of the run's clock
+#: (:data:`sdpipe.widgets.view.SLICE`), the bars move no more often
+ATTRIBUTION_EVERY = SLICE
+#: the share of a core the time attributions may take (their CPU seconds over the time between them): a new
+#: slice's records cost 2.5-7 us each (a 2 x 2 run of the digits MLP records some 1,500-3,000 a second: 10-40 ms a
+#: slice, 1-2% of a core), so this cap binds only where a run records tens of times more
 ATTRIBUTION_SHARE = 0.1
 
 
@@ -139,9 +142,14 @@ class Dashboard:
     ``interval`` is the seconds between redraws (default 0.25: four a
     second); ``window`` the seconds of the scrolling timeline.  Where each
     worker's time went (:mod:`sdpipe.attribution`) is drawn over the last
-    ``ATTRIBUTION_WINDOW`` seconds of a live run, every ``ATTRIBUTION_EVERY``
-    seconds or less often (it takes at most ``ATTRIBUTION_SHARE`` of the
-    time), and over the whole of a replayed one.  Display it as
+    ``ATTRIBUTION_WINDOW`` seconds of a live run, summed from slices of its
+    clock each attributed once (:meth:`RunView.attribute_slices`), every
+    ``ATTRIBUTION_EVERY`` seconds (within ``ATTRIBUTION_SHARE`` of a core),
+    and over the whole of a replayed one.  A live run also gets the what-if
+    panel (:mod:`sdpipe.widgets.whatif`, ``whatif``; None in a replay, whose
+    run can no longer change): the simulator's predictions under each change,
+    in a thread of its own, and after each live switch of policy or
+    heterogeneity its prediction against what was measured.  Display it as
     the last expression of a cell or with ``display(dashboard)``.  The
     constructor only builds the widgets (well under a second, also while the
     run's workers load the machine); the first data arrives with the first
@@ -217,7 +225,14 @@ class Dashboard:
         #: the bottleneck in a sentence (:attr:`sdpipe.attribution.Attribution.bottleneck`), under the figure (its
         #: last panel is the time attribution it sums up), where its length changes move nothing
         self.bottleneck = W.HTML()
+        #: the what-if panel of a live run (:class:`sdpipe.widgets.whatif.WhatIfPanel`; None in a replay), under
+        #: the measured samples/s
+        self.whatif = (
+            WhatIfPanel(self.run, self.view, ATTRIBUTION_WINDOW, ended=self._ended) if self.run is not None else None
+        )
         parts = [self.header, self.numbers, self.hetero, self.note, self._width, self.figure, self.bottleneck]
+        if self.whatif is not None:
+            parts.insert(2, self.whatif.widget)
         #: the control panel (None for a replay or controls=False); ``panel.press(...)`` presses a button
         self._controls = _Controls(self.run, self.message, self._lock, self._poke) if controls else None
         self.panel = self._controls.panel if controls else None
@@ -335,6 +350,11 @@ class Dashboard:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._follow, name="sdpipe-dashboard", daemon=True)
         self._thread.start()
+        self.whatif.start()
+
+    def _ended(self) -> bool:
+        """Whether the run ended and the follow thread took in its last records (what-if's last look)."""
+        return self.run.done() and (self._thread is None or not self._thread.is_alive())
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop following (the run itself goes on)."""
@@ -342,6 +362,8 @@ class Dashboard:
         self._poke.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.whatif is not None:
+            self.whatif.stop(timeout)
 
     def _follow(self) -> None:
         """Redraw every ``interval`` seconds, but never faster than a browser draws.
@@ -400,11 +422,14 @@ class Dashboard:
             self.header.value = f"<b>dashboard stopped</b>: {html.escape(f'{type(e).__name__}: {e}')}"
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until the dashboard has drawn the run's end (live) ; True if it did within ``timeout``."""
+        """Block until the dashboard has drawn the run's end (live), the what-if panel's last switch measured
+        included; True if it did within ``timeout``."""
         if self._thread is None:
             return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return not self._thread.is_alive() and self.whatif.join(left)
 
     def redraw_rate(self, seconds: float = 5.0) -> float:
         """Redraws per second over the last ``seconds``."""

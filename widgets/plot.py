@@ -209,9 +209,9 @@ class RunPlot:
         self.view, self.metric, self.held_out, self._slots, self._lock = view, metric, held_out, slots, lock
         self.narrow = False
         self._rows = None  # the timeline's rows as last drawn (they change as pipelines join and leave)
-        #: the time attribution last drawn (:class:`sdpipe.attribution.Attribution`; None before the first), and
-        #: the seconds it took
-        self.attribution, self.attribution_cost = None, 0.0
+        #: the time attribution last drawn (:class:`sdpipe.attribution.Attribution`; None before the first), the
+        #: CPU seconds it took, and those all the time attributions took
+        self.attribution, self.attribution_cost, self.attribution_spent = None, 0.0, 0.0
         fig, pos, height = self._grid(narrow=False)
         #: each trace's index by key ("timeline/compute", "groups/0", ...)
         self.idx: dict = {}
@@ -346,9 +346,10 @@ class RunPlot:
     def _draw_attribution(self) -> None:
         """Each worker's bar: its categories' shares of its wall time, stacked in ``ATTRIBUTION_COLORS``' order."""
         v = self.view
-        t = time.perf_counter()
+        t = time.thread_time()  # the share of a core it takes (not the time other threads and processes had)
         self.attribution = a = v.attribution()
-        self.attribution_cost = time.perf_counter() - t
+        self.attribution_cost = time.thread_time() - t
+        self.attribution_spent += self.attribution_cost
         found = {(w["pipeline"], w["stage"]): w for w in a.workers}
         base = [0.0] * len(v.workers)  # stacked by hand: the figure's bar mode overlays (for the timeline)
         with self.figure.batch_update():  # x, y, base, text, customdata

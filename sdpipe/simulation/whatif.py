@@ -224,8 +224,8 @@ class _Model:
         return Prediction(_name(changes, config.pipelines), rate, left, stretch, target, cores)
 
 
-#: the fitted cores' lowest share of the machine's, and the bisection's steps (to 1% of the range)
-FIT_LOWEST, FIT_STEPS = 0.1, 7
+#: the fitted cores' lowest share of the machine's, and the bisection's steps (to 1.6% of the range)
+FIT_LOWEST, FIT_STEPS = 0.1, 6
 
 
 def predict(source: Source, *, since=None, until=None, seed: int = 0, fit: bool = True, **changes) -> Prediction:

@@ -61,6 +61,8 @@ SCHEMA: dict = {
     "straggle": ((), ("what",)),
     "eval": ((), ()),
     "pause": ((), ()),
+    # what="sends": a step's end waiting for its sends to the neighbour stages to be received (gloo completes a
+    # send once its receive was posted); none: a stage after the first waiting for the step's control message;
     # what="group": a step waiting for its group (the service's answer, or an overlapped averaging still running);
     # what="drain": an epoch's end, stop or switch waiting for an overlapped averaging to finish
     "wait": ((), ("what", "group", "round")),

@@ -79,7 +79,7 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
         t = time.time()
         for work, _ in pending:
             work.wait()
-        w.span("wait", step, None, t, time.time())
+        w.span("wait", step, None, t, time.time(), what="sends")
     return loss_sum
 
 
