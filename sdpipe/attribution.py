@@ -53,6 +53,8 @@ CATEGORIES = ("paused", "eval", "group", "averaging", "bubble", "compute", "othe
 
 #: a share of the others' time below which nobody is named the bottleneck
 NAMED_ABOVE = 0.05
+#: a stage is named the bottleneck of every pipeline when its least score is at least this share of its greatest
+STAGE_EVERYWHERE = 0.5
 
 #: a span's kind -> its category (a ``wait`` or ``sync`` is ``group``, ``bubble`` or ``averaging`` by its fields)
 CATEGORY_OF = {
@@ -441,11 +443,14 @@ def _bottleneck(workers: list) -> tuple:
             candidates.append(best | {"groups": group_share[p]})
     stages = {c["stage"] for c in slowest.values()}
     if len(pipelines) > 1 and len(slowest) == len(pipelines) and len(stages) == 1:
-        if min(c["score"] for c in slowest.values()) >= NAMED_ABOVE:  # the same stage in every pipeline
+        scores = [c["score"] for c in slowest.values()]
+        # the same stage in every pipeline, about as slow in each (not one pipeline's straggler whose stage the
+        # others' match by a little): it takes the place of its pipelines' candidates, at the best one's score
+        if min(scores) >= NAMED_ABOVE and min(scores) >= STAGE_EVERYWHERE * max(scores):
             (s,) = stages
             share = statistics.mean(c["share"] for c in slowest.values())
-            score = min(c["score"] for c in slowest.values()) + 1.0  # ahead of any one pipeline's
-            candidates.append({"stage": s, "share": share, "score": score, "how": "stage"})
+            candidates = [c for c in candidates if c["how"] != "bubble"]
+            candidates.append({"stage": s, "share": share, "score": max(scores) + 1e-9, "how": "stage"})
     total = {c: sum(w[c] for w in workers) for c in CATEGORIES}
     wall = sum(w["wall"] for w in workers)
     if not candidates or max(c["score"] for c in candidates) < NAMED_ABOVE:

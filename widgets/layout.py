@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BOTTOM", "NARROW", "TITLE_CHAR_PX", "Grid", "grid", "legend_place", "titles", "wrap_text", "wrapped_titles"]
+__all__ = ["NARROW", "TITLE_CHAR_PX", "Grid", "grid", "legend_place", "titles", "wrap_text", "wrapped_titles"]
 
 #: below this output width (pixels) the panels stack in one column
 NARROW = 900
@@ -16,8 +16,6 @@ TITLE_CHAR_PX = 7.5
 #: pixels between rows: room for a row's tick labels (two lines under the stragglers), its axis title and the
 #: next row's title
 ROW_GAP = 90
-#: pixels under the last panel (the time attribution): its tick labels and its legend (two rows in one column)
-BOTTOM = 80
 
 
 def wrap_text(text: str, width: int) -> str:
@@ -32,11 +30,9 @@ def wrap_text(text: str, width: int) -> str:
     return "<br>".join(lines)
 
 
-def titles(stages: int, metric: str, held_out: bool, attribution_window=None) -> dict:
+def titles(stages: int, metric: str, held_out: bool) -> dict:
     """Each panel's title by key ("timeline", "groups/0", "sizes/0", ..., "stragglers", "loss", "accuracy",
-    "attribution"); ``metric``: the per-epoch panel's value ("accuracy", "eval_loss", ...);
-    ``attribution_window``: the seconds the time attribution covers (None: the whole run)."""
-    covered = "whole run" if attribution_window is None else f"last {attribution_window:g} s"
+    "shares"); ``metric``: the per-epoch panel's value ("accuracy", "eval_loss", ...)."""
     out = {
         "timeline": "Stage timeline (recent seconds)",
         "stragglers": "Stragglers: compute per step (red: above 2x the median)",
@@ -44,7 +40,7 @@ def titles(stages: int, metric: str, held_out: bool, attribution_window=None) ->
         "accuracy": f"held-out {metric.replace('eval_loss', 'loss')} per epoch"
         if held_out
         else "training loss per epoch (no held-out data given)",
-        "attribution": f"Where each worker's time went, {covered}: shares of its wall time",
+        "shares": "Whole run: seconds by kind",
     }
     for s in range(stages):
         out[f"groups/{s}"] = (
@@ -74,15 +70,15 @@ class Grid:
 
 def grid(stages: int, workers: int, narrow: bool) -> Grid:
     """The wide layout (three columns: the timeline across, per stage its group strip and sizes, then the
-    stragglers, loss and per-epoch panels, then the time attribution across) or the narrow one (one column, the same
+    stragglers, loss and per-epoch panels, then the shares across) or the narrow one (one column, the same
     order); rows of a panel with one row per worker grow with ``workers``."""
     S = stages
-    tall = {"timeline": 30 * workers + 40, "attribution": 24 * workers + 20}
+    tall = {"timeline": 30 * workers + 40, "shares": 22 * workers + 30}
     if narrow:
         keys = (
             ["timeline"]
             + [key for s in range(S) for key in (f"groups/{s}", f"sizes/{s}")]
-            + ["stragglers", "loss", "accuracy", "attribution"]
+            + ["stragglers", "loss", "accuracy", "shares"]
         )
         pos = {k: (i + 1, 1) for i, k in enumerate(keys)}
         specs = [[{}] for _ in keys]
@@ -94,7 +90,7 @@ def grid(stages: int, workers: int, narrow: bool) -> Grid:
             "stragglers": (S + 2, 1),
             "loss": (S + 2, 2),
             "accuracy": (S + 2, 3),
-            "attribution": (S + 3, 1),
+            "shares": (S + 3, 1),
         }
         for s in range(S):
             pos[f"groups/{s}"], pos[f"sizes/{s}"] = (2 + s, 1), (2 + s, 3)
@@ -104,9 +100,9 @@ def grid(stages: int, workers: int, narrow: bool) -> Grid:
             + [[{}, {}, {}]]
             + [[{"colspan": 3}, None, None]]
         )
-        heights = [tall["timeline"]] + [150] * S + [260] + [tall["attribution"]]
+        heights = [tall["timeline"]] + [150] * S + [260] + [tall["shares"]]
         ordered, cols = sorted(pos, key=lambda k: pos[k]), 3
-    height = sum(heights) + ROW_GAP * len(heights) + 40 + BOTTOM
+    height = sum(heights) + ROW_GAP * len(heights) + 80
     return Grid(pos=pos, specs=specs, heights=heights, cols=cols, ordered=ordered, height=height)
 
 
