@@ -296,8 +296,10 @@ def _critical_path(ordered: dict, since, until, last_in, group_waits) -> list:
         elif kind == "wait" and e.get("what") in ("group", "drain"):
             others = [m for m in group_waits.get(_collective(e), []) if m[1] != key]
             jump, cat = (max(others)[1] if others else None), "group"
-        elif kind == "wait":
-            jump, cat = _sent_to(e, p, s, directions[key][1][i]), "bubble"
+        elif kind == "wait" and e.get("what") == "sends":  # ends as the receiver posts its receive: no lead
+            jump, cat = None, "bubble"
+        elif kind == "wait":  # the control message from the stage before
+            jump, cat = (p, s - 1), "bubble"
         elif kind == "sync":
             last, pure = last_in.get(_collective(e), (key, t - e["start"]))
             if last != key and t - e["start"] > pure:  # it waited for the last member, then averaged
