@@ -320,5 +320,5 @@ def what_if(source: Source, *, since=None, until=None) -> WhatIf:
 
 
 def check_window(last) -> None:
-    if not is_number(last) or isinstance(last, bool) or not (0 < last < math.inf):
+    if not is_number(last) or not (0 < last < math.inf):  # is_number refuses a bool
         raise ValueError(f"last: must be a number of seconds > 0, got {last!r}")
