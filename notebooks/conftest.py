@@ -3,11 +3,34 @@
 nbval fails a cell that raises, and compares the outputs of the cells marked ``NBVAL_CHECK_OUTPUT``; what any
 other cell printed on stderr (a worker process's logged traceback, forwarded by the kernel, a warning) would
 pass unseen.  A notebook a reader runs must show none, so each cell's stream and error outputs are scanned.
+
+nbval reads a cell's messages from the kernel only once the cell has finished.  A kernel publishes them on a
+ZeroMQ socket that, like the one nbval reads, holds 1,000 messages and then drops what comes next: a cell that
+runs for minutes beside a live dashboard (a redraw is a few widget messages, four times a second) filled both,
+and the cell's own printout and its end ("idle") were dropped, which nbval reports as "Timeout of 5 seconds
+exceeded waiting for output".  The socket nbval reads from therefore holds any number of messages (a frontend,
+such as JupyterLab, reads them as they come and never drops any).
 """
 
 import re
 
 import pytest
+import zmq
+from jupyter_client.connect import ConnectionFileMixin
+
+_connect_iopub = ConnectionFileMixin.connect_iopub
+
+
+def _unbounded_iopub(self, identity=None):
+    """The iopub socket of a kernel client, holding every message until it is read (set before it connects)."""
+    self.context.setsockopt(zmq.RCVHWM, 0)
+    try:
+        return _connect_iopub(self, identity)
+    finally:
+        self.context.sockopts.pop(zmq.RCVHWM, None)
+
+
+ConnectionFileMixin.connect_iopub = _unbounded_iopub
 
 #: what must not appear in a cell's output: a traceback, a logged error, an unhandled thread exception
 TRACEBACK = re.compile(r"Traceback \(most recent call last\)|\b(?:ERROR|CRITICAL) - |Exception in thread|\bError: ")

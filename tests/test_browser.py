@@ -259,6 +259,18 @@ def finish(page, timeout: float = 600) -> None:
     assert notebook_errors(page) == []
 
 
+def without_speed_claims(nb: Path) -> None:
+    """Notebook 01 copied without its two cells that compare speeds and shares (who trained how much, the
+    policies' samples/s): nbval checks those in a kernel of their own, while here Chromium draws beside the run
+    on the same cores (and the live test pauses the run and removes pipeline 3), which moves what they measure."""
+    book = json.loads(nb.read_text())
+    marks = ("trained = {p: sum(", "rates = {")
+    kept = [c for c in book["cells"] if not any(m in "".join(c["source"]) for m in marks)]
+    assert len(book["cells"]) - len(kept) == len(marks), "notebook 01's comparison cells moved"
+    book["cells"] = kept
+    nb.write_text(json.dumps(book, indent=1))
+
+
 def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_path, no_leaks):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     copy_notebooks(ROOT / "notebooks", tmp_path, [NOTEBOOK])
@@ -267,6 +279,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
     nb = tmp_path / NOTEBOOK
     assert "epochs=20," in nb.read_text()
     nb.write_text(nb.read_text().replace("epochs=20,", "epochs=60,"))
+    without_speed_claims(nb)
     # a viewport of a screen's height while the run trains (a taller one makes the browser draw more each
     # redraw), a tall one for the screenshots (a dashboard taller than the viewport photographs cut off)
     with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
@@ -365,6 +378,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
 def test_a_page_opened_after_the_run_finished_still_draws_the_live_figure(tmp_path, no_leaks):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     copy_notebooks(ROOT / "notebooks", tmp_path, [NOTEBOOK])
+    without_speed_claims(tmp_path / NOTEBOOK)
     with jupyterlab(tmp_path) as (url, token):
         with chromium_page(width=1440, height=1000) as page:
             run_notebook(page, url, token, NOTEBOOK)
