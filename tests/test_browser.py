@@ -4,8 +4,10 @@ What a user sees is checked in the page itself: the live dashboard's figure
 (the one with controls, not the replay) holds its traces, its timeline bars
 are drawn in the fixed colour of their kind, it fits its output area, and
 pressing its controls in the page pauses and resumes the run, and sliders moved
-in the page apply what they show while the notebook awaits the run.  A page that
-opens only after the run finished (a reload) still draws the figure.
+in the page apply what they show while the notebook awaits the run; its what-if
+panel draws its predictions and a line per live switch, in the figure's font and
+colours, whole inside the output area.  A page that opens only after the run
+finished (a reload) still draws the figure.
 Screenshots go to ``artifacts/browser`` (``SDPIPE_ARTIFACTS`` moves it).
 """
 
@@ -14,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -31,7 +34,10 @@ from lab_browser import (  # noqa: E402 -- importable only once tools/ is on sys
     wait_js,
 )
 
+from sdpipe.attribution import CATEGORIES as ATTRIBUTION  # noqa: E402
 from sdpipe.widgets.dashboard import COLORS, SPARE_PIPELINES  # noqa: E402
+from sdpipe.widgets.style import ATTRIBUTION_COLORS  # noqa: E402
+from sdpipe.widgets.view import CATEGORIES as KINDS  # noqa: E402
 
 pytestmark = [
     pytest.mark.browser,
@@ -42,8 +48,12 @@ pytestmark = [
 
 ARTIFACTS = Path(os.environ.get("SDPIPE_ARTIFACTS", ROOT / "artifacts")) / "browser"
 NOTEBOOK = "01_quickstart.ipynb"
-#: notebook 01: 2 stages x 4 pipelines (loss and metric curves for them and for pipelines that may join)
-TRACES = len(COLORS) + 1 + 1 + 2 * 2 + 2 + 2 * (4 + SPARE_PIPELINES) + len(COLORS)  # timeline kinds, lane, control
+#: notebook 01: 2 stages x 4 pipelines (loss and metric curves for them and for pipelines that may join); the
+#: timeline's kinds, its background lane and control marks, ..., the time attribution's categories
+TRACES = len(KINDS) + 1 + 1 + 2 * 2 + 2 + 2 * (4 + SPARE_PIPELINES) + len(ATTRIBUTION)
+#: notebook 01's what-if changes: as it runs, the two other live policies, no heterogeneity, the three other
+#: schedules, a pipeline more and one fewer
+WHATIF_ROWS = 9
 
 # The live dashboard (the output with a "pause" button and a plot), as the page has it: the figure's traces,
 # the timeline's drawn bars with their fill colours by trace name, sizes, and the dashboard's text.
@@ -54,15 +64,17 @@ LIVE_JS = """() => {
     if (!out) return null;
     const gd = out.querySelector('.js-plotly-plot');
     const rgb = s => s.replace(/\\s/g, '');
+    // the timeline's bars (the time attribution's, named after its categories, have their own legend)
     const bars = Array.from(gd.querySelectorAll('.barlayer .trace')).map(g => {
         const cd = g.__data__, trace = cd && cd[0] && cd[0].trace;
-        return {name: trace ? trace.name : null, n: g.querySelectorAll('path').length,
+        return {name: trace && trace.legend !== 'legend2' ? trace.name : null, n: g.querySelectorAll('path').length,
                 fills: Array.from(new Set(Array.from(g.querySelectorAll('.point path')).map(p => rgb(p.style.fill))))};
     });
     const control = (gd.data || []).find(t => t.name === 'control');
     return {
         traces: (gd.data || []).length,
-        points: (gd.data || []).filter(t => t.name === 'compute').reduce((a, t) => a + (t.x || []).length, 0),
+        points: (gd.data || []).filter(t => t.name === 'compute' && t.legend !== 'legend2')
+            .reduce((a, t) => a + (t.x || []).length, 0),
         bars: bars,
         drawn: bars.filter(b => b.name === 'compute').reduce((a, b) => a + b.n, 0),
         markers: control ? (control.text || []) : [],
@@ -235,6 +247,166 @@ CONTROLS_JS = """() => {
 }"""
 
 
+# The time attribution as drawn: each segment of the workers' bars (its category, row, share, drawn width and fill;
+# a hatched one's fill is its pattern's background), the panel's rows and length, its legend's box and entries and
+# the tick labels' boxes above it, the titles' boxes, and the bottleneck's line (its box and whether its text fits).
+ATTRIBUTION_JS = """() => {
+    const outs = Array.from(document.querySelectorAll('.jp-OutputArea-output'));
+    const out = outs.find(o => o.querySelector('.js-plotly-plot')
+        && Array.from(o.querySelectorAll('button')).some(b => b.textContent.trim() === 'pause'));
+    if (!out) return null;
+    const gd = out.querySelector('.js-plotly-plot');
+    const box = e => { const r = e.getBoundingClientRect();
+        return {left: r.left, right: r.right, top: r.top, bottom: r.bottom, width: r.width, height: r.height}; };
+    const fill = p => {
+        const m = /url\\(["']?[^#]*#([^"')]+)/.exec(p.style.fill);
+        if (!m) return p.style.fill.replace(/\\s/g, '');
+        const rect = document.getElementById(m[1]) && document.getElementById(m[1]).querySelector('rect');
+        return 'pattern ' + (rect ? rect.getAttribute('fill').replace(/\\s/g, '') : '?');
+    };
+    const segments = [];
+    for (const g of gd.querySelectorAll('.barlayer .trace')) {
+        const cd = g.__data__, trace = cd && cd[0] && cd[0].trace;
+        if (!trace || trace.legend !== 'legend2') continue;
+        for (const pt of g.querySelectorAll('.point')) {
+            const path = pt.querySelector('path');
+            if (path) segments.push({name: trace.name, row: pt.__data__.p, share: pt.__data__.s,
+                                     width: path.getBoundingClientRect().width, fill: fill(path)});
+        }
+    }
+    const first = gd.data.find(t => t.legend === 'legend2');
+    const xa = gd._fullLayout[first.xaxis.replace('x', 'xaxis')];
+    const ya = gd._fullLayout[first.yaxis.replace('y', 'yaxis')];
+    const legend = gd.querySelector('g.legend2');
+    const line = Array.from(out.querySelectorAll('.widget-html')).find(e => /^\\s*bottleneck/.test(e.textContent));
+    const content = line && (line.querySelector('.widget-html-content') || line);
+    return {
+        segments: segments, rows: Array.from(ya.ticktext || []), length: xa._length,
+        svg: box(gd.querySelector('svg.main-svg')), area: box(out),
+        legend: legend && box(legend),
+        entries: legend ? Array.from(legend.querySelectorAll('g.traces')).map(g => g.textContent.trim()) : [],
+        ticks: Array.from(gd.querySelectorAll('g.' + first.xaxis + 'tick text')).map(box),
+        titles: Array.from(gd.querySelectorAll('g.annotation')).map(box),
+        sentence: line && {text: line.textContent.replace(/\\s+/g, ' ').trim(), box: box(line),
+            fits: content.scrollWidth <= content.clientWidth + 1 && content.scrollHeight <= content.clientHeight + 1,
+            shown: line.checkVisibility({checkOpacity: true, checkVisibilityCSS: true})},
+    };
+}"""
+
+
+def check_attribution(page, where: str, workers: int) -> dict:
+    """The time attribution drawn: a bar per worker (the timeline's rows) with non-zero segments across the whole
+    panel, each in its category's colour (the timeline's kinds'; a pause hatched), its legend clear of the tick
+    labels and the titles; the bottleneck's sentence (of the last 30 s) under the figure, whole, inside the output
+    area."""
+    drawn = "new Set(s.segments.filter(x => x.share > 0).map(x => x.row)).size"
+    test = f"s.rows.length == {workers} && {drawn} == {workers}"
+    state = wait_js(
+        page,
+        f"() => {{ const s = ({ATTRIBUTION_JS})(); return s && ({test}) ? s : null; }}",
+        30,
+        f"{where}: the time attribution's bars drawn for every worker",
+    )
+    rows = {}
+    for seg in state["segments"]:
+        if seg["share"] > 0:
+            rows.setdefault(seg["row"], []).append(seg)
+            want = rgb(ATTRIBUTION_COLORS[seg["name"]])
+            assert seg["fill"] == (f"pattern {want}" if seg["name"] == "paused" else want), (where, seg)
+    assert sorted(rows) == list(range(workers)), (where, rows)
+    for row, segs in rows.items():
+        assert sum(x["share"] for x in segs) == pytest.approx(1.0, abs=0.01), (where, row, segs)
+        assert sum(x["width"] for x in segs) >= 0.97 * state["length"], (where, row, segs, state["length"])
+    legend, svg = state["legend"], state["svg"]
+    assert state["entries"] == list(ATTRIBUTION_COLORS), (where, state["entries"])
+    assert svg["left"] - 1 <= legend["left"] and legend["right"] <= svg["right"] + 1, (where, legend, svg)
+    assert legend["bottom"] <= svg["bottom"] + 1 and legend["top"] >= max(t["bottom"] for t in state["ticks"]) - 1
+    assert not [t for t in state["titles"] if t["top"] < legend["bottom"] - 1 and legend["top"] < t["bottom"] - 1]
+    line, area = state["sentence"], state["area"]
+    assert line and line["text"].startswith("bottleneck (over the last 30 s): "), (where, line)
+    assert line["fits"] and line["shown"] and line["box"]["height"] > 10, (where, line)
+    assert line["box"]["top"] >= svg["bottom"] - 1, (where, line, svg)  # under the figure
+    assert area["left"] - 1 <= line["box"]["left"] and line["box"]["right"] <= area["right"] + 1, (where, line, area)
+    return state
+
+
+# The what-if panel as drawn: its box and the output area's, whether it overflows, its font and colour, and its two
+# tables (the predictions, headed "change"; the switches, headed "t"): their boxes, header background, and per row
+# its cells' text, background and whether a cell's text is clipped.
+WHATIF_JS = """() => {
+    const outs = Array.from(document.querySelectorAll('.jp-OutputArea-output'));
+    const out = outs.find(o => o.querySelector('.js-plotly-plot')
+        && Array.from(o.querySelectorAll('button')).some(b => b.textContent.trim() === 'pause'));
+    const panel = out && out.querySelector('.sdpipe-whatif');
+    if (!panel) return null;
+    const box = e => { const r = e.getBoundingClientRect();
+        return {left: r.left, right: r.right, top: r.top, bottom: r.bottom, width: r.width, height: r.height}; };
+    const style = getComputedStyle(panel);
+    const tables = {};
+    for (const t of panel.querySelectorAll('table')) {
+        const rows = Array.from(t.rows);
+        tables[rows[0].cells[0].textContent.trim()] = {
+            box: box(t), head: getComputedStyle(rows[0]).backgroundColor,
+            rows: rows.slice(1).map(r => ({cells: Array.from(r.cells).map(c => c.textContent.trim()),
+                background: getComputedStyle(r).backgroundColor,
+                clipped: Array.from(r.cells).some(c => c.scrollWidth > c.clientWidth + 1)})),
+        };
+    }
+    return {box: box(panel), area: box(out), scroll: panel.scrollWidth, client: panel.clientWidth,
+            font: style.fontFamily, color: style.color, text: panel.textContent.replace(/\\s+/g, ' ').trim(),
+            shown: panel.checkVisibility({checkOpacity: true, checkVisibilityCSS: true}), tables: tables,
+            numbers: box(Array.from(out.querySelectorAll('.widget-html')).find(e => /samples\\/s/.test(e.textContent)
+                && /ideal/.test(e.textContent)))};
+}"""
+
+
+def check_whatif(
+    page, where: str, rows: Optional[int] = None, switches: int = 0, measured: bool = False, shot: str = ""
+) -> dict:
+    """The what-if panel drawn under the numbers line, in the figure's font and colours: with ``rows``, its
+    predictions table with that many changes (the best that keeps one model, if one beats the run as it runs, in
+    the averaging's green and named above); at least ``switches`` switch lines (``measured``: each measured, or
+    said to have no whole epoch); inside the output area, nothing clipped, no scroll bar.  ``shot``: a
+    screenshot of the panel alone, by that name."""
+    switch = f"s.tables.t && s.tables.t.rows.length >= {switches}" if switches else "true"
+    if measured:
+        switch += " && s.tables.t.rows.every(r => / over \\d+ epochs?|no whole epoch/.test(r.cells[4]))"
+    table = f"s.tables.change && s.tables.change.rows.length == {rows}" if rows else "true"
+    test = f"{table} && {switch}"
+    state = wait_js(
+        page,
+        f"() => {{ const s = ({WHATIF_JS})(); return s && ({test}) ? s : null; }}",
+        240,
+        f"{where}: the what-if panel's predictions ({rows} changes) and {switches} switch lines",
+    )
+    text = state["text"]
+    assert state["shown"] and state["box"]["height"] > 40, (where, state["box"])
+    assert state["font"].startswith('"Open Sans"') and state["color"] == "rgb(42, 63, 95)", (where, state)
+    assert state["box"]["top"] >= state["numbers"]["bottom"] - 1, (where, state["box"], state["numbers"])
+    area = state["area"]
+    assert state["scroll"] <= state["client"] + 1, (where, state["scroll"], state["client"])
+    for name, table in state["tables"].items():
+        assert table["head"] == "rgb(229, 236, 246)", (where, name, table["head"])
+        box = table["box"]
+        assert area["left"] - 1 <= box["left"] and box["right"] <= area["right"] + 1, (where, name, box, area)
+        assert not [r for r in table["rows"] if r["clipped"]], (where, name, table["rows"])
+    table = state["tables"].get("change")
+    if rows:
+        assert table["rows"][0]["cells"][0] == "as it runs" and all(len(r["cells"]) == 5 for r in table["rows"])
+        green = [r["cells"][0] for r in table["rows"] if r["background"] == "rgb(227, 240, 225)"]
+        if "best keeping one model: " in text:
+            named = text.split("best keeping one model: ")[1].split(",")[0]
+            assert green == [named] and named != "policy none", (where, green, named)
+        else:
+            assert green == [] and "no change that keeps one model is predicted faster" in text, (where, text)
+    if switches:
+        assert text.count("after a switch") == 1 and all(len(r["cells"]) == 6 for r in state["tables"]["t"]["rows"])
+    if shot:
+        out = page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first
+        out.locator(".sdpipe-whatif").screenshot(path=str(ARTIFACTS / shot))
+    return state
+
+
 def check_panels(page, where: str) -> dict:
     """Every subplot title drawn whole, inside the figure, clear of the others; no subplot without data."""
     state = page.evaluate(PANELS_JS)
@@ -245,9 +417,30 @@ def check_panels(page, where: str) -> dict:
     return state
 
 
+# The output area scrolled to the top of the notebook's scroll box: whether all of it is in that box now.
+IN_VIEW_JS = """e => {
+    let box = e.parentElement;
+    while (box && !/(auto|scroll)/.test(getComputedStyle(box).overflowY)) box = box.parentElement;
+    e.scrollIntoView({block: 'start'});
+    return !box || e.getBoundingClientRect().bottom <= box.getBoundingClientRect().bottom + 1;
+}"""
+
+
 def screenshot(page, name: str) -> Path:
+    """The live dashboard's output area, all of it: the viewport made taller than it where it is not, and the
+    area scrolled to the top of the notebook (what lies outside the notebook's scroll box photographs blank: in
+    one column, eight workers' dashboard is some 3,400 pixels tall)."""
     path = ARTIFACTS / name
-    page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first.screenshot(path=str(path))
+    out = page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first
+    size = page.viewport_size
+    tall = int(out.evaluate("e => e.getBoundingClientRect().height")) + 300
+    if tall > size["height"]:
+        page.set_viewport_size({"width": size["width"], "height": tall})
+    deadline = time.monotonic() + 10
+    while not out.evaluate(IN_VIEW_JS):  # JupyterLab lays its panels out for the new size in a moment
+        assert time.monotonic() < deadline, f"{name}: the dashboard does not fit the notebook's scroll box"
+        time.sleep(0.2)
+    out.screenshot(path=str(path))
     return path
 
 
@@ -274,11 +467,12 @@ def without_speed_claims(nb: Path) -> None:
 def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_path, no_leaks):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     copy_notebooks(ROOT / "notebooks", tmp_path, [NOTEBOOK])
-    # three times the epochs: on two cores the run's 8 workers leave the page little time, and the test must
-    # press pause, and remove a pipeline, while the run still trains
+    # five times the epochs: on two cores the run's 8 workers leave the page little time, and the test must
+    # press pause, and remove a pipeline, while the run still trains, and after the resume the what-if panel
+    # predicts both switches and the run (its thread takes a twentieth of a core: some 30 s each)
     nb = tmp_path / NOTEBOOK
     assert "epochs=20," in nb.read_text()
-    nb.write_text(nb.read_text().replace("epochs=20,", "epochs=60,"))
+    nb.write_text(nb.read_text().replace("epochs=20,", "epochs=100,"))
     without_speed_claims(nb)
     # a viewport of a screen's height while the run trains (a taller one makes the browser draw more each
     # redraw), a tall one for the screenshots (a dashboard taller than the viewport photographs cut off)
@@ -305,6 +499,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         )
         check_drawn(state)
         page.set_viewport_size({"width": 1440, "height": 3000})
+        check_attribution(page, "paused, 1440 px", 8)
         shots = [screenshot(page, "live-1440-filebrowser.png")]
         page.set_viewport_size({"width": 1000, "height": 3000})
         fitted = (
@@ -312,6 +507,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         )
         state = wait_live(page, f"{fitted} && s.area_width < 900", 30, "the figure fitted to 1000 px")
         check_drawn(state, bars=False)
+        check_attribution(page, "paused, 1000 px", 8)
         shots.append(screenshot(page, "live-1000-filebrowser.png"))
         page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
         state = wait_live(
@@ -343,6 +539,8 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
             "/status running/.test(s.text) && s.markers.includes('resume')",
             "the run resumed from the page, with its control event in the timeline",
         )
+        # the two slowdowns pressed are live switches of its heterogeneity: a line each in the what-if panel
+        check_whatif(page, "after the switches, 1000 px", switches=2)
         # the straggler removed from the page: it leaves at its next step boundary and its rows go
         page.evaluate("""() => {
             const input = document.querySelector('.sdpipe-controls input[title="the pipeline to remove"]');
@@ -362,12 +560,13 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
             "the removed pipeline's rows gone from the timeline",
         )
         assert state["rows"] == [f"pipeline {p} stage {s}" for p in range(3) for s in range(2)], state["rows"]
+        check_whatif(page, "training, 1000 px", WHATIF_ROWS, switches=2, shot="whatif-live-1000.png")
         shots.append(screenshot(page, "live-removed.png"))
         finish(page)
         # the run ended: no button applies any more, every panel has data, titles whole at both widths
         controls = page.evaluate(CONTROLS_JS)
         assert controls["enabled"] == [] and controls["inputs"] == 0, controls
-        shots += views_after_the_end(page, "01")
+        shots += views_after_the_end(page, "01", workers=6, switches=2)  # pipeline 3 removed
         (ARTIFACTS / "live.json").write_text(
             json.dumps({**{k: v for k, v in state.items() if k != "bars"}, "shown_after_s": SHOWN_AFTER}, indent=1)
         )
@@ -398,13 +597,20 @@ def controls(page) -> dict:
     return page.evaluate(CONTROLS_JS)
 
 
-def views_after_the_end(page, notebook: str) -> list:
-    """At 1440 and 1000 px: the figure fitted, every panel drawn whole with data (check_panels); screenshots."""
+def views_after_the_end(page, notebook: str, workers: Optional[int] = None, switches: Optional[int] = None) -> list:
+    """At 1440 and 1000 px: the figure fitted, every panel drawn whole with data (check_panels), with ``workers``
+    the time attribution of that many workers (check_attribution), with ``switches`` the what-if panel with as many
+    switch lines, each measured (check_whatif); screenshots."""
     shots = []
     for width in (1440, 1000):
         page.set_viewport_size({"width": width, "height": 3000})
         wait_live(page, "s.svg_width <= s.area_width + 1 && s.svg_width >= s.area_width - 40", 30, f"{width} px")
         check_panels(page, f"notebook {notebook} at {width} px")
+        if workers is not None:
+            check_attribution(page, f"notebook {notebook} at {width} px", workers)
+        if switches is not None:
+            at = f"notebook {notebook} at {width} px"
+            check_whatif(page, at, WHATIF_ROWS, switches, measured=True, shot=f"whatif-nb{notebook}-{width}.png")
         shots.append(screenshot(page, f"nb{notebook}-{width}.png"))
     return shots
 

@@ -1,5 +1,6 @@
 """The notebook layer: the dashboard over real runs (live and replayed), and the core without it."""
 
+import html
 import subprocess
 import sys
 import time
@@ -35,10 +36,10 @@ def test_core_imports_without_notebook_packages():
     assert "sdpipe.widgets needs ipywidgets and plotly: pip install 'sdpipe[notebook]'" in out.stdout
 
 
-def test_view_keeps_recent_spans_and_totals_of_all():
+def test_view_keeps_recent_spans_and_a_replay_attributes_all():
     from sdpipe.widgets import RunView
 
-    v = RunView(1, 2, 32, window=1.0)
+    v = RunView(1, 2, 32, window=1.0, attribution_window=None)
     spans = [
         {"kind": "forward", "pipeline": p, "stage": 0, "step": i, "start": i * 0.5, "end": i * 0.5 + 0.2}
         for i in range(10)
@@ -49,7 +50,114 @@ def test_view_keeps_recent_spans_and_totals_of_all():
     assert len(tl["compute"]["x"]) == 2 * 2  # the last second holds the spans of steps 8 and 9 (and 7's end)
     assert min(tl["compute"]["base"]) >= v.now - 1.0
     assert sum(tl["compute"]["x"]) == pytest.approx(2 * 0.4, abs=0.05)
-    assert v.shares()["compute"] == pytest.approx([2.0, 2.0])  # every span counts in the totals
+    a = v.attribution()  # a replay's covers every span
+    assert [w["compute"] for w in a.workers] == pytest.approx([2.0, 2.0]) and a.window == (None, None)
+
+
+def _two_stage_steps(seconds: int, heavy_from: float) -> list:
+    """The records of one pipeline of two stages, a step each 0.5 s, per second as a live run's come: in batches
+    per worker, not in order of their ends.  Stage 1 computes 0.4 s of each step (stage 0 waits for its gradients)
+    until ``heavy_from``, then 0.1 s (stage 0 computes 0.3 s: the heavy one)."""
+    batches = []
+    for second in range(seconds):
+        per_worker = {0: [], 1: []}
+        for k in range(2 * second, 2 * second + 2):
+            t = 0.5 * k
+            c0, c1 = (0.05, 0.4) if t < heavy_from else (0.3, 0.1)
+            span = lambda kind, s, a, b, k=k: {"kind": kind, "pipeline": 0, "stage": s, "step": k, "start": a, "end": b}
+            per_worker[0] += [span("forward", 0, t, t + c0), span("recv", 0, t + c0, t + 0.45)]
+            per_worker[0] += [span("backward", 0, t + 0.45, t + 0.5)]
+            per_worker[1] += [span("recv", 1, t, t + c0), span("forward", 1, t + c0, t + c0 + c1)]
+        batches.append([per_worker[1], per_worker[0]])
+    return batches
+
+
+def assert_attributed_alike(got, want, tol: float = 1e-9) -> None:
+    for g, w in zip(got.workers, want.workers, strict=True):
+        assert g == {k: pytest.approx(x, abs=tol) if isinstance(x, float) else x for k, x in w.items()}
+    assert got.bottleneck == want.bottleneck
+
+
+def test_a_live_view_attributes_each_slice_of_its_clock_once_and_sums_its_last_seconds():
+    """A live view attributes each ``SLICE`` seconds of the run's clock once, ``LAG`` seconds after it ended, keeps
+    only the records the next slices need, and sums the slices of its window: what
+    :func:`sdpipe.attribution.attribute` finds over the same window of all the run's records."""
+    from sdpipe.attribution import attribute
+    from sdpipe.widgets import RunView
+    from sdpipe.widgets.view import LAG, SLICE
+
+    v = RunView(2, 1, 32, attribution_window=30.0)
+    events, attributed = [], 0
+    for second, batches in enumerate(_two_stage_steps(100, heavy_from=70.0)):
+        for batch in batches:
+            v.add(batch)
+            events += batch
+        if second % 2:  # the dashboard draws it every SLICE seconds
+            attributed += v.attribute_slices()
+            assert not v._slices or v._slices[-1][1] <= v.now - LAG
+    a = v.attribution()
+    assert v.now == pytest.approx(100.0) and a.window == (66.0, 96.0)  # the last slice that ended LAG before
+    assert attributed + v.attribute_slices() == 96 / SLICE and len(v._slices) == 30 / SLICE  # each slice once
+    assert len(v._spans) < 0.1 * len(events)  # the records of the slices to come only
+    want = attribute(events, since=66.0, until=96.0)
+    assert_attributed_alike(a, want)
+    assert a.named["stage"] == 0 and attribute(events).named["stage"] == 1  # the window's heavy stage; the run's
+    assert a.share(0, 0, "compute") == pytest.approx((4 * 0.2 + 26 * 0.7) / 30)  # 4 s before stage 0 got heavy
+    v.status = "finished"  # every record has arrived: the last slices too
+    a = v.attribution()
+    assert a.window == (70.0, 100.0)
+    assert_attributed_alike(a, attribute(events, since=70.0, until=100.0))
+
+
+def test_a_live_view_waits_out_a_pause_whose_records_come_with_the_resume():
+    """A pause's spans end, and their records travel, at the resume: the slices the run was paused in are
+    attributed ``LAG`` seconds after it, with them (the paused time shows; meanwhile the time up to the pause is
+    shown); a slice missing a record it waited longer than the lag for is attributed without it (there its
+    worker's time is ``other``)."""
+    from sdpipe.attribution import attribute
+    from sdpipe.widgets import RunView
+
+    def control(what, t):
+        return {"kind": "control", "what": what, "applied_by": "driver", "start": t, "end": t}
+
+    batches = _two_stage_steps(60, heavy_from=0.0)
+    paused = [{"kind": "pause", "pipeline": 0, "stage": s, "step": 40, "start": 20.0, "end": 40.0} for s in (0, 1)]
+    v = RunView(2, 1, 32, attribution_window=30.0)
+    events = []
+    for second, arriving in enumerate(batches):
+        if 20 <= second < 40:  # paused: the workers send nothing (their steps of those seconds never ran)
+            if second == 20:
+                v.add([control("pause", 19.9)])
+            v.attribute_slices()
+            if second == 30:  # meanwhile: up to the pause, the time after the last slice attributed for now
+                a = v.attribution()
+                assert a.window == (0.0, 20.0) and v._slices[-1][1] == 16.0
+                assert_attributed_alike(a, attribute(events, since=0.0, until=20.0))
+            continue
+        if second == 40:  # stage 1's records first (its pause's among them), a redraw, then stage 0's
+            arriving = [[control("resume", 39.9), paused[1], *arriving[0]], [paused[0], *arriving[1]]]
+        for batch in arriving:
+            v.add(batch)
+            events += [e for e in batch if e["kind"] != "control"]
+            v.attribute_slices()
+    a = v.attribution()
+    assert a.window == (26.0, 56.0)
+    want = attribute(events, since=26.0, until=56.0)
+    assert_attributed_alike(a, want)
+    assert a.workers[0]["paused"] == pytest.approx(14.0)  # from 26 s to the resume at 40 s
+    # a record 5 s late (longer than LAG): its part in the slices attributed before it came is cut
+    v = RunView(2, 1, 32, attribution_window=30.0)
+    late = [e for e in batches[50][1] if e["kind"] == "backward"][-1]
+    for second, arriving in enumerate(batches):
+        for batch in arriving:
+            v.add([e for e in batch if e is not late])
+        if second == 55:
+            v.add([late])
+        v.attribute_slices()
+    everything = [e for arriving in batches for batch in arriving for e in batch]
+    a, want = v.attribution(), attribute(everything, since=26.0, until=56.0)
+    got, exp = a.workers[0], want.workers[0]
+    assert got["compute"] == pytest.approx(exp["compute"] - 0.05) and got["other"] == pytest.approx(exp["other"] + 0.05)
 
 
 def test_view_rows_follow_pipelines_that_join_leave_and_are_lost():
@@ -73,6 +181,8 @@ def test_view_rows_follow_pipelines_that_join_leave_and_are_lost():
     v.add([lost])
     assert v.workers == [(2, 0), (2, 1)]
     assert set(v.timeline()["compute"]["y"]) == {"pipeline 2 stage 0", "pipeline 2 stage 1"}
+    v.add(spans(2, 8.0))  # the slices of the first 4 s due
+    assert [(w["pipeline"], w["stage"]) for w in v.attribution().workers] == v.workers  # nor named the bottleneck
     v.add([control("joined", 1, 4.0)])  # it came back
     assert v.workers == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert [label for _, label in v.controls] == ["joined: pipeline 2", "lost: pipeline 1", "joined: pipeline 1"]
@@ -110,7 +220,10 @@ def test_overlapped_averaging_has_its_own_lane_and_the_histogram_counts_ordinary
     assert len(tl["background"]["x"]) == 2 * 4 and sum(tl["background"]["x"]) == pytest.approx(8 * 0.15)
     assert "synchronization" not in {c for c, d in tl.items() if d["x"]}  # background spans leave the step lanes
     assert sum(tl["compute"]["x"]) == pytest.approx(2 * 4 * 0.4, abs=0.05)  # compute bars keep their time
-    assert v.shares()["synchronization"] == [0.0, 0.0]
+    v.status = "finished"  # every slice attributed (the run's clock ends before one is LAG old)
+    a = v.attribution()  # overlapped averaging is no share of the wall time: it runs beside the compute
+    assert [w["averaging"] for w in a.workers] == [0.0, 0.0]
+    assert [w["background"] for w in a.workers] == pytest.approx([4 * 0.15] * 2)
     assert dict(v.sizes[0]) == {2: 2, 1: 2}  # the global sync aside; a round alone counts one group per worker
 
 
@@ -214,7 +327,7 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
         cluster=shared_cluster,
     ).result(timeout=300)
     dash = Dashboard(result)
-    assert dash.panel is None  # nothing to steer in a finished run
+    assert dash.panel is None and dash.whatif is None  # nothing to steer or predict in a finished run
     layout = dash.figure.layout[dash.plot.axes["timeline"][1]]
     rows = dict(zip(layout.tickvals, layout.ticktext, strict=True))
     compute = dash.trace("timeline/compute")
@@ -233,6 +346,37 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     assert flagged and all(label.startswith("p1<br>") for label in flagged)
     assert len(dash.trace("loss/0").y) > 5 and list(dash.trace("accuracy/0").x) == [0, 1, 2]  # per step, per epoch
     assert "finished" in dash.header.value and "ideal" in dash.numbers.value
+    # where each worker's time went, over the whole run: a bar per worker (the timeline's rows), its segments the
+    # shares attribute() finds in the run's records, in the colours of the timeline's kinds in them
+    from sdpipe.attribution import attribute
+    from sdpipe.widgets.style import ATTRIBUTION_COLORS
+
+    want = attribute(result.events)
+    assert dash.plot.attribution.window == (None, None) and dash.plot.titles["attribution"].startswith(
+        "Where each worker's time went, whole run: shares of its wall time"
+    )
+    assert dash.figure.layout[dash.plot.axes["attribution"][1]].ticktext == layout.ticktext
+    ends = [0.0] * 4
+    for c, color in ATTRIBUTION_COLORS.items():
+        bar = dash.trace(f"attribution/{c}")
+        assert bar.name == c and bar.marker.color == color and len(bar.x) == 4
+        for y, x, base in zip(bar.y, bar.x, bar.base, strict=True):
+            p, s = dash.view.workers[y]
+            assert x == pytest.approx(want.share(p, s, c), abs=1e-5) and base == pytest.approx(ends[y], abs=1e-4)
+            ends[y] = base + x
+    assert ends == pytest.approx([1.0] * 4, abs=1e-4)  # each bar the worker's whole wall time
+    timeline = lambda kind: dash.trace(f"timeline/{kind}").marker.color
+    assert [dash.trace(f"attribution/{c}").marker.color for c in ("compute", "bubble", "group", "averaging")] == [
+        timeline("compute"),
+        timeline("communication"),  # receives and sends
+        timeline("waiting"),  # group waits
+        timeline("synchronization"),  # the syncs
+    ]
+    assert_slices_sum_to_the_window(result.events)
+    # the bottleneck in a sentence under the figure: the 4x slower pipeline 1, which the other waits for in groups
+    assert want.named["pipeline"] == 1 and dash.plot.attribution.bottleneck == want.bottleneck
+    assert html.escape(want.bottleneck) in dash.bottleneck.value and "over the whole run" in dash.bottleneck.value
+    assert dash.widget.children[-1] is dash.bottleneck
     # a page's answer (a custom message, as the width probe's page code sends it) counts only for the last redraw
     dash.figure._drawn.clear()
     last = dash._width.seq
@@ -257,6 +401,48 @@ def test_replay_shows_timeline_groups_stragglers_and_curves(data, shared_cluster
     assert dash.plot.titles["accuracy"] == "held-out accuracy per epoch"  # (without eval_data: the training loss)
 
 
+def assert_slices_sum_to_the_window(events: list) -> None:
+    """On a real run's records, whose spans cross the slices' edges: the slices of its clock, each attributed with
+    every record, merge into the attribution of their window (to the rounding of the sums); a live view fed the
+    records in the order they arrived, attributing the slices due after each batch (a redraw's), finds the same
+    less what it cut: the part of a record in a slice attributed before the record came (none, unless a record
+    came more than LAG seconds of the run's clock late)."""
+    import math
+    from collections import defaultdict
+
+    from sdpipe.attribution import CATEGORIES, Attribution, attribute
+    from sdpipe.widgets import RunView
+    from sdpipe.widgets.view import SLICE
+
+    spans = [e for e in events if e.get("pipeline") is not None and e.get("start") is not None]
+    spans = [e for e in spans if e["end"] > e["start"]]
+    lo, hi = min(e["start"] for e in spans), max(e["end"] for e in spans)
+    edges = [math.floor(lo / SLICE) * SLICE + SLICE * i for i in range(math.ceil((hi - lo) / SLICE) + 2)]
+    assert any(e["start"] < x < e["end"] for x in edges for e in spans)
+    parts = [attribute(events, since=a, until=a + SLICE, part=True) for a in edges[:-1]]
+    assert_attributed_alike(Attribution.merge(parts), attribute(events, since=edges[0], until=edges[-1]))
+    # live: in batches as they arrived
+    config = {"stages": max(e["stage"] for e in spans) + 1, "pipelines": max(e["pipeline"] for e in spans) + 1}
+    v = RunView(config["stages"], config["pipelines"], 32, attribution_window=1000.0)
+    cut = defaultdict(float)  # per worker: seconds of its records in slices attributed before they came
+    ids = {id(e) for e in spans}
+    for i in range(0, len(events), 300):
+        batch = events[i : i + 300]
+        for e in (e for e in batch if id(e) in ids):
+            for a, b, _ in v._slices:
+                cut[(e["pipeline"], e["stage"])] += max(0.0, min(b, e["end"]) - max(a, e["start"]))
+        v.add(batch)
+        v.attribute_slices()
+    v.status = "finished"
+    got = v.attribution()
+    want = attribute(events, since=got.window[0], until=got.window[1])
+    if not any(cut.values()):
+        assert_attributed_alike(got, want)
+    for g, w in zip(got.workers, want.workers, strict=True):
+        for k in (*CATEGORIES, "wall"):
+            assert abs(g[k] - w[k]) <= cut[(w["pipeline"], w["stage"])] + 1e-9, (k, g, w, cut)
+
+
 def await_events(dash, count: int, timeout: float = 60) -> float:
     """Wait until the live dashboard took in ``count`` events; returns the wait's deadline (monotonic)."""
     run = dash.run
@@ -279,12 +465,23 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
     )
     dash = Dashboard(run, interval=0.25)
     try:
-        await_events(dash, 200)
+        deadline = await_events(dash, 200)
         t = time.monotonic()
         sum(range(1000))  # the caller's thread is free while the dashboard redraws
         assert time.monotonic() - t < 1.0
+        attributed = []  # the time attribution is drawn every ATTRIBUTION_EVERY seconds, not at each redraw
+        attribution = dash.view.attribution
+        dash.view.attribution = lambda: attributed.append(time.monotonic()) or attribution()
         time.sleep(3.0)
-        assert dash.redraw_rate(3.0) >= 2.0
+        assert dash.redraw_rate(3.0) >= 2.0 and len(attributed) <= 2, attributed
+        # over the last 30 s of the run's clock, a bar per worker, from the first slice LAG seconds after its end
+        while not (dash.plot.attribution and len(dash.plot.attribution.workers) == 4):
+            assert time.monotonic() < deadline + 30 and not run.done(), run.status
+            time.sleep(0.2)
+        a = dash.plot.attribution
+        assert dash.plot.titles["attribution"].startswith("Where each worker's time went, last 30 s")
+        assert a.window[0] is not None and len(a.workers) == 4 and "over the last 30 s" in dash.bottleneck.value
+        assert html.escape(a.bottleneck) in dash.bottleneck.value
         # a change made from code shows in the panel at the next redraw
         run.set_heterogeneity(slowdown={0: 2.0}, straggle_prob=0.1, straggle_delay=0.02)
         run.set_policy("sdpipe", staleness=7)
@@ -321,6 +518,93 @@ def test_live_dashboard_redraws_and_steers_while_the_kernel_is_free(data, shared
     assert dash.panel.status == "stopped"  # the page disables every button
     dash.panel.press("stop")  # a finished run answers like the other controls
     assert "stop not applied" in dash.message.value and "had already ended (stopped)" in dash.message.value
+
+
+def wait_for(test, what: str, run, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not test():
+        if run.done():
+            run.result(timeout=10)  # a run that ended in an error raises it here, with its message
+        assert time.monotonic() < deadline and not run.done(), f"{what}: not within {timeout:.0f} s ({run.status})"
+        time.sleep(0.2)
+
+
+@pytest.mark.cluster
+def test_live_what_if_panel_shows_the_predictions_and_a_switch_against_what_it_brought(data, shared_cluster):
+    """The what-if panel shows ``run.what_if``'s rows (the best change that keeps one model highlighted), paced
+    within its share of a core; a live switch to sdpipe under a slept straggler gets a line: the prediction made on
+    the records up to just before it (``run.what_if`` and ``run.predict`` with ``until``), the samples/s of the
+    first whole epochs after it (``measured_rate``), and the errors.  (Their size depends on the machine.)"""
+    from sdpipe.simulation.whatif import measured_rate
+    from sdpipe.widgets import Dashboard
+    from sdpipe.widgets.dashboard import ATTRIBUTION_WINDOW as W
+    from sdpipe.widgets.whatif import BEFORE, EPOCHS_AFTER, SETTLE, WHATIF_SHARE, best
+
+    train_data, eval_data = data
+    run = sdpipe.train(
+        digits_mlp(),
+        train_data,
+        eval_data=eval_data,
+        stages=2,
+        pipelines=2,
+        policy="allreduce",
+        epochs=300,
+        heterogeneity=sdpipe.Heterogeneity(slowdown={1: 3.0}),
+        cluster=shared_cluster,
+    )
+    dash = Dashboard(run)
+    panel = dash.whatif
+    try:
+        assert panel.widget in dash.widget.children and "what if" in panel.widget.value
+        began = time.monotonic()
+        measured = lambda: panel.predictions is not None and panel.predictions.measured is not None
+        wait_for(measured, "predictions beside a measured epoch", run, 120)
+        w, value = panel.predictions, panel.widget.value
+        assert [p.change for p in w.predictions] == [p.change for p in run.what_if(last=W).predictions]
+        assert w.until - w.since == pytest.approx(W, abs=1e-6) and "policy sdpipe" in [p.change for p in w.predictions]
+        for p in w.predictions:  # each row: its change, simulated, vs now, expected, time left
+            assert html.escape(p.change) in value and f"{p.samples_per_s:,.0f}" in value
+            assert f"{w.ratio(p.change):.2f}x" in value and f"{w.expected(p.change):,.0f}" in value
+        top = best(w)
+        assert top.change != "policy none" and top.samples_per_s == max(
+            p.samples_per_s for p in w.predictions if p.change != "policy none"
+        )
+        if top is not w.predictions[0]:  # highlighted in the averaging's green, and named above the table
+            row = value[value.index("#E3F0E1") :]
+            assert row.index(html.escape(top.change)) < row.index("</tr>") and f"<b>{top.change}</b>" in value
+        # the switch
+        run.set_policy("sdpipe")
+        wait_for(lambda: panel.switches and panel.switches[0].predicted, "the switch predicted", run, 120)
+        wait_for(lambda: panel.switches[0].settled, "the switch measured", run, 120)
+        s, value = panel.switches[0], panel.widget.value
+        until = s.at - BEFORE
+        assert s.label == "policy allreduce \u2192 sdpipe" and s.prediction is not None, s.why
+        before = run.what_if(last=W, until=until)
+        assert s.before.measured == before.measured and s.before.measured is not None
+        assert s.simulated == run.predict(last=W, until=until, policy="sdpipe").samples_per_s
+        assert s.as_it_ran == run.predict(last=W, until=until).samples_per_s == before.predictions[0].samples_per_s
+        assert s.expected == pytest.approx(before.expected("policy sdpipe"))
+        # measured after: the first EPOCHS_AFTER whole epochs from SETTLE s after the switch on, every pipeline's
+        epochs = [e for e in run.events if e["kind"] == "epoch"]
+        counted = [e for e in epochs if e["metrics"]["epoch"] in s.epochs]
+        assert len(s.epochs) == EPOCHS_AFTER and len(counted) == 2 * EPOCHS_AFTER, s.epochs
+        assert s.since == s.at + SETTLE and all(s.since <= e["start"] <= s.until for e in counted)
+        previous = [e for e in epochs if e["metrics"]["epoch"] == min(s.epochs) - 1]
+        assert len(previous) == 2 and min(e["start"] for e in previous) >= s.since  # began after the settling
+        assert s.measured == measured_rate(counted)
+        assert s.error == pytest.approx(s.expected / s.measured - 1)
+        assert s.simulated_error == pytest.approx(s.simulated / s.measured - 1)
+        line = value[value.index("after a switch") :]
+        assert f"{s.at:.1f} s" in line and html.escape(s.label) in line
+        assert f"{s.expected:,.0f} ({s.simulated:,.0f})" in line and f"{s.measured:,.0f} over 3 epochs" in line
+        assert f"{100 * s.error:+.0f}% ({100 * s.simulated_error:+.0f}%)" in line
+        # paced: its thread took at most its share of a core, but for the prediction it made last
+        assert 0 < panel.cost <= WHATIF_SHARE * (time.monotonic() - began) + panel.spent
+    finally:
+        run.stop()
+        dash.stop()
+    run.result(timeout=120)
+    assert dash.wait(30)
 
 
 @pytest.mark.cluster
@@ -398,10 +682,10 @@ def test_the_grid_puts_every_panel_once_wide_or_in_one_column():
         wide, narrow = layout.grid(stages, workers, narrow=False), layout.grid(stages, workers, narrow=True)
         assert set(wide.pos) == set(narrow.pos) == keys and sorted(wide.ordered) == sorted(keys)
         assert len(set(wide.pos.values())) == len(keys) and wide.cols == 3 and narrow.cols == 1
-        assert narrow.ordered[0] == "timeline" and narrow.ordered[-1] == "shares"
+        assert narrow.ordered[0] == "timeline" and narrow.ordered[-1] == "attribution"
         assert [narrow.pos[k][0] for k in narrow.ordered] == list(range(1, len(keys) + 1))
         assert len(wide.specs) == len(wide.heights) == stages + 3
-        assert wide.height == sum(wide.heights) + layout.ROW_GAP * len(wide.heights) + 80
+        assert wide.height == sum(wide.heights) + layout.ROW_GAP * len(wide.heights) + 40 + layout.BOTTOM
     assert layout.grid(2, 16, False).heights[0] > layout.grid(2, 4, False).heights[0]  # a row per worker
     assert layout.titles(1, "eval_loss", True)["accuracy"] == "held-out loss per epoch"
     assert layout.titles(1, "loss", False)["accuracy"] == "training loss per epoch (no held-out data given)"

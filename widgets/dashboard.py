@@ -31,7 +31,8 @@ from sdpipe.widgets.figure import WidthProbe
 from sdpipe.widgets.layout import NARROW, TITLE_CHAR_PX, wrap_text
 from sdpipe.widgets.plot import RunPlot
 from sdpipe.widgets.style import COLORS
-from sdpipe.widgets.view import RunView
+from sdpipe.widgets.view import SLICE, RunView
+from sdpipe.widgets.whatif import WhatIfPanel
 
 __all__ = ["COLORS", "NARROW", "SPARE_PIPELINES", "TITLE_CHAR_PX", "Dashboard", "wrap_text"]
 
@@ -43,6 +44,16 @@ BEHIND = 20.0
 ATTACHED = 30.0
 #: seconds between full resends of the figure while a run is followed (see Dashboard.resync)
 RESYNC = 10.0
+#: seconds of the run's clock a live run's time attribution covers (a replay's covers the whole run); also the
+#: window the what-if panel's predictions calibrate on
+ATTRIBUTION_WINDOW = 30.0
+#: seconds between a live run's time attributions at the most often: one slice of the run's clock
+#: (:data:`sdpipe.widgets.view.SLICE`), the bars move no more often
+ATTRIBUTION_EVERY = SLICE
+#: the share of a core the time attributions may take (their CPU seconds over the time between them): a new
+#: slice's records cost 2.5-7 us each (a 2 x 2 run of the digits MLP records some 1,500-3,000 a second: 10-40 ms a
+#: slice, 1-2% of a core), so this cap binds only where a run records tens of times more
+ATTRIBUTION_SHARE = 0.1
 
 
 class _Controls:
@@ -129,7 +140,16 @@ class Dashboard:
     """Live (``Dashboard(run)``) or replayed (``Dashboard(result)``) view of a training run.
 
     ``interval`` is the seconds between redraws (default 0.25: four a
-    second); ``window`` the seconds of the scrolling timeline.  Display it as
+    second); ``window`` the seconds of the scrolling timeline.  Where each
+    worker's time went (:mod:`sdpipe.attribution`) is drawn over the last
+    ``ATTRIBUTION_WINDOW`` seconds of a live run, summed from slices of its
+    clock each attributed once (:meth:`RunView.attribute_slices`), every
+    ``ATTRIBUTION_EVERY`` seconds (within ``ATTRIBUTION_SHARE`` of a core),
+    and over the whole of a replayed one.  A live run also gets the what-if
+    panel (:mod:`sdpipe.widgets.whatif`, ``whatif``; None in a replay, whose
+    run can no longer change): the simulator's predictions under each change,
+    in a thread of its own, and after each live switch of policy or
+    heterogeneity its prediction against what was measured.  Display it as
     the last expression of a cell or with ``display(dashboard)``.  The
     constructor only builds the widgets (well under a second, also while the
     run's workers load the machine); the first data arrives with the first
@@ -156,7 +176,13 @@ class Dashboard:
         #: "perplexity", ...) or loss, else the training loss
         self.metric = (source.metric or "eval_loss") if self.held_out else "loss"
         self.interval = interval
-        self.view = RunView(cfg.stages, cfg.pipelines, cfg.batch_size, window=window)
+        self.view = RunView(
+            cfg.stages,
+            cfg.pipelines,
+            cfg.batch_size,
+            window=window,
+            attribution_window=ATTRIBUTION_WINDOW if self.run is not None else None,
+        )
         #: pipelines with their own loss and metric curves: the run's and up to SPARE_PIPELINES that join it
         self._slots = cfg.pipelines + SPARE_PIPELINES
         self._cursor = 0
@@ -196,7 +222,17 @@ class Dashboard:
         self.hetero = W.HTML()
         #: the answer to the last control: what was applied and when, or why not
         self.message = W.HTML(layout=W.Layout(min_height="1.7em", width="100%"))
-        parts = [self.header, self.numbers, self.hetero, self.note, self._width, self.figure]
+        #: the bottleneck in a sentence (:attr:`sdpipe.attribution.Attribution.bottleneck`), under the figure (its
+        #: last panel is the time attribution it sums up), where its length changes move nothing
+        self.bottleneck = W.HTML()
+        #: the what-if panel of a live run (:class:`sdpipe.widgets.whatif.WhatIfPanel`; None in a replay), under
+        #: the measured samples/s
+        self.whatif = (
+            WhatIfPanel(self.run, self.view, ATTRIBUTION_WINDOW, ended=self._ended) if self.run is not None else None
+        )
+        parts = [self.header, self.numbers, self.hetero, self.note, self._width, self.figure, self.bottleneck]
+        if self.whatif is not None:
+            parts.insert(2, self.whatif.widget)
         #: the control panel (None for a replay or controls=False); ``panel.press(...)`` presses a button
         self._controls = _Controls(self.run, self.message, self._lock, self._poke) if controls else None
         self.panel = self._controls.panel if controls else None
@@ -219,7 +255,7 @@ class Dashboard:
 
     def trace(self, key: str):
         """A trace of the dashboard's figure: "timeline/compute", "groups/0", "sizes/0", "stragglers",
-        "stragglers/median", "loss/0", "accuracy/0", "shares/compute", ..."""
+        "stragglers/median", "loss/0", "accuracy/0", "attribution/compute", ..."""
         return self.plot.trace(key)
 
     def _page_drew(self, seq: int) -> None:
@@ -227,8 +263,9 @@ class Dashboard:
         self.figure.answered(seq >= self._width.seq)
 
     # ------------------------------------------------------------ updates
-    def refresh(self, fetch: bool = True, full: bool = True) -> int:
-        """Take in new events and redraw; returns how many events were new."""
+    def refresh(self, fetch: bool = True, full: bool = True, attribution: Optional[bool] = None) -> int:
+        """Take in new events and redraw; returns how many events were new.  ``full``: also the slower-moving
+        views; ``attribution`` (default: ``full``): also the time attribution and the bottleneck."""
         with self._lock:
             new = 0
             if fetch and self.run is not None:
@@ -236,19 +273,33 @@ class Dashboard:
                 self.view.add(events)
                 self.view.status = self.run.status
                 new = len(events)
-            self._draw(full)
+            self._draw(full, full if attribution is None else attribution)
             self._width.seq += 1  # the page answers it when drawn (see WidthProbe)
             self.redraws.append(time.monotonic())
             if len(self.redraws) > 1000:
                 del self.redraws[:500]
             return new
 
-    def _draw(self, full: bool = True) -> None:
-        """Redraw the figure's timeline and header; with ``full`` also the slower-moving views and the numbers."""
-        steps = self.plot.draw(full)
+    def _draw(self, full: bool = True, attribution: bool = True) -> None:
+        """Redraw the figure's timeline and header; with ``full`` also the slower-moving views and the numbers,
+        with ``attribution`` the time attribution and the bottleneck."""
+        steps = self.plot.draw(full, attribution)
         self._draw_header()
         if full:
             self._draw_numbers(steps)
+        if attribution:
+            self._draw_bottleneck()
+
+    def _draw_bottleneck(self) -> None:
+        """The bottleneck's sentence, over the time attribution's window; wrapped, never cut."""
+        a, w = self.plot.attribution, self.view.attribution_window
+        covered = "over the whole run" if w is None else f"over the last {w:g} s"
+        value = (
+            "<div style='white-space:normal; overflow-wrap:anywhere; line-height:1.4'>"
+            f"<b>bottleneck</b> ({covered}): {html.escape(a.bottleneck)}</div>"
+        )
+        if self.bottleneck.value != value:
+            self.bottleneck.value = value
 
     def _draw_numbers(self, st: dict) -> None:
         """The numbers line; ``st`` is the view's step_times() the views were drawn with."""
@@ -299,6 +350,11 @@ class Dashboard:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._follow, name="sdpipe-dashboard", daemon=True)
         self._thread.start()
+        self.whatif.start()
+
+    def _ended(self) -> bool:
+        """Whether the run ended and the follow thread took in its last records (what-if's last look)."""
+        return self.run.done() and (self._thread is None or not self._thread.is_alive())
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop following (the run itself goes on)."""
@@ -306,6 +362,8 @@ class Dashboard:
         self._poke.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.whatif is not None:
+            self.whatif.stop(timeout)
 
     def _follow(self) -> None:
         """Redraw every ``interval`` seconds, but never faster than a browser draws.
@@ -318,7 +376,7 @@ class Dashboard:
         for one that attaches.
         """
         try:
-            last_full = 0.0
+            last_full = last_attribution = 0.0
             last_resync = time.monotonic()
             while not self._stopping.is_set():
                 t = time.monotonic()
@@ -326,12 +384,16 @@ class Dashboard:
                 if t - last_resync >= RESYNC:
                     self.resync()
                     last_resync = t
-                # the timeline every time; the other views about once a second (they move slowly)
+                # the timeline every time; the other views about once a second (they move slowly), the time
+                # attribution every ATTRIBUTION_EVERY seconds, or as often as ATTRIBUTION_SHARE of the time allows
                 full = t - last_full >= 1.0
+                every = max(ATTRIBUTION_EVERY, self.plot.attribution_cost / ATTRIBUTION_SHARE)
+                attribution = full and t - last_attribution >= every
                 self.figure._drawn.clear()
                 self._poke.clear()
-                self.refresh(full=full)
+                self.refresh(full=full, attribution=attribution)
                 last_full = t if full else last_full
+                last_attribution = t if attribution else last_attribution
                 if done:
                     self.refresh()  # the last records
                     self.resync()
@@ -360,11 +422,14 @@ class Dashboard:
             self.header.value = f"<b>dashboard stopped</b>: {html.escape(f'{type(e).__name__}: {e}')}"
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until the dashboard has drawn the run's end (live) ; True if it did within ``timeout``."""
+        """Block until the dashboard has drawn the run's end (live), the what-if panel's last switch measured
+        included; True if it did within ``timeout``."""
         if self._thread is None:
             return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return not self._thread.is_alive() and self.whatif.join(left)
 
     def redraw_rate(self, seconds: float = 5.0) -> float:
         """Redraws per second over the last ``seconds``."""

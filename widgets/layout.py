@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NARROW", "TITLE_CHAR_PX", "Grid", "grid", "legend_place", "titles", "wrap_text", "wrapped_titles"]
+__all__ = ["BOTTOM", "NARROW", "TITLE_CHAR_PX", "Grid", "grid", "legend_place", "titles", "wrap_text", "wrapped_titles"]
 
 #: below this output width (pixels) the panels stack in one column
 NARROW = 900
@@ -16,6 +16,8 @@ TITLE_CHAR_PX = 7.5
 #: pixels between rows: room for a row's tick labels (two lines under the stragglers), its axis title and the
 #: next row's title
 ROW_GAP = 90
+#: pixels under the last panel (the time attribution): its tick labels and its legend (two rows in one column)
+BOTTOM = 80
 
 
 def wrap_text(text: str, width: int) -> str:
@@ -30,9 +32,11 @@ def wrap_text(text: str, width: int) -> str:
     return "<br>".join(lines)
 
 
-def titles(stages: int, metric: str, held_out: bool) -> dict:
+def titles(stages: int, metric: str, held_out: bool, attribution_window=None) -> dict:
     """Each panel's title by key ("timeline", "groups/0", "sizes/0", ..., "stragglers", "loss", "accuracy",
-    "shares"); ``metric``: the per-epoch panel's value ("accuracy", "eval_loss", ...)."""
+    "attribution"); ``metric``: the per-epoch panel's value ("accuracy", "eval_loss", ...);
+    ``attribution_window``: the seconds the time attribution covers (None: the whole run)."""
+    covered = "whole run" if attribution_window is None else f"last {attribution_window:g} s"
     out = {
         "timeline": "Stage timeline (recent seconds)",
         "stragglers": "Stragglers: compute per step (red: above 2x the median)",
@@ -40,7 +44,7 @@ def titles(stages: int, metric: str, held_out: bool) -> dict:
         "accuracy": f"held-out {metric.replace('eval_loss', 'loss')} per epoch"
         if held_out
         else "training loss per epoch (no held-out data given)",
-        "shares": "Whole run: seconds by kind",
+        "attribution": f"Where each worker's time went, {covered}: shares of its wall time",
     }
     for s in range(stages):
         out[f"groups/{s}"] = (
@@ -70,15 +74,15 @@ class Grid:
 
 def grid(stages: int, workers: int, narrow: bool) -> Grid:
     """The wide layout (three columns: the timeline across, per stage its group strip and sizes, then the
-    stragglers, loss and per-epoch panels, then the shares across) or the narrow one (one column, the same
+    stragglers, loss and per-epoch panels, then the time attribution across) or the narrow one (one column, the same
     order); rows of a panel with one row per worker grow with ``workers``."""
     S = stages
-    tall = {"timeline": 30 * workers + 40, "shares": 22 * workers + 30}
+    tall = {"timeline": 30 * workers + 40, "attribution": 24 * workers + 20}
     if narrow:
         keys = (
             ["timeline"]
             + [key for s in range(S) for key in (f"groups/{s}", f"sizes/{s}")]
-            + ["stragglers", "loss", "accuracy", "shares"]
+            + ["stragglers", "loss", "accuracy", "attribution"]
         )
         pos = {k: (i + 1, 1) for i, k in enumerate(keys)}
         specs = [[{}] for _ in keys]
@@ -90,7 +94,7 @@ def grid(stages: int, workers: int, narrow: bool) -> Grid:
             "stragglers": (S + 2, 1),
             "loss": (S + 2, 2),
             "accuracy": (S + 2, 3),
-            "shares": (S + 3, 1),
+            "attribution": (S + 3, 1),
         }
         for s in range(S):
             pos[f"groups/{s}"], pos[f"sizes/{s}"] = (2 + s, 1), (2 + s, 3)
@@ -100,9 +104,9 @@ def grid(stages: int, workers: int, narrow: bool) -> Grid:
             + [[{}, {}, {}]]
             + [[{"colspan": 3}, None, None]]
         )
-        heights = [tall["timeline"]] + [150] * S + [260] + [tall["shares"]]
+        heights = [tall["timeline"]] + [150] * S + [260] + [tall["attribution"]]
         ordered, cols = sorted(pos, key=lambda k: pos[k]), 3
-    height = sum(heights) + ROW_GAP * len(heights) + 80
+    height = sum(heights) + ROW_GAP * len(heights) + 40 + BOTTOM
     return Grid(pos=pos, specs=specs, heights=heights, cols=cols, ordered=ordered, height=height)
 
 

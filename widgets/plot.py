@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import copy
+import time
+from typing import Optional
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from sdpipe.widgets import layout
 from sdpipe.widgets.figure import LiveFigure
-from sdpipe.widgets.layout import NARROW
-from sdpipe.widgets.style import COLORS, DASHES, PIPELINE_COLORS, STRIP, SYMBOLS, TEMPLATE, r_list
+from sdpipe.widgets.layout import BOTTOM, NARROW
+from sdpipe.widgets.style import ATTRIBUTION_COLORS, COLORS, DASHES, PIPELINE_COLORS, STRIP, SYMBOLS, TEMPLATE, r_list
 from sdpipe.widgets.view import CATEGORIES, RunView
 
 __all__ = ["RunPlot"]
@@ -164,15 +166,38 @@ def build_curves(panels: _Panels, slots: int) -> None:
     panels.axes("accuracy", x_title_text="epoch", x_tick0=0, x_dtick=1)
 
 
-def build_shares(panels: _Panels, rows: dict) -> None:
-    """Whole run: seconds by kind, per worker (the timeline's rows)."""
-    for c in CATEGORIES:
+def build_attribution(panels: _Panels, rows: dict) -> None:
+    """Where each worker's time went: a bar per worker (the timeline's rows), stacked from its categories' shares
+    of its wall time (:mod:`sdpipe.attribution`), the share written inside where it fits; its own legend, under
+    the panel (the names differ from the timeline's kinds; the colours are theirs)."""
+    for c, color in ATTRIBUTION_COLORS.items():
+        light = color in (COLORS["waiting"], COLORS["other"])
         panels.add(
-            f"shares/{c}",
-            go.Bar(name=c, orientation="h", y=[], x=[], marker_color=COLORS[c], showlegend=False),
-            "shares",
+            f"attribution/{c}",
+            go.Bar(
+                name=c,
+                orientation="h",
+                y=[],
+                x=[],
+                base=[],
+                text=[],
+                customdata=[],
+                marker=dict(
+                    color=color,
+                    line=dict(width=1, color="white"),
+                    # a pause has the group waits' colour (both are waiting in the timeline): hatched apart
+                    pattern=dict(shape="/", fillmode="overlay", fgcolor="white", size=7) if c == "paused" else None,
+                ),
+                textposition="inside",
+                insidetextanchor="middle",
+                textangle=0,
+                insidetextfont=dict(color="#2a3f5f" if light else "white"),
+                hovertemplate=f"{c}: %{{x:.1%}} of its wall time (%{{customdata:.1f}} s)<extra></extra>",
+                legend="legend2",
+            ),
+            "attribution",
         )
-    panels.axes("shares", **rows, x_title_text="seconds")
+    panels.axes("attribution", **rows, x_range=[0, 1], x_tickformat=".0%", x_dtick=0.1)
 
 
 class RunPlot:
@@ -184,6 +209,9 @@ class RunPlot:
         self.view, self.metric, self.held_out, self._slots, self._lock = view, metric, held_out, slots, lock
         self.narrow = False
         self._rows = None  # the timeline's rows as last drawn (they change as pipelines join and leave)
+        #: the time attribution last drawn (:class:`sdpipe.attribution.Attribution`; None before the first), the
+        #: CPU seconds it took, and those all the time attributions took
+        self.attribution, self.attribution_cost, self.attribution_spent = None, 0.0, 0.0
         fig, pos, height = self._grid(narrow=False)
         #: each trace's index by key ("timeline/compute", "groups/0", ...)
         self.idx: dict = {}
@@ -191,12 +219,15 @@ class RunPlot:
         rows = build_timeline(panels, [view.label(w) for w in view.workers])
         build_groups(panels, view.stages, view.pipelines)
         build_curves(panels, slots)
-        build_shares(panels, rows)
+        build_attribution(panels, rows)
         fig.update_layout(
             height=height,
             barmode="overlay",
-            margin=dict(l=130, r=20, t=40, b=40),
+            margin=dict(l=130, r=20, t=40, b=BOTTOM),
             legend=dict(orientation="h", y=1.0, yanchor="bottom"),
+            # the time attribution's categories, at the foot of the figure (under its panel, the last one)
+            legend2=dict(orientation="h", x=0, xanchor="left", yref="container", y=0, yanchor="bottom"),
+            uniformtext=dict(minsize=10, mode="hide"),  # a share's number only where it fits its segment
         )
         fig.update_annotations(font_size=13)
         #: each panel's x and y axes by key (their names in the figure's layout)
@@ -210,7 +241,7 @@ class RunPlot:
         (:func:`sdpipe.widgets.layout.grid`)."""
         S = self.view.stages
         g = layout.grid(S, len(self.view.workers), narrow)
-        names = layout.titles(S, self.metric, self.held_out)
+        names = layout.titles(S, self.metric, self.held_out, self.view.attribution_window)
         fig = make_subplots(
             rows=len(g.heights),
             cols=g.cols,
@@ -281,12 +312,13 @@ class RunPlot:
 
     def trace(self, key: str):
         """A trace of the dashboard's figure: "timeline/compute", "groups/0", "sizes/0", "stragglers",
-        "stragglers/median", "loss/0", "accuracy/0", "shares/compute", ..."""
+        "stragglers/median", "loss/0", "accuracy/0", "attribution/compute", ..."""
         return self.figure.data[self.idx[key]]
 
-    def draw(self, full: bool = True):
+    def draw(self, full: bool = True, attribution: Optional[bool] = None):
         """Redraw the timeline; with ``full`` also the slower-moving views, then returns the view's
-        ``step_times()`` they were drawn with (None without ``full``).
+        ``step_times()`` they were drawn with (None without ``full``); with ``attribution`` (default: ``full``)
+        also the time attribution (the costliest view: a live dashboard draws it every few seconds).
 
         Each batch edits traces that all set the same properties: a batch
         leaves the properties one trace does not set "undefined" for it,
@@ -303,27 +335,45 @@ class RunPlot:
         with self.figure.batch_update():  # bars: x, y, base
             for c in (*CATEGORIES, "background"):
                 T(f"timeline/{c}").update(y=[row[y] for y in tl[c]["y"]], x=r4(tl[c]["x"]), base=r4(tl[c]["base"]))
-            if full:
-                sh = v.shares()
-                base = [0.0] * len(v.workers)  # stacked by hand: the figure's bar mode overlays (for the timeline)
-                for c in CATEGORIES:
-                    T(f"shares/{c}").update(y=list(range(len(v.workers))), x=r_list(sh[c]), base=r_list(base))
-                    base = [b + x for b, x in zip(base, sh[c], strict=True)]
             self.figure.layout[self.axes["timeline"][0]].range = [max(0.0, lo), max(v.now, v.window)]
         ctl = [(t, text) for t, text in v.controls if t >= lo]
         with self.figure.batch_update():  # x, y, text
             T("timeline/control").update(x=[t for t, _ in ctl], y=[0] * len(ctl), text=[x for _, x in ctl])
+        if full if attribution is None else attribution:
+            self._draw_attribution()
         return self._draw_views() if full else None
 
+    def _draw_attribution(self) -> None:
+        """Each worker's bar: its categories' shares of its wall time, stacked in ``ATTRIBUTION_COLORS``' order."""
+        v = self.view
+        t = time.thread_time()  # the share of a core it takes (not the time other threads and processes had)
+        self.attribution = a = v.attribution()
+        self.attribution_cost = time.thread_time() - t
+        self.attribution_spent += self.attribution_cost
+        found = {(w["pipeline"], w["stage"]): w for w in a.workers}
+        base = [0.0] * len(v.workers)  # stacked by hand: the figure's bar mode overlays (for the timeline)
+        with self.figure.batch_update():  # x, y, base, text, customdata
+            for c in ATTRIBUTION_COLORS:
+                seconds = [found[w][c] if w in found else 0.0 for w in v.workers]
+                x = [t / found[w]["wall"] if t else 0.0 for t, w in zip(seconds, v.workers, strict=True)]
+                self.trace(f"attribution/{c}").update(
+                    y=list(range(len(v.workers))),
+                    x=r_list(x),
+                    base=r_list(base),
+                    text=[f"{share:.0%}" if share >= 0.005 else "" for share in x],
+                    customdata=r_list(seconds),
+                )
+                base = [b + share for b, share in zip(base, x, strict=True)]
+
     def _draw_rows(self) -> None:
-        """The timeline's and the whole-run panel's rows, and the group strips' pipelines, as they are now."""
+        """The timeline's and the time attribution's rows, and the group strips' pipelines, as they are now."""
         v = self.view
         self._rows = list(v.workers)
         n = len(v.workers)
         ticks = dict(tickvals=list(range(n)), ticktext=[v.label(w) for w in v.workers], range=[n - 0.5, -0.5])
         # one batch per property set (see _draw)
         with self.figure.batch_update():
-            for key in ("timeline", "shares"):
+            for key in ("timeline", "attribution"):
                 self.figure.layout[self.axes[key][1]].update(**ticks)
         with self.figure.batch_update():
             for s in range(v.stages):

@@ -1,9 +1,9 @@
-"""The dashboard's look: the colours of the kinds of time, of the membership strip and of the pipelines, the
-figure's template, the per-pipeline dashes and symbols."""
+"""The dashboard's look: the colours of the kinds of time (the timeline's and the time attribution's), of the
+membership strip and of the pipelines, the figure's template, the per-pipeline dashes and symbols."""
 
 from __future__ import annotations
 
-__all__ = ["COLORS", "DASHES", "PIPELINE_COLORS", "STRIP", "SYMBOLS", "TEMPLATE", "r_list"]
+__all__ = ["ATTRIBUTION_COLORS", "COLORS", "DASHES", "PIPELINE_COLORS", "STRIP", "SYMBOLS", "TEMPLATE", "r_list"]
 
 
 def r_list(xs):
@@ -17,6 +17,20 @@ COLORS = {
     "synchronization": "#54A24B",
     "waiting": "#BAB0AC",
     "eval": "#B279A2",
+    "other": "#E2E2E2",  # time no span covers (a gap in the timeline)
+}
+#: the colour of each category of the time attribution (:data:`sdpipe.attribution.CATEGORIES`), in the order a
+#: worker's bar stacks them: the timeline's colour of the span kinds in it (a pipeline bubble: receives and
+#: sends; waiting for its group: the group waits; averaging: the syncs; a pause is drawn as waiting, and hatched
+#: in the attribution to tell it from the group waits)
+ATTRIBUTION_COLORS = {
+    "compute": COLORS["compute"],
+    "bubble": COLORS["communication"],
+    "group": COLORS["waiting"],
+    "averaging": COLORS["synchronization"],
+    "eval": COLORS["eval"],
+    "paused": COLORS["waiting"],
+    "other": COLORS["other"],
 }
 #: membership strip: not in a group, alone, in a group, graph sync, global sync
 STRIP = [

@@ -3,8 +3,13 @@
 :class:`RunView` takes event records as they arrive (``run.events_since``) or
 all at once (a finished run's ``result.events``) and keeps, in bounded memory:
 
-* the recent spans of every worker for the timeline (older spans only add to
-  per-worker totals by category, so long runs stay fast);
+* the recent spans of every worker for the timeline, and for the time
+  attribution (:mod:`sdpipe.attribution`) of a live run its last
+  ``attribution_window`` seconds as slices of ``SLICE`` seconds, each
+  attributed once, ``LAG`` seconds after it ended, and summed
+  (:meth:`~sdpipe.attribution.Attribution.merge`): only the records the next
+  slices need are kept, so long runs stay fast (a replay keeps every span
+  record and attributes the whole run);
 * the recent group formations per stage, the distribution of group sizes and
   when graph syncs happened;
 * per-worker step and compute times for straggler detection, and the run's
@@ -13,16 +18,36 @@ all at once (a finished run's ``result.events``) and keeps, in bounded memory:
   (averaging, group waits), so the ratio cannot exceed 1 and says what
   synchronizing cost; its spread over blocks of those steps is shown with it;
 * loss per step and metrics per epoch per pipeline;
-* the control changes (policy, heterogeneity, pause) with their times.
+* the control changes (policy, heterogeneity, pause) with their times, the
+  live switches of policy and heterogeneity, the pauses, and the epoch records
+  (what the dashboard's what-if panel sets its predictions against).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import statistics
 from collections import Counter, defaultdict, deque
+from typing import Optional
 
-__all__ = ["CATEGORIES", "RunView", "category"]
+from sdpipe.attribution import Attribution, attribute
+
+__all__ = ["CATEGORIES", "LAG", "SLICE", "RunView", "category"]
+
+#: seconds of the run's clock one slice of a live run's time attribution covers (each is attributed once)
+SLICE = 2.0
+#: seconds (on the run's clock, as its records tell it) a slice waits after its end before it is attributed: a
+#: record travels when its span ends (a worker sends its records every 0.1 s, with its next one), so the records of
+#: a slice's spans have arrived by then.  A span longer than this, or a record its worker held behind one, arrives
+#: after: the part of it in slices attributed before is cut (there its worker's time shows as ``other``, or not at
+#: all).  A pause is waited out: a slice the run was paused at its end is attributed this long after the resume.
+LAG = 3.0
+#: seconds of records before a slice attributed with it: the other members of a collective that crosses its start
+CONTEXT = 1.0
+#: what a finished run's status is (its last slices are attributed at once: every record has arrived)
+_ENDED = ("finished", "stopped", "error")
 
 #: timeline categories, in drawing order
 CATEGORIES = ("compute", "communication", "synchronization", "waiting", "eval")  # "eval" also holds checkpoint saves
@@ -104,9 +129,12 @@ class RunView:
         rounds: int = 60,
         steps: int = 12,
         flag_factor: float = 2.0,
+        attribution_window: Optional[float] = 30.0,
     ):
         self.stages, self.pipelines, self.batch_size = stages, pipelines, batch_size
         self.window, self.rounds, self.steps, self.flag_factor = window, rounds, steps, flag_factor
+        #: seconds of the run's clock the time attribution covers, up to the latest record (None: the whole run)
+        self.attribution_window = attribution_window
         #: the pipelines taking part now: a pipeline that joins adds its rows, one that leaves or is lost drops them
         self.active = set(range(pipelines))
         self.workers = [(p, s) for p in range(pipelines) for s in range(stages)]
@@ -114,7 +142,18 @@ class RunView:
         self.count = 0
         self._recent = {w: deque() for w in self.workers}  # (category, start, end), merged
         self._background = {w: deque() for w in self.workers}  # (start, end) of overlapped averaging
-        self.totals = {w: Counter() for w in self.workers}  # seconds by category over the whole run
+        # span records in arrival order: a replay's all; a live run's from the next slice to attribute on (and its
+        # context); the slices attributed, (start, end, Attribution), those of the window; the next slice's start
+        self._spans: deque = deque()
+        self._slices: deque = deque()
+        self._next: Optional[float] = None
+        self._first = math.inf  # the earliest start of a span record
+        #: [pause, resume or None] on the run's clock, of each pause (the driver's controls)
+        self.pauses: list = []
+        #: the driver's control records that switched the run's policy or heterogeneity live, in order
+        self.switches: list = []
+        #: the epoch records (each pipeline's, at its epoch's end), in arrival order
+        self.epoch_records: list = []
         self._rounds = {s: {} for s in range(stages)}  # stage -> key -> {"members": set, "reason": str, "end": t}
         self._order = {s: deque() for s in range(stages)}  # keys in arrival order, bounded
         self.sizes = {s: Counter() for s in range(stages)}  # groups of the ordinary rounds by members
@@ -145,6 +184,26 @@ class RunView:
     def add(self, events) -> None:
         for e in events:
             self._add(e)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the span records no slice to attribute needs: those that ended before the next slice's context
+        (before the window's, until the first slice).  Records come in batches per worker, not in order of their
+        ends: one that ended earlier than the first kept goes when the ones before it have (a slice's start clips
+        it meanwhile)."""
+        if self.attribution_window is None:
+            return
+        lo, q = self._start() - CONTEXT, self._spans
+        while q and q[0]["end"] < lo:
+            q.popleft()
+
+    def _start(self) -> float:
+        """The start of the next slice to attribute: after the last one (the first: of the first span record), but
+        none that ends before the window of the last slice due (a view that attaches to a long run, the end of a
+        long pause: those would never be drawn)."""
+        first = self._next if self._next is not None else math.floor(min(self._first, self.now) / SLICE) * SLICE
+        skip = math.floor((self.now - self.attribution_window - LAG - SLICE) / SLICE) * SLICE
+        return max(first, skip)
 
     def _add(self, e: dict) -> None:
         self.count += 1
@@ -163,6 +222,12 @@ class RunView:
             what = e["what"]
             if what in ("joined", "left") and e.get("pipeline") is not None:
                 self._member(e["pipeline"], what == "joined")
+            if e.get("applied_by") == "driver" and what == "pause":
+                self.pauses.append([e["start"], None])
+            elif e.get("applied_by") == "driver" and what == "resume" and self.pauses and self.pauses[-1][1] is None:
+                self.pauses[-1][1] = e["start"]
+            if e.get("applied_by") == "driver" and what in ("policy", "heterogeneity"):
+                self.switches.append(e)
             if e.get("applied_by") == "driver":
                 label = what + (f": {e['policy']}" if e.get("policy") else "")
                 if what in ("joined", "leave", "join-failed") and e.get("pipeline") is not None:
@@ -179,17 +244,19 @@ class RunView:
         if kind == "epoch":
             m = e["metrics"]
             self.epochs.setdefault(m["pipeline"], []).append(m)
+            self.epoch_records.append(e)
             return
         cat = category(kind)
         p, s = e.get("pipeline"), e.get("stage")
-        if cat is None or (p, s) not in self.totals:
+        if cat is None or (p, s) not in self._recent:
             return
         w = (p, s)
         start = e["start"]
+        self._spans.append(e)
+        self._first = min(self._first, start)
         if e.get("lane") == "background":  # overlapped averaging: beside the step's own spans, on its own lane
             self._background[w].append((start, end))
             return
-        self.totals[w][cat] += end - start
         q = self._recent[w]
         if q and q[-1][0] == cat and start - q[-1][2] < 0.002:
             q[-1] = (cat, q[-1][1], max(end, q[-1][2]))
@@ -212,7 +279,7 @@ class RunView:
             for p in range(self.pipelines, pipeline + 1):
                 for s in range(self.stages):
                     w = (p, s)
-                    self._recent[w], self._background[w], self.totals[w] = deque(), deque(), Counter()
+                    self._recent[w], self._background[w] = deque(), deque()
                     self._opt_end[w] = deque(maxlen=self.steps + 1)
                     self._compute[w], self._own[w] = deque(maxlen=self.steps), deque(maxlen=self.steps)
                     self._steps[w] = {}
@@ -312,9 +379,65 @@ class RunView:
     def label(self, w) -> str:
         return f"pipeline {w[0]} stage {w[1]}"
 
-    def shares(self) -> dict:
-        """Whole-run seconds per worker by category: category -> list in worker order."""
-        return {c: [self.totals[w][c] for w in self.workers] for c in CATEGORIES}
+    def attribution(self) -> Attribution:
+        """Where the time of each worker taking part went (:func:`sdpipe.attribution.attribute`): in a replay over
+        the whole run; live, over the last ``attribution_window`` seconds of the slices attributed so far
+        (:meth:`attribute_slices`), summed (:meth:`~sdpipe.attribution.Attribution.merge`; its ``window``: from
+        the first slice's start to the last one's end, ``LAG`` to ``LAG + SLICE`` seconds before the latest record
+        while the run goes on; while it is paused, up to its latest record: the time after the last slice is
+        attributed at each call, and not kept).  A live call costs the new slices' records (a few microseconds
+        each), if any.
+
+        A pipeline that left or was lost has no row, and is not named the bottleneck (on the few records it may
+        still have in the window, its shares can be extreme)."""
+        if self.attribution_window is None:
+            return attribute([e for e in self._spans if e["pipeline"] in self.active])
+        self.attribute_slices()
+        parts = [(a, b, part) for a, b, part in self._slices]
+        if self.pauses and self.pauses[-1][1] is None and self._first < math.inf:
+            # paused: the time up to its latest record, which no slice covers before the resume, attributed for now
+            a, b = self._start(), self.now
+            if b > a:
+                records = [e for e in self._spans if e["end"] >= a - CONTEXT and e["pipeline"] in self.active]
+                parts.append((a, b, attribute(records, since=a, until=b, part=True)))
+        keep = parts[-1][1] - self.attribution_window - 1e-9 if parts else 0.0
+        return Attribution.merge(
+            [
+                dataclasses.replace(part, workers=[w for w in part.workers if w["pipeline"] in self.active])
+                for a, _, part in parts
+                if a >= keep
+            ]
+        )
+
+    def attribute_slices(self) -> int:
+        """Attribute each slice of ``SLICE`` seconds (from a multiple of it on the run's clock) that ended ``LAG``
+        seconds before the latest record (after a resume, when it ended in the pause; all of them once the run
+        ended), once, from the span records of the pipelines taking part that reach into it or its ``CONTEXT``
+        before; keep those of the last ``attribution_window`` seconds.  Returns how many it attributed."""
+        self._forget()
+        if self._first == math.inf:
+            return 0
+        ended = self.status in _ENDED
+        a, added = self._start(), 0
+        while a < self.now and (ended or self.now >= self._due(a + SLICE)):
+            b = a + SLICE if not ended else min(a + SLICE, self.now)
+            records = [e for e in self._spans if e["end"] >= a - CONTEXT and e["pipeline"] in self.active]
+            self._slices.append((a, b, attribute(records, since=a, until=b, part=True)))
+            a, added = a + SLICE, added + 1
+            self._next = a
+            self._forget()
+        while self._slices and self._slices[0][0] < self._slices[-1][1] - self.attribution_window - 1e-9:
+            self._slices.popleft()
+        return added
+
+    def _due(self, end: float) -> float:
+        """The latest record's end from which a slice that ends at ``end`` is attributed: ``LAG`` after it, or
+        after the resume of a pause it ends in (never while that pause lasts: the pause's records come with the
+        resume)."""
+        for pause, resume in self.pauses:
+            if pause <= end and (resume is None or end < resume):
+                return math.inf if resume is None else resume + LAG
+        return end + LAG
 
     def formations(self, stage: int) -> dict:
         """The recent formations of ``stage``: keys, a pipelines x formations membership matrix and reasons.
