@@ -19,7 +19,9 @@ the same measure over the next window, once the change settled.  Two predictions
 - *expected*: the measured samples/s before the change times the model's ratio (changed over as it runs), what
   ``run.what_if()`` shows as ``expected``.
 
-Also each without the cores in the model (``cores`` None: a core per worker, costs in wall time, as
+Also on the measured cores (the machine's less what the processes beside the workers took, from the records'
+``machine_cpu`` and ``process_cpu``: :func:`sdpipe.simulation.others_cores`) instead of the fitted ones, and each
+without the cores in the model (``cores`` None: a core per worker, costs in wall time, as
 ``simulate`` had before), to show what the cores model changes.  Results: ``benchmarks/results/what_if.md`` and
 ``.json``: per change the errors, and over all changes the median absolute error with its spread.
 """
@@ -73,6 +75,19 @@ def wall_model(run, window: float, **changes) -> float:
         **{f: getattr(target, f) for f in ("policy", "schedule", "microbatches", "batch_size", "heterogeneity")},
     )
     return sum(h["samples_per_s"] for h in sim.history)
+
+
+def measured_model(run, window: float, change: dict) -> tuple:
+    """(as it runs, changed, cores' worth of the other processes): the cores in the model measured (the machine's
+    less what the processes beside the workers took, from the records' CPU times) instead of fitted."""
+    from sdpipe.simulation.whatif import _Model, last_end
+
+    source = run._prediction_source()
+    model = _Model(source, last_end(source.events) - window, None)
+    cores = model.measured_cores()
+    if cores is None:
+        return None, None, None
+    return model.predict({}, cores).samples_per_s, model.predict(change, cores).samples_per_s, model.others
 
 
 def main(argv=None) -> int:
@@ -130,6 +145,7 @@ def main(argv=None) -> int:
                     as_is, changed = run.predict(last=args.window), run.predict(last=args.window, **change)
                     cost = time.perf_counter() - t
                     wall_as_is, wall_changed = wall_model(run, args.window), wall_model(run, args.window, **change)
+                    measured_as_is, measured_changed, others = measured_model(run, args.window, change)
                     if apply is None:  # two changes at once
                         run.set_policy(change["policy"])
                         run.set_heterogeneity(change["heterogeneity"])
@@ -148,12 +164,17 @@ def main(argv=None) -> int:
                         "expected": before * changed.samples_per_s / as_is.samples_per_s,
                         "simulated_wall": wall_changed,
                         "expected_wall": before * wall_changed / wall_as_is,
+                        "simulated_measured": measured_changed,
+                        "expected_measured": before * measured_changed / measured_as_is if measured_as_is else None,
                         "stretch": changed.stretch,
                         "cores": changed.cores,
+                        "others": others,
                         "predict_seconds": cost,
                     }
                     for k in ("simulated", "expected", "simulated_wall", "expected_wall"):
                         row[k + "_error"] = row[k] / after - 1.0
+                    for k in ("simulated_measured", "expected_measured"):
+                        row[k + "_error"] = row[k] / after - 1.0 if row[k] else None
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
             finally:
@@ -174,10 +195,13 @@ def main(argv=None) -> int:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
     def pct(v):
-        return f"{100 * v:+.1f}%"
+        return "-" if v is None else f"{100 * v:+.1f}%"
+
+    def num(v, f="{:.0f}"):
+        return "-" if v is None else f.format(v)
 
     def spread(key):
-        errs = sorted(abs(r[key]) for r in rows)
+        errs = sorted(abs(r[key]) for r in rows if r[key] is not None) or [float("nan")]
         return statistics.median(errs), errs[0], errs[-1]
 
     lines = [
@@ -192,8 +216,9 @@ def main(argv=None) -> int:
         "the model (a core per worker, wall-time costs).",
         "",
         "| run | change | before | simulated before (error) | after | simulated | error | expected | error | "
-        "wall: simulated | error | wall: expected | error | stretch | cores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "wall: simulated | error | wall: expected | error | measured cores: simulated | error | expected | error "
+        "| stretch | cores (fitted) | others |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -201,7 +226,9 @@ def main(argv=None) -> int:
             f"({pct(r['as_is'] / r['before'] - 1.0)}) | {r['after']:.0f} | {r['simulated']:.0f} | "
             f"{pct(r['simulated_error'])} | {r['expected']:.0f} | {pct(r['expected_error'])} | "
             f"{r['simulated_wall']:.0f} | {pct(r['simulated_wall_error'])} | {r['expected_wall']:.0f} | "
-            f"{pct(r['expected_wall_error'])} | {r['stretch']:.2f} | {r['cores']:.2f} |"
+            f"{pct(r['expected_wall_error'])} | {num(r['simulated_measured'])} | {pct(r['simulated_measured_error'])} "
+            f"| {num(r['expected_measured'])} | {pct(r['expected_measured_error'])} | {r['stretch']:.2f} | "
+            f"{r['cores']:.2f} | {num(r['others'], '{:.2f}')} |"
         )
     lines += ["", "Median absolute error over every change (smallest - largest):", ""]
     for key, name in (
@@ -209,6 +236,8 @@ def main(argv=None) -> int:
         ("expected_error", "expected, cores in the model"),
         ("simulated_wall_error", "simulated, a core per worker"),
         ("expected_wall_error", "expected, a core per worker"),
+        ("simulated_measured_error", "simulated, measured cores (the machine's less the other processes')"),
+        ("expected_measured_error", "expected, measured cores"),
     ):
         med, lo, hi = spread(key)
         lines.append(f"- {name}: {100 * med:.1f}% ({100 * lo:.1f}% - {100 * hi:.1f}%)")

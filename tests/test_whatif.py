@@ -1,5 +1,6 @@
 """Workers sharing the machine's cores in the simulator, and a run's live predictions from its own records."""
 
+import itertools
 import os
 
 import pytest
@@ -9,8 +10,10 @@ from hypothesis import strategies as st
 import sdpipe
 from sdpipe.config import TrainConfig
 from sdpipe.data import digits, digits_mlp
-from sdpipe.simulation import Costs, calibrate, cores_of, simulate
+from sdpipe.driver.result import RunResult
+from sdpipe.simulation import Costs, calibrate, cores_of, others_cores, simulate
 from sdpipe.simulation.costs import _step_plan, _wanted_stretch, stretch_compute
+from sdpipe.wire import events
 
 COSTS4 = Costs(
     forward=[0.002, 0.004, 0.004, 0.001],
@@ -39,7 +42,9 @@ def test_shared_cores_stretch_compute_as_the_timeline_asks(policy, cores, slow, 
     kw = dict(costs=costs, steps=30, epochs=1, policy=policy, heterogeneity=h, record=False)
     alone, shared = simulate(4, 2, **kw), simulate(4, 2, cores=cores, **kw)
     assert shared.stretch >= 1.0
-    if policy != "sdpipe":  # (under sdpipe a stretch can also form other groups, which may be faster)
+    # in lock step only: under sdpipe a stretch can also form other groups, which may be faster; under none the
+    # pipelines share the batches by their speed, and another split can end sooner
+    if policy == "allreduce":
         assert shared.wall_time >= alone.wall_time * 0.9999
         assert simulate(4, 2, cores=cores + 1, **kw).wall_time <= shared.wall_time * 1.02
     roomy = simulate(4, 2, cores=8 + 8 * 0.03 / 0.01, **kw)  # every worker and its threads, at their busiest
@@ -65,6 +70,26 @@ def test_a_simulated_run_has_no_cpu_times_to_calibrate_shared_cores_on():
         calibrate(result, shared=True)
 
 
+def busy_steps(pipeline: int, stage: int, machine: float, own: float, address: str = "10.0.0.1") -> list:
+    """A worker's stage record and 11 optimizer spans a second apart, the machine busy ``machine`` CPU seconds and
+    the worker's process ``own`` in each second."""
+    return [events.stage_info(pipeline, stage, 0.0, 100, 10, address, 2)] + [
+        {"kind": "optimizer", "pipeline": pipeline, "stage": stage, "step": k, "epoch": 0, "start": k + 0.9,
+         "end": k + 1.0, "cpu": 0.01, "step_cpu": own, "process_cpu": own, "machine_cpu": machine}
+        for k in range(11)
+    ]  # fmt: skip
+
+
+def test_the_other_processes_cores_are_the_machines_busy_cpu_less_the_workers():
+    run = RunResult(models=[], history=[], events=busy_steps(0, 0, 1.5, 0.5) + busy_steps(0, 1, 1.5, 0.25),
+                    config=None, wall_time=11.0)  # fmt: skip
+    assert others_cores(run) == pytest.approx(0.75)  # 1.5 busy - 0.5 - 0.25 the workers'
+    two_hosts = busy_steps(0, 0, 1.5, 0.5) + busy_steps(0, 1, 1.5, 0.25, address="10.0.0.2")
+    assert others_cores(RunResult(models=[], history=[], events=two_hosts, config=None, wall_time=11.0)) is None
+    older = [{k: v for k, v in e.items() if k != "machine_cpu"} for e in busy_steps(0, 0, 1.5, 0.5)]
+    assert others_cores(RunResult(models=[], history=[], events=older, config=None, wall_time=11.0)) is None
+
+
 @pytest.mark.cluster
 def test_a_run_measures_its_cpu_and_predicts_every_change_from_it(shared_cluster):
     """A real 2 x 2 run under allreduce with pipeline 1 slept 3x: its compute spans carry CPU seconds (never more
@@ -86,6 +111,10 @@ def test_a_run_measures_its_cpu_and_predicts_every_change_from_it(shared_cluster
     spans = [e for e in result.events if e["kind"] in ("forward", "backward", "optimizer")]
     assert spans and all(0 <= e["cpu"] <= e["end"] - e["start"] + 1e-3 for e in spans)
     assert any("process_cpu" in e for e in spans if e["kind"] == "optimizer")
+    for p, s in itertools.product(range(2), range(2)):  # the machine was busy at least while the worker ran
+        steps = [e for e in spans if e["kind"] == "optimizer" and (e["pipeline"], e["stage"]) == (p, s)]
+        assert sum(e["machine_cpu"] for e in steps[1:]) >= 0.9 * sum(e["process_cpu"] for e in steps[1:]) > 0
+    assert 0.0 <= others_cores(result) < run.cores
     assert cores_of(result) == len(os.sched_getaffinity(0)) == run.cores
     wall = calibrate(result).costs
     costs, _, heterogeneity = calibrate(result, shared=True)
@@ -113,6 +142,7 @@ def test_a_run_measures_its_cpu_and_predicts_every_change_from_it(shared_cluster
     assert w.expected("policy sdpipe") == pytest.approx(w.measured * w.ratio("policy sdpipe"))
     assert w["pipelines 1 (without 1)"].config.heterogeneity.slowdown == {}
     assert "policy sdpipe" in str(w) and str(w).startswith("measured: ")
+    assert 0.0 <= w.others < run.cores and "other processes took" in str(w)
     with pytest.raises(ValueError, match=r"^last: must be a number of seconds > 0, got 0$"):
         run.predict(last=0)
     with pytest.raises(ValueError, match=r"^last: must be a number of seconds > 0, got True$"):

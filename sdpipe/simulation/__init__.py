@@ -58,7 +58,7 @@ import math
 from sdpipe.config import TrainConfig, config_keywords
 from sdpipe.core.checks import integer, is_number
 from sdpipe.core.policies import names
-from sdpipe.simulation.calibrate import Calibration, calibrate, cores_of
+from sdpipe.simulation.calibrate import Calibration, calibrate, cores_of, others_cores
 from sdpipe.simulation.costs import Costs, Network, ring_allreduce_seconds, share_cores, stretch_compute
 from sdpipe.simulation.proxy import Proxy
 from sdpipe.simulation.trace import _check_trace, spot_trace
@@ -72,6 +72,7 @@ __all__ = [
     "Proxy",
     "calibrate",
     "cores_of",
+    "others_cores",
     "ring_allreduce_seconds",
     "simulate",
     "spot_trace",

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import math
 import statistics
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from sdpipe.config import Heterogeneity, TrainConfig
 from sdpipe.core.policies import record as policy_record
@@ -150,6 +150,30 @@ def cores_of(result) -> int:
             host = e.get("address") or ""
             hosts[host] = max(hosts.get(host, 0), e["cores"])
     return sum(hosts.values())
+
+
+def others_cores(result) -> Optional[float]:
+    """The cores' worth that processes beside the run's workers took over ``result``'s records (the Dask scheduler,
+    the notebook's kernel, the nannies, anything else on the machine): the machine's busy CPU seconds per second
+    (``machine_cpu``, as one worker saw it: the median over the workers) less the workers' own (``process_cpu``,
+    summed).  None where the records do not say: no such CPU times, or workers on more than one host."""
+    if len({e.get("address") for e in result.events if e.get("kind") == "stage"}) > 1:
+        return None
+    by_worker: dict = {}
+    for e in result.events:
+        if e.get("kind") == "optimizer" and "machine_cpu" in e and "process_cpu" in e:
+            by_worker.setdefault((e["pipeline"], e["stage"]), []).append(e)
+    machine, own = [], 0.0
+    for spans in by_worker.values():
+        spans.sort(key=lambda e: e["end"])
+        covered = spans[-1]["end"] - spans[0]["end"]  # each span's CPU times are since the previous one's end
+        if len(spans) < 2 or covered <= 0:
+            continue
+        machine.append(sum(e["machine_cpu"] for e in spans[1:]) / covered)
+        own += sum(e["process_cpu"] for e in spans[1:]) / covered
+    if not machine:
+        return None
+    return max(0.0, statistics.median(machine) - own)
 
 
 def _after_warm_up(records) -> dict:

@@ -271,14 +271,17 @@ def share_cores(run, costs: Costs, cores: float, config: TrainConfig, network: N
     extra = [max(0.0, cpu[s] - own[s]) for s in range(S)]  # per step, beyond its compute
     plan = _step_plan(config)
     hetero = config.heterogeneity or Heterogeneity()
-    stretch = 1.0
+    stretch, lo, hi = 1.0, 1.0, math.inf  # the fixed point lies in [lo, hi]
     for _ in range(SHARE_RUNS):
         result = run(stretch, True)
         stretched = stretch_compute(costs, stretch)
         wanted = _wanted_stretch(result, stretched, network, plan, hetero, extra, cores)
         if abs(wanted - stretch) <= SHARE_TOLERANCE * stretch:
             break
-        stretch = wanted
+        lo, hi = (max(lo, stretch), hi) if wanted > stretch else (lo, min(hi, stretch))
+        # the stretch the timeline asks for, unless it leaves the bracket (a timeline that asks for less the more
+        # it is stretched swings about its fixed point): then the bracket's middle
+        stretch = wanted if lo < wanted < hi else (lo + hi) / 2
     return result
 
 

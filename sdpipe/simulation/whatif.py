@@ -65,6 +65,9 @@ class WhatIf:
     """The cores' worth the workers got in the window (fitted: see :meth:`_Model.fit_cores`), the predictions'."""
     machine_cores: Optional[float] = None
     """The cores of the machines the workers run on."""
+    others: Optional[float] = None
+    """The cores' worth the processes beside the workers took in the window (measured: the machine's busy CPU
+    less the workers'; :func:`sdpipe.simulation.others_cores`), None where the records do not say."""
 
     def __getitem__(self, change: str) -> Prediction:
         for p in self.predictions:
@@ -92,6 +95,8 @@ class WhatIf:
         )
         if self.cores is not None and self.machine_cores:
             head += f"; the workers got {self.cores:.1f} of the {self.machine_cores:g} cores (fitted)"
+            if self.others is not None:
+                head += f", other processes took {self.others:.1f} (measured)"
         lines = [
             head,
             f"{'change':<28} {'simulated':>10} {'vs now':>7} {'expected':>10} {'time left':>10}",
@@ -162,7 +167,7 @@ class _Model:
 
     def __init__(self, source: Source, since, until, seed: int = 0):
         from sdpipe.driver.result import RunResult
-        from sdpipe.simulation import calibrate
+        from sdpipe.simulation import calibrate, others_cores
 
         window, lo, hi = _window(source.events, since, until)
         if not any(e.get("kind") == "forward" and "cpu" in e for e in window):
@@ -175,6 +180,7 @@ class _Model:
         self.costs, self.network, _ = calibrate(run, shared=True)
         self.measured = measured_rate(window)
         self.cores = source.cores or None
+        self.others = others_cores(run)
 
     def rate(self, target: TrainConfig, cores) -> tuple:
         """(samples/s, stretch) of one simulated epoch of ``target`` on ``cores``."""
@@ -213,6 +219,13 @@ class _Model:
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if self.rate(config, mid)[0] < self.measured else (lo, mid)
         return (lo + hi) / 2
+
+    def measured_cores(self):
+        """The machine's cores less what the processes beside the workers took in the window (see
+        :func:`sdpipe.simulation.others_cores`); None where the records do not say."""
+        if self.cores is None or self.others is None:
+            return None
+        return max(self.cores * FIT_LOWEST, self.cores - self.others)
 
     def predict(self, changes: dict, cores) -> Prediction:
         config = self.source.config
@@ -316,7 +329,7 @@ def what_if(source: Source, *, since=None, until=None) -> WhatIf:
             else p
             for p in predictions
         ]
-    return WhatIf(measured, predictions, model.since, model.until, cores, model.cores)
+    return WhatIf(measured, predictions, model.since, model.until, cores, model.cores, model.others)
 
 
 def check_window(last) -> None:

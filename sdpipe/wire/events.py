@@ -66,9 +66,10 @@ SCHEMA: dict = {
     # what="group": a step waiting for its group (the service's answer, or an overlapped averaging still running);
     # what="drain": an epoch's end, stop or switch waiting for an overlapped averaging to finish
     "wait": ((), ("what", "group", "round")),
-    # loss: the step's mean loss, at the last stage only; cpu: as forward's; step_cpu, process_cpu: CPU seconds
-    # since the worker's previous update ended, of its training thread and of its whole process
-    "optimizer": (("epoch",), ("loss", "cpu", "step_cpu", "process_cpu")),
+    # loss: the step's mean loss, at the last stage only; cpu: as forward's; step_cpu, process_cpu, machine_cpu: CPU
+    # seconds since the worker's previous update ended, of its training thread, of its whole process and of its
+    # machine (every process on it)
+    "optimizer": (("epoch",), ("loss", "cpu", "step_cpu", "process_cpu", "machine_cpu")),
     # lane="background": an overlapped averaging, in the worker's background thread while its next step computes
     "sync": (("group",), ("round", "reason", "mass", "weighting", "failed", "served", "server", "lane")),
     "save": (("epoch",), ()),  # this worker's part of a checkpoint

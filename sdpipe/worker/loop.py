@@ -357,7 +357,7 @@ class Training:
         self.agreed = (False, 0, False, 0)
         self.stopped = False
         self.batch_rows = 0  # samples of the last batch trained
-        self.cpu_mark: Optional[tuple] = None  # (thread, process) CPU seconds at the last update's end
+        self.cpu_mark: Optional[tuple] = None  # (thread, process, machine) CPU seconds at the last update's end
 
     def run(self) -> dict:
         w, cfg = self.w, self.w.cfg
@@ -537,9 +537,12 @@ class Training:
             fields["loss"] = loss
         # CPU seconds: the optimizer's, and since the last update's end the training thread's and the process's
         # (every thread: the Dask worker's event loop, an averaging's, gloo's): what the worker asks of the cores
-        now = (time.thread_time(), time.process_time())
+        # and the machine's, every process's (what the processes beside the workers took is that less the workers')
+        now = (time.thread_time(), time.process_time(), machine_busy())
         if self.cpu_mark is not None:
             fields["step_cpu"], fields["process_cpu"] = now[0] - self.cpu_mark[0], now[1] - self.cpu_mark[1]
+            if now[2] is not None and self.cpu_mark[2] is not None:
+                fields["machine_cpu"] = now[2] - self.cpu_mark[2]
         self.cpu_mark = now
         w.span("optimizer", step, None, t, time.time(), epoch=epoch, cpu=now[0] - c, **fields)
         with w.pace.waiting():
@@ -614,3 +617,15 @@ def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, r
         sink.flush()
         if result is not None:
             result.events = sink.sent  # counted after closing: policy server threads record too
+
+
+def machine_busy() -> Optional[float]:
+    """CPU seconds the machine's cores have been busy since it booted, every process's (None where the system
+    does not say): ``psutil.cpu_times()``'s user, system and interrupt time (a guest's is in user's already)."""
+    try:
+        import psutil
+
+        t = psutil.cpu_times()
+    except Exception:  # psutil comes with distributed; a system without the counters has no figure
+        return None
+    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal", "interrupt"))
