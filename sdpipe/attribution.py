@@ -237,22 +237,28 @@ def attribute(
     return Attribution(workers, sentence, named, (since, until), path)
 
 
-def _directions(es: list) -> tuple:
+def _ahead(es: list) -> list:
     """Per span of one worker (in start order): the kind of the next forward or backward after it (which way a
     receive's data came: a forward's activations from the stage before, a backward's gradients from the one
-    after), and of the last one before it (which way its sends went)."""
+    after)."""
     ahead, nxt = [], "forward"
     for e in reversed(es):
         ahead.append(nxt)
         if e["kind"] in ("forward", "backward"):
             nxt = e["kind"]
     ahead.reverse()
+    return ahead
+
+
+def _behind(es: list) -> list:
+    """Per span of one worker (in start order): the kind of the last forward or backward before it (which way its
+    sends went)."""
     behind, last = [], "forward"
     for e in es:
         behind.append(last)
         if e["kind"] in ("forward", "backward"):
             last = e["kind"]
-    return ahead, behind
+    return behind
 
 
 def _sent_to(e: dict, p: int, s: int, before: str) -> tuple:
@@ -274,7 +280,7 @@ def _critical_path(ordered: dict, since, until, last_in, group_waits) -> list:
     if not lanes:
         return []
     starts = {k: [e["start"] for e in es] for k, es in lanes.items()}
-    directions = {k: _directions(es) for k, es in lanes.items()}
+    ahead = {k: _ahead(es) for k, es in lanes.items()}
     ends = [(es[-1]["end"], k) for k, es in lanes.items()]
     t, key = max(ends) if until is None else max((min(e, until), k) for e, k in ends)
     lo = since if since is not None else min(es[0]["start"] for es in lanes.values())
@@ -291,7 +297,7 @@ def _critical_path(ordered: dict, since, until, last_in, group_waits) -> list:
         kind, (p, s) = e["kind"], key
         jump = None
         if kind == "recv":
-            jump = (p, s - 1 if directions[key][0][i] == "forward" else s + 1)
+            jump = (p, s - 1 if ahead[key][i] == "forward" else s + 1)
             cat = "bubble"
         elif kind == "wait" and e.get("what") in ("group", "drain"):
             others = [m for m in group_waits.get(_collective(e), []) if m[1] != key]
@@ -325,7 +331,7 @@ def _one(key, es, since, until, last_in, group_waits) -> dict:
     pieces = []  # (start, end, category)
     waited = defaultdict(float)
     slowdown = background = 0.0
-    ahead, behind = _directions(es)
+    ahead, behind = _ahead(es), _behind(es)
     for i, e in enumerate(es):
         a, b = e["start"], e["end"]
         if since is not None:

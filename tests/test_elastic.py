@@ -199,6 +199,10 @@ def test_removing_a_pipeline_hands_its_batches_to_the_others(data, policy, tmp_p
     left = controls(result.events, "left")  # each of its stages took it at the same step boundary
     assert {(e["pipeline"], e["stage"], e["applied_by"]) for e in left} == {(1, 0, "worker"), (1, 1, "worker")}
     assert len({e["step"] for e in left}) == 1
+    # predictions take the run as it was: three pipelines before it left, then 0 and 2 (the simulator's 0 and 1)
+    before, now = run.what_if(last=1e6, until=min(e["start"] for e in left) - 1e-3), run.what_if(last=1e6)
+    assert before.predictions[0].config.pipelines == 3 and before.predictions[-1].change == "pipelines 2 (without 2)"
+    assert now.predictions[0].config.pipelines == 2 and now.predictions[-1].change == "pipelines 1 (without 2)"
     # every later epoch: the two pipelines trained all of its batches between them
     per_epoch = 1437 // 32 * 32
     for epoch in range(2, 5):

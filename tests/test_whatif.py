@@ -13,6 +13,7 @@ from sdpipe.data import digits, digits_mlp
 from sdpipe.driver.result import RunResult
 from sdpipe.simulation import Costs, calibrate, cores_of, others_cores, simulate
 from sdpipe.simulation.costs import _step_plan, _wanted_stretch, stretch_compute
+from sdpipe.simulation.whatif import Source, renumbered, what_if
 from sdpipe.wire import events
 
 COSTS4 = Costs(
@@ -151,3 +152,25 @@ def test_a_run_measures_its_cpu_and_predicts_every_change_from_it(shared_cluster
         run.predict(colour="red")
     with pytest.raises(KeyError, match="change: no prediction 'policy ps'"):
         w["policy ps"]
+
+
+def test_a_run_a_pipeline_left_is_predicted_on_the_pipelines_still_there():
+    """Pipeline 1 of 3 left: the simulator takes pipelines 0 and 2 as 0 and 1, with their records and
+    heterogeneity; pipeline 1's records are left out; a row that leaves one out names it by the run's id."""
+    h = sdpipe.Heterogeneity(slowdown={2: 4.0, (1, 0): 2.0})
+    result = simulate(4, 3, costs=COSTS4, steps=40, epochs=2, policy="sdpipe", heterogeneity=h)
+    timed = [{**e, "cpu": e["end"] - e["start"]} if e["kind"] in ("forward", "backward", "optimizer") else e
+             for e in result.events]  # fmt: skip
+    timed = [{**e, "step_cpu": 0.02, "process_cpu": 0.03} if e["kind"] == "optimizer" else e for e in timed]
+    source = Source(timed, result.config, 2, 40)
+    assert renumbered(source, [0, 1, 2]) is source
+    two = renumbered(source, [0, 2])
+    assert two.config.pipelines == 2 and two.ids == [0, 2]
+    assert two.config.heterogeneity.slowdown == {1: 4.0}
+    was = {(e["kind"], e["start"], e.get("stage")) for e in timed if e.get("pipeline") == 2}
+    assert {(e["kind"], e["start"], e.get("stage")) for e in two.events if e.get("pipeline") == 1} == was
+    assert all(e.get("pipeline") in (None, 0, 1) for e in two.events)
+    assert all(set(e["group"]) <= {0, 1} for e in two.events if isinstance(e.get("group"), list))
+    w = what_if(two, since=0.0)
+    assert [p.change for p in w.predictions][-2:] == ["pipelines 3", "pipelines 1 (without 2)"]
+    assert w.measured > 0 and all(p.samples_per_s > 0 for p in w.predictions)

@@ -309,7 +309,7 @@ class Run(Steering, Elastic):
     def _prediction_source(self, until: Optional[float] = None):
         """The run as it was at ``until`` (None: now), for :mod:`sdpipe.simulation.whatif`: its records, its
         configuration, its workers' cores, the samples and epochs it had left."""
-        from sdpipe.simulation.whatif import Source
+        from sdpipe.simulation.whatif import Source, renumbered
 
         events = self.events
         config = self._config_at(until)
@@ -319,7 +319,7 @@ class Run(Steering, Elastic):
         epochs = [e["metrics"]["epoch"] for e in before if e.get("kind") == "epoch"]
         done_epochs = max(epochs, default=self.start_epoch - 1) + 1
         total = (config.epochs - self.start_epoch) * self.updates_per_epoch
-        return Source(
+        source = Source(
             before,
             config,
             self.cores or 0,
@@ -327,6 +327,22 @@ class Run(Steering, Elastic):
             max(0, total - trained) * config.batch_size,
             max(0, config.epochs - done_epochs),
         )
+        return renumbered(source, self._pipelines_at(until))
+
+    def _pipelines_at(self, t: Optional[float]) -> list:
+        """The pipelines taking part at ``t`` on the run's clock (None: now), from its join, leave and loss
+        records."""
+        if t is None:
+            return list(self.pipelines)
+        present = set(range(self.config.pipelines))
+        for e in self.events:
+            if e.get("start") is None or e["start"] > t or e.get("pipeline") is None:
+                continue
+            if e.get("kind") == "worker-lost" or (e.get("kind") == "control" and e.get("what") == "left"):
+                present.discard(e["pipeline"])
+            elif e.get("kind") == "control" and e.get("what") == "joined":
+                present.add(e["pipeline"])
+        return sorted(present)
 
     def predict(self, last: float = 30.0, until: Optional[float] = None, **changes):
         """The samples/s this run would train at with ``changes`` (``policy``, ``schedule``, ``heterogeneity``,

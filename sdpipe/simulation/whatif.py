@@ -128,6 +128,58 @@ class Source:
     batches_per_epoch: int
     samples_left: Optional[float] = None
     epochs_left: int = 0
+    ids: Optional[list] = None
+    """The run's ids of the simulated pipelines 0, 1, ... (None: the same; see :func:`renumbered`)."""
+
+
+#: the fields of a record that hold pipeline ids (lists, or one id)
+ID_LISTS, ID_ONE = ("group", "connected"), ("server",)
+
+
+def renumbered(source: Source, present: list) -> Source:
+    """``source`` as the simulator takes a run: its pipelines numbered 0..D-1.  A run that a pipeline left (or
+    one joined with a new id) has other ids: ``present`` (the pipelines taking part, in order) become 0, 1, ...,
+    their records and heterogeneity entries with them; the records of the others are left out."""
+    present = sorted(present)
+    if not present or (present == list(range(len(present))) and len(present) == source.config.pipelines):
+        return source
+    index = {p: i for i, p in enumerate(present)}
+
+    def one(e: dict) -> Optional[dict]:
+        p = e.get("pipeline")
+        if p is None and e.get("kind") == "epoch":
+            p = (e.get("metrics") or {}).get("pipeline")
+        if p is not None and p not in index:
+            return None
+        out = dict(e)
+        if e.get("pipeline") is not None:
+            out["pipeline"] = index[e["pipeline"]]
+        if e.get("kind") == "epoch" and isinstance(e.get("metrics"), dict) and "pipeline" in e["metrics"]:
+            out["metrics"] = {**e["metrics"], "pipeline": index[p]}
+        for f in ID_LISTS:
+            if isinstance(e.get(f), (list, tuple)):
+                out[f] = [index[q] for q in e[f] if q in index]
+        for f in ID_ONE:
+            if isinstance(e.get(f), int) and not isinstance(e.get(f), bool) and e[f] in index:
+                out[f] = index[e[f]]
+        return out
+
+    def keys(table):
+        out = {}
+        for k, v in table.items():
+            p = k[0] if isinstance(k, tuple) else k
+            if p in index:
+                out[(index[p], k[1]) if isinstance(k, tuple) else index[p]] = v
+        return out
+
+    h = source.config.heterogeneity
+    if h is not None:
+        h = dataclasses.replace(
+            h, slowdown=keys(h.slowdown), compute_slowdown=keys(h.compute_slowdown), link_delay=keys(h.link_delay)
+        )
+    config = dataclasses.replace(source.config, pipelines=len(present), heterogeneity=h)
+    events = [x for x in map(one, source.events) if x is not None]
+    return dataclasses.replace(source, events=events, config=config, ids=present)
 
 
 def last_end(events: list) -> float:
@@ -234,7 +286,7 @@ class _Model:
         left = None
         if self.source.samples_left is not None and rate > 0:
             left = self.source.samples_left / rate + self.source.epochs_left * _eval_seconds(self.window)
-        return Prediction(_name(changes, config.pipelines), rate, left, stretch, target, cores)
+        return Prediction(_name(changes, config.pipelines, self.source.ids), rate, left, stretch, target, cores)
 
 
 #: the fitted cores' lowest share of the machine's, and the bisection's steps (to 1.6% of the range)
@@ -291,15 +343,17 @@ def heterogeneous(h: Optional[Heterogeneity]) -> bool:
     )
 
 
-def _name(changes: dict, pipelines: int) -> str:
+def _name(changes: dict, pipelines: int, ids: Optional[list] = None) -> str:
+    """A change's label; ``ids``: the run's ids of the simulated pipelines (a pipeline left out is named by its)."""
     if not changes:
         return "as it runs"
+    ids = ids or list(range(pipelines))
     parts = []
     for name, value in changes.items():
         if name == "heterogeneity":
             parts.append("heterogeneity as given" if heterogeneous(value) else "no heterogeneity")
         elif name == "pipelines" and value < pipelines:
-            parts.append(f"pipelines {value} (without {', '.join(str(p) for p in range(value, pipelines))})")
+            parts.append(f"pipelines {value} (without {', '.join(str(ids[p]) for p in range(value, pipelines))})")
         else:
             parts.append(f"{name} {value}")
     return ", ".join(parts)
