@@ -344,7 +344,7 @@ def heterogeneous(h: Optional[Heterogeneity]) -> bool:
 
 
 def _name(changes: dict, pipelines: int, ids: Optional[list] = None) -> str:
-    """A change's label; ``ids``: the run's ids of the simulated pipelines (a pipeline left out is named by its)."""
+    """A change's label; ``ids``: the run's ids of the simulated pipelines (a pipeline left out is named by its id)."""
     if not changes:
         return "as it runs"
     ids = ids or list(range(pipelines))
