@@ -467,12 +467,13 @@ def without_speed_claims(nb: Path) -> None:
 def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_path, no_leaks):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     copy_notebooks(ROOT / "notebooks", tmp_path, [NOTEBOOK])
-    # five times the epochs: on two cores the run's 8 workers leave the page little time, and the test must
-    # press pause, and remove a pipeline, while the run still trains, and after the resume the what-if panel
-    # predicts both switches and the run (its thread takes a twentieth of a core: some 30 s each)
+    # ten times the epochs: on two cores the run's 8 workers leave the page little time (its first steps were
+    # drawn over a minute late once, and the 100 epochs this test had were over before it could press pause), and
+    # the test must press pause, and remove a pipeline, while the run still trains, and after the resume the
+    # what-if panel predicts both switches and the run (its thread takes a twentieth of a core: some 30 s each)
     nb = tmp_path / NOTEBOOK
     assert "epochs=20," in nb.read_text()
-    nb.write_text(nb.read_text().replace("epochs=20,", "epochs=100,"))
+    nb.write_text(nb.read_text().replace("epochs=20,", "epochs=200,"))
     without_speed_claims(nb)
     # a viewport of a screen's height while the run trains (a taller one makes the browser draw more each
     # redraw), a tall one for the screenshots (a dashboard taller than the viewport photographs cut off)

@@ -330,13 +330,11 @@ class Run(Steering, Elastic):
         return renumbered(source, self._pipelines_at(until))
 
     def _pipelines_at(self, t: Optional[float]) -> list:
-        """The pipelines taking part at ``t`` on the run's clock (None: now), from its join, leave and loss
-        records."""
-        if t is None:
-            return list(self.pipelines)
+        """The pipelines taking part at ``t`` on the run's clock (None: its last record), from its join, leave and
+        loss records (also once the run ended)."""
         present = set(range(self.config.pipelines))
         for e in self.events:
-            if e.get("start") is None or e["start"] > t or e.get("pipeline") is None:
+            if e.get("start") is None or (t is not None and e["start"] > t) or e.get("pipeline") is None:
                 continue
             if e.get("kind") == "worker-lost" or (e.get("kind") == "control" and e.get("what") == "left"):
                 present.discard(e["pipeline"])
