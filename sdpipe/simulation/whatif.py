@@ -164,19 +164,9 @@ def renumbered(source: Source, present: list) -> Source:
                 out[f] = index[e[f]]
         return out
 
-    def keys(table):
-        out = {}
-        for k, v in table.items():
-            p = k[0] if isinstance(k, tuple) else k
-            if p in index:
-                out[(index[p], k[1]) if isinstance(k, tuple) else index[p]] = v
-        return out
-
     h = source.config.heterogeneity
     if h is not None:
-        h = dataclasses.replace(
-            h, slowdown=keys(h.slowdown), compute_slowdown=keys(h.compute_slowdown), link_delay=keys(h.link_delay)
-        )
+        h = _remapped(h, index)
     config = dataclasses.replace(source.config, pipelines=len(present), heterogeneity=h)
     events = [x for x in map(one, source.events) if x is not None]
     return dataclasses.replace(source, events=events, config=config, ids=present)
@@ -324,12 +314,23 @@ def _changed(config: TrainConfig, changes: dict) -> TrainConfig:
 
 def _within(h: Heterogeneity, pipelines: int) -> Heterogeneity:
     """``h`` without its entries for pipelines ``pipelines`` and later."""
+    return _remapped(h, {p: p for p in range(pipelines)})
 
-    def keep(table):
-        return {k: v for k, v in table.items() if (k[0] if isinstance(k, tuple) else k) < pipelines}
+
+def _remapped(h: Heterogeneity, index: dict) -> Heterogeneity:
+    """``h`` with its per-pipeline entries (a pipeline's, or a worker's ``(pipeline, stage)``) moved to pipeline
+    ``index[p]``; the entries of pipelines not in ``index`` left out."""
+
+    def keys(table):
+        out = {}
+        for k, v in table.items():
+            p = k[0] if isinstance(k, tuple) else k
+            if p in index:
+                out[(index[p], k[1]) if isinstance(k, tuple) else index[p]] = v
+        return out
 
     return dataclasses.replace(
-        h, slowdown=keep(h.slowdown), compute_slowdown=keep(h.compute_slowdown), link_delay=keep(h.link_delay)
+        h, slowdown=keys(h.slowdown), compute_slowdown=keys(h.compute_slowdown), link_delay=keys(h.link_delay)
     )
 
 
