@@ -363,3 +363,11 @@ def test_a_peers_failure_is_typed_where_torch_says_it_and_keeps_its_step():
     assert as_peer_lost(lost) is lost
     own = ValueError("stage 1's output is NaN")
     assert as_peer_lost(own) is own and not is_comm_failure(own)
+
+
+def test_membership_reads_joins_leaves_and_losses_from_records():
+    assert events.membership(events.control("joined", 1.0, applied_by="driver", pipeline=4)) == (4, True)
+    assert events.membership(events.control("left", 1.0, applied_by="worker", pipeline=2)) == (2, False)
+    assert events.membership(events.worker_lost(1, 0, 2.0, "tcp://127.0.0.1:1", "died")) == (1, False)
+    assert events.membership(events.control("leave", 1.0, applied_by="driver", pipeline=2)) is None  # asked only
+    assert events.membership(events.control("pause", 1.0, applied_by="driver")) is None

@@ -33,6 +33,7 @@ from collections import Counter, defaultdict, deque
 from typing import Optional
 
 from sdpipe.attribution import Attribution, attribute
+from sdpipe.wire.events import membership
 
 __all__ = ["CATEGORIES", "LAG", "SLICE", "RunView", "category"]
 
@@ -214,14 +215,14 @@ class RunView:
         if kind == "group":
             self._formation(e["stage"], ("round", e["round"]), e["group"], e["reason"], end)
             return
+        change = membership(e)
+        if change is not None:
+            self._member(*change)
         if kind == "worker-lost":
-            self._member(e["pipeline"], False)
             self.controls.append((e["start"], f"lost: pipeline {e['pipeline']}"))
             return
         if kind == "control":
             what = e["what"]
-            if what in ("joined", "left") and e.get("pipeline") is not None:
-                self._member(e["pipeline"], what == "joined")
             if e.get("applied_by") == "driver" and what == "pause":
                 self.pauses.append([e["start"], None])
             elif e.get("applied_by") == "driver" and what == "resume" and self.pauses and self.pauses[-1][1] is None:

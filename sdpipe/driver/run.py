@@ -36,6 +36,7 @@ from sdpipe.driver.elastic import Elastic
 from sdpipe.driver.result import RunError, RunResult, history
 from sdpipe.hosts import EmulatedHosts
 from sdpipe.simulation.whatif import check_window, last_end
+from sdpipe.wire.events import membership
 from sdpipe.wire.protocol import WorkerSpec
 
 __all__ = ["EventInbox", "Run", "RunError", "RunResult"]
@@ -334,12 +335,9 @@ class Run(Steering, Elastic):
         loss records (also once the run ended)."""
         present = set(range(self.config.pipelines))
         for e in self.events:
-            if e.get("start") is None or (t is not None and e["start"] > t) or e.get("pipeline") is None:
-                continue
-            if e.get("kind") == "worker-lost" or (e.get("kind") == "control" and e.get("what") == "left"):
-                present.discard(e["pipeline"])
-            elif e.get("kind") == "control" and e.get("what") == "joined":
-                present.add(e["pipeline"])
+            change = membership(e)
+            if change is not None and e.get("start") is not None and (t is None or e["start"] <= t):
+                (present.add if change[1] else present.discard)(change[0])
         return sorted(present)
 
     def predict(self, last: float = 30.0, until: Optional[float] = None, **changes):

@@ -38,6 +38,7 @@ __all__ = [
     "epoch",
     "group",
     "instant",
+    "membership",
     "problems",
     "span",
     "stage_info",
@@ -238,6 +239,19 @@ def checkpoint(epoch_: int, path: str, at: float) -> dict:
 def worker_lost(pipeline: int, stage: int, at: float, worker: str, reason: str) -> dict:
     """A worker was lost (its process died, its Dask worker left, or it stalled); its pipeline drops out."""
     return instant("worker-lost", at, pipeline=pipeline, stage=stage, worker=worker, reason=reason)
+
+
+def membership(rec: dict) -> Optional[tuple]:
+    """``(pipeline, present)`` where ``rec`` says a pipeline joined the run (True) or left it or was lost (False);
+    None for any other record."""
+    p, kind = rec.get("pipeline"), rec.get("kind")
+    if p is None:
+        return None
+    if kind == "worker-lost" or (kind == "control" and rec.get("what") == "left"):
+        return p, False
+    if kind == "control" and rec.get("what") == "joined":
+        return p, True
+    return None
 
 
 def problems(rec) -> list:
