@@ -19,10 +19,11 @@ the same measure over the next window, once the change settled.  Two predictions
 - *expected*: the measured samples/s before the change times the model's ratio (changed over as it runs), what
   ``run.what_if()`` shows as ``expected``.
 
-Also on the measured cores (the machine's less what the processes beside the workers took, from the records'
-``machine_cpu`` and ``process_cpu``: :func:`sdpipe.simulation.others_cores`) instead of the fitted ones, and each
-without the cores in the model (``cores`` None: a core per worker, costs in wall time, as
-``simulate`` had before), to show what the cores model changes.  Results: ``benchmarks/results/what_if.md`` and
+``run.predict`` simulates on the measured cores (the machine's less what the processes beside the workers took,
+from the records' ``machine_cpu`` and ``process_cpu``: :func:`sdpipe.simulation.others_cores`); also on the
+fitted cores (``cores="fitted"``: those on which the run as it runs simulates at its measured samples/s), and each
+without the cores in the model (``cores`` None: a core per worker, costs in wall time, as ``simulate`` had
+before), to show what the cores model changes.  Results: ``benchmarks/results/what_if.md`` and
 ``.json``: per change the errors, and over all changes the median absolute error with its spread.
 """
 
@@ -77,17 +78,15 @@ def wall_model(run, window: float, **changes) -> float:
     return sum(h["samples_per_s"] for h in sim.history)
 
 
-def measured_model(run, window: float, change: dict) -> tuple:
-    """(as it runs, changed, cores' worth of the other processes): the cores in the model measured (the machine's
-    less what the processes beside the workers took, from the records' CPU times) instead of fitted."""
+def fitted_model(run, window: float, change: dict) -> tuple:
+    """(as it runs, changed, the fitted cores, the cores' worth of the other processes): the cores in the model
+    fitted (those on which the run as it runs simulates at its measured samples/s) instead of measured."""
     from sdpipe.simulation.whatif import _Model, last_end
 
     source = run._prediction_source()
     model = _Model(source, last_end(source.events) - window, None)
-    cores = model.measured_cores()
-    if cores is None:
-        return None, None, None
-    return model.predict({}, cores).samples_per_s, model.predict(change, cores).samples_per_s, model.others
+    cores = model.fit_cores()
+    return model.predict({}, cores).samples_per_s, model.predict(change, cores).samples_per_s, cores, model.others
 
 
 def main(argv=None) -> int:
@@ -145,7 +144,7 @@ def main(argv=None) -> int:
                     as_is, changed = run.predict(last=args.window), run.predict(last=args.window, **change)
                     cost = time.perf_counter() - t
                     wall_as_is, wall_changed = wall_model(run, args.window), wall_model(run, args.window, **change)
-                    measured_as_is, measured_changed, others = measured_model(run, args.window, change)
+                    fitted_as_is, fitted_changed, fitted, others = fitted_model(run, args.window, change)
                     if apply is None:  # two changes at once
                         run.set_policy(change["policy"])
                         run.set_heterogeneity(change["heterogeneity"])
@@ -164,17 +163,17 @@ def main(argv=None) -> int:
                         "expected": before * changed.samples_per_s / as_is.samples_per_s,
                         "simulated_wall": wall_changed,
                         "expected_wall": before * wall_changed / wall_as_is,
-                        "simulated_measured": measured_changed,
-                        "expected_measured": before * measured_changed / measured_as_is if measured_as_is else None,
+                        "simulated_fitted": fitted_changed,
+                        "expected_fitted": before * fitted_changed / fitted_as_is,
                         "stretch": changed.stretch,
                         "cores": changed.cores,
+                        "fitted_cores": fitted,
                         "others": others,
                         "predict_seconds": cost,
                     }
-                    for k in ("simulated", "expected", "simulated_wall", "expected_wall"):
+                    for k in ("simulated", "expected", "simulated_wall", "expected_wall", "simulated_fitted"):
                         row[k + "_error"] = row[k] / after - 1.0
-                    for k in ("simulated_measured", "expected_measured"):
-                        row[k + "_error"] = row[k] / after - 1.0 if row[k] else None
+                    row["expected_fitted_error"] = row["expected_fitted"] / after - 1.0
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
             finally:
@@ -212,13 +211,14 @@ def main(argv=None) -> int:
         f"{args.repeats} runs, each through the chain of live changes below; before each change `run.predict` on "
         f"the last {args.window:g} s, after it the samples/s measured over the next {args.window:g} s (after "
         f"{args.settle:g} s of settling). *simulated*: the model's figure; *expected*: the measured figure before "
-        "the change times the model's ratio (what `run.what_if()` shows). *wall*: the same without the cores in "
-        "the model (a core per worker, wall-time costs).",
+        "the change times the model's ratio (what `run.what_if()` shows); both on the measured cores (the "
+        "machine's less the *others*' share, what `run.predict` takes). *fitted*: the same on the fitted cores. "
+        "*wall*: without the cores in the model (a core per worker, wall-time costs).",
         "",
         "| run | change | before | simulated before (error) | after | simulated | error | expected | error | "
-        "wall: simulated | error | wall: expected | error | measured cores: simulated | error | expected | error "
-        "| stretch | cores (fitted) | others |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "wall: simulated | error | wall: expected | error | fitted: simulated | error | expected | error "
+        "| stretch | cores (measured) | cores (fitted) | others |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -226,18 +226,18 @@ def main(argv=None) -> int:
             f"({pct(r['as_is'] / r['before'] - 1.0)}) | {r['after']:.0f} | {r['simulated']:.0f} | "
             f"{pct(r['simulated_error'])} | {r['expected']:.0f} | {pct(r['expected_error'])} | "
             f"{r['simulated_wall']:.0f} | {pct(r['simulated_wall_error'])} | {r['expected_wall']:.0f} | "
-            f"{pct(r['expected_wall_error'])} | {num(r['simulated_measured'])} | {pct(r['simulated_measured_error'])} "
-            f"| {num(r['expected_measured'])} | {pct(r['expected_measured_error'])} | {r['stretch']:.2f} | "
-            f"{r['cores']:.2f} | {num(r['others'], '{:.2f}')} |"
+            f"{pct(r['expected_wall_error'])} | {num(r['simulated_fitted'])} | {pct(r['simulated_fitted_error'])} "
+            f"| {num(r['expected_fitted'])} | {pct(r['expected_fitted_error'])} | {r['stretch']:.2f} | "
+            f"{r['cores']:.2f} | {r['fitted_cores']:.2f} | {num(r['others'], '{:.2f}')} |"
         )
     lines += ["", "Median absolute error over every change (smallest - largest):", ""]
     for key, name in (
-        ("simulated_error", "simulated, cores in the model"),
-        ("expected_error", "expected, cores in the model"),
+        ("simulated_error", "simulated, measured cores (the machine's less the other processes'; `run.predict`)"),
+        ("expected_error", "expected, measured cores"),
+        ("simulated_fitted_error", "simulated, fitted cores"),
+        ("expected_fitted_error", "expected, fitted cores"),
         ("simulated_wall_error", "simulated, a core per worker"),
         ("expected_wall_error", "expected, a core per worker"),
-        ("simulated_measured_error", "simulated, measured cores (the machine's less the other processes')"),
-        ("expected_measured_error", "expected, measured cores"),
     ):
         med, lo, hi = spread(key)
         lines.append(f"- {name}: {100 * med:.1f}% ({100 * lo:.1f}% - {100 * hi:.1f}%)")

@@ -121,8 +121,9 @@ def test_a_run_measures_its_cpu_and_predicts_every_change_from_it(shared_cluster
     costs, _, heterogeneity = calibrate(result, shared=True)
     assert heterogeneity == result.config.heterogeneity  # the nominal one: sleeping is in the model
     M = result.config.microbatches
+    # stage 0's compute in CPU seconds (a later stage's also holds a share of its thread's time around it)
+    assert costs.forward[0] <= wall.forward[0] + 1e-3 and costs.backward[0] <= wall.backward[0] + 1e-3
     for s in range(2):
-        assert costs.forward[s] <= wall.forward[s] + 1e-3 and costs.backward[s] <= wall.backward[s] + 1e-3
         assert costs.cpu[s] >= M * (costs.forward[s] + costs.backward[s]) + costs.optimizer[s] - 1e-9
 
     w = run.what_if(last=1e6)
@@ -144,6 +145,14 @@ def test_a_run_measures_its_cpu_and_predicts_every_change_from_it(shared_cluster
     assert w["pipelines 1 (without 1)"].config.heterogeneity.slowdown == {}
     assert "policy sdpipe" in str(w) and str(w).startswith("measured: ")
     assert 0.0 <= w.others < run.cores and "other processes took" in str(w)
+    # the cores: the machine's less what the other processes took, measured; fitted where asked
+    assert w.cores_from == "measured" and w.cores == pytest.approx(max(0.1 * run.cores, run.cores - w.others))
+    assert all(p.cores == w.cores for p in w.predictions)
+    fitted = run.what_if(last=1e6, cores="fitted")
+    assert fitted.cores_from == "fitted" and 0 < fitted.cores <= run.cores and str(fitted).count("(fitted)") == 1
+    assert run.predict(last=1e6, cores=1.25).cores == 1.25
+    with pytest.raises(ValueError, match=r"^cores: must be one of measured, fitted, machine or a number of cores"):
+        run.predict(cores="all")
     with pytest.raises(ValueError, match=r"^last: must be a number of seconds > 0, got 0$"):
         run.predict(last=0)
     with pytest.raises(ValueError, match=r"^last: must be a number of seconds > 0, got True$"):
@@ -174,3 +183,78 @@ def test_a_run_a_pipeline_left_is_predicted_on_the_pipelines_still_there():
     w = what_if(two, since=0.0)
     assert [p.change for p in w.predictions][-2:] == ["pipelines 3", "pipelines 1 (without 2)"]
     assert w.measured > 0 and all(p.samples_per_s > 0 for p in w.predictions)
+
+
+def test_shared_costs_put_a_later_stages_thread_time_beyond_its_compute_into_its_forward_and_backward():
+    """``calibrate(shared=True)`` on recorded spans: stage 0's training thread beyond its compute is the step's
+    overhead; a later stage's is shared equally among its forwards and backwards (it is on the pipeline's path);
+    the process's CPU beyond the thread stays ``costs.cpu``'s load."""
+    M, fwd, bwd, opt = 2, [0.002, 0.003], [0.004, 0.006], [0.001, 0.002]
+    thread, process = [0.020, 0.030], [0.050, 0.040]
+    recs = []
+    for epoch, step in itertools.product(range(2), range(5)):
+        t = 1.0 * (epoch * 5 + step)
+        for s in range(2):
+            for m in range(M):
+                recs.append(
+                    {
+                        "kind": "forward",
+                        "pipeline": 0,
+                        "stage": s,
+                        "step": step,
+                        "microbatch": m,
+                        "start": t,
+                        "end": t + 2 * fwd[s],
+                        "cpu": fwd[s],
+                    }
+                )
+                recs.append(
+                    {
+                        "kind": "backward",
+                        "pipeline": 0,
+                        "stage": s,
+                        "step": step,
+                        "microbatch": m,
+                        "start": t,
+                        "end": t + 2 * bwd[s],
+                        "cpu": bwd[s],
+                    }
+                )
+            recs.append({"kind": "optimizer", "pipeline": 0, "stage": s, "step": step, "epoch": epoch,
+                         "start": t + 0.5, "end": t + 0.5 + opt[s], "cpu": opt[s], "step_cpu": thread[s],
+                         "process_cpu": process[s]})  # fmt: skip
+        recs.append(events.epoch(0, 1, step, t + 0.9, {"epoch": epoch, "pipeline": 0}))
+    config = TrainConfig(stages=2, pipelines=1, microbatches=M, epochs=2)
+    costs = calibrate(RunResult(models=[], history=[], events=recs, config=config, wall_time=10.0), shared=True).costs
+    own = [M * (fwd[s] + bwd[s]) + opt[s] for s in range(2)]
+    around = (thread[1] - own[1]) / (2 * M)
+    assert costs.forward == pytest.approx([fwd[0], fwd[1] + around])
+    assert costs.backward == pytest.approx([bwd[0], bwd[1] + around])
+    assert costs.step_overhead == pytest.approx(thread[0] - own[0])
+    assert costs.cpu == pytest.approx(process)  # the whole process per step: the thread and the rest
+
+
+@pytest.mark.parametrize("cores", [0.5, 1.0, 1.5])
+def test_the_load_of_a_workers_threads_falls_in_its_own_steps_not_in_its_sleep(cores):
+    """A pipeline slept 1x, 2x or 8x computes the same steps with more idle time between them: the stretch its
+    timeline asks for is the same (its threads' load comes with its steps; spread over the whole run, a longer
+    sleep would thin it out)."""
+    costs = Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], optimizer=[0.001, 0.001], cpu=[0.05, 0.06])
+    plan = _step_plan(TrainConfig(stages=2, pipelines=1, policy="none"))
+    own = [4 * (costs.forward[s] + costs.backward[s]) + costs.optimizer[s] for s in range(2)]
+    extra = [costs.cpu[s] - own[s] for s in range(2)]
+    asked = []
+    for f in (1.0, 2.0, 8.0):
+        h = sdpipe.Heterogeneity(slowdown={0: f})
+        run = simulate(2, 1, costs=costs, steps=20, epochs=1, policy="none", heterogeneity=h, record=True)
+        asked.append(_wanted_stretch(run, costs, sdpipe.Network(), plan, h, extra, cores))
+    assert asked[0] > 1.0
+    assert asked[1] == pytest.approx(asked[0], rel=1e-9) and asked[2] == pytest.approx(asked[0], rel=1e-9)
+
+
+@pytest.mark.parametrize("cores", ["all", 0, -1.0, float("nan"), True, None])
+def test_a_prediction_refuses_cores_it_cannot_take(cores):
+    source = Source(simulate(2, 2, costs=Costs(forward=[0.001] * 2, backward=[0.002] * 2),
+                             steps=3).events, TrainConfig(stages=2, pipelines=2), 2, 4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^cores: must be one of measured, fitted, machine or a number of cores > 0"):
+        what_if(source, cores=cores)

@@ -340,28 +340,31 @@ class Run(Steering, Elastic):
                 (present.add if change[1] else present.discard)(change[0])
         return sorted(present)
 
-    def predict(self, last: float = 30.0, until: Optional[float] = None, **changes):
+    def predict(self, last: float = 30.0, until: Optional[float] = None, cores="measured", **changes):
         """The samples/s this run would train at with ``changes`` (``policy``, ``schedule``, ``heterogeneity``,
         ``pipelines``, ``microbatches``; none: as it runs), simulated on the costs it measured in the ``last``
-        seconds before ``until`` (the run's clock; None: its latest record), its workers sharing their cores
-        (:func:`sdpipe.simulation.whatif.predict`).  With ``until``, the run as it was then: a prediction made
+        seconds before ``until`` (the run's clock; None: its latest record), its workers sharing ``cores``
+        (default: the machine's less what the other processes took, measured; see
+        :func:`sdpipe.simulation.whatif.predict`).  With ``until``, the run as it was then: a prediction made
         just before a live change, to set against what the change brought."""
-        from sdpipe.simulation.whatif import predict
+        from sdpipe.simulation.whatif import check_cores, predict
 
         check_window(last)
+        check_cores(cores)
         source = self._prediction_source(until)
-        return predict(source, since=last_end(source.events) - last, **changes)
+        return predict(source, since=last_end(source.events) - last, cores=cores, **changes)
 
-    def what_if(self, last: float = 30.0, until: Optional[float] = None):
+    def what_if(self, last: float = 30.0, until: Optional[float] = None, cores="measured"):
         """Predictions for this run as it runs and for each single change (every other live policy, no
         heterogeneity, the other schedules, one pipeline more or fewer), beside the samples/s it measured, from
         its ``last`` seconds before ``until`` (:func:`sdpipe.simulation.whatif.what_if`; see :meth:`predict`).
         ``print()`` it for a table."""
-        from sdpipe.simulation.whatif import what_if
+        from sdpipe.simulation.whatif import check_cores, what_if
 
         check_window(last)
+        check_cores(cores)
         source = self._prediction_source(until)
-        return what_if(source, since=last_end(source.events) - last)
+        return what_if(source, since=last_end(source.events) - last, cores=cores)
 
     def done(self) -> bool:
         return self._done.is_set()

@@ -80,7 +80,13 @@ def calibrate(result, shared: bool = False) -> Calibration:
     holds the waits for a core), the step overhead the thread's CPU per step
     on stage 0 beyond them, ``costs.cpu`` each stage's whole process's CPU
     per step (its other threads too), and the heterogeneity the run's own (a
-    sleeping pipeline's gift of its core to the others is in the model).
+    sleeping pipeline's gift of its core to the others is in the model).  On
+    the later stages the training thread's CPU per step beyond its compute
+    (its receives and sends, the Python between them: 3-5 ms a step on the
+    4 x 2 digits CNN) is on the pipeline's path as much as the compute is, so
+    it goes into their forward and backward costs, an equal share of it to
+    each; a stage's process CPU beyond its training thread (the sends'
+    threads, the Dask worker's loop, the records) stays the load beside it.
     """
     if not all(hasattr(result, a) for a in ("config", "events")) or not isinstance(result.config, TrainConfig):
         raise ValueError(
@@ -129,14 +135,20 @@ def _cpu_costs(by_kind: dict, costs: Costs, config: TrainConfig) -> Costs:
     # per step: consecutive updates of one epoch only (an epoch's end holds the evaluation and the global sync)
     after = {(e["pipeline"], e["stage"], e["step"] + 1, e["epoch"]) for e in spans["optimizer"]}
     steps = [e for e in spans["optimizer"] if (e["pipeline"], e["stage"], e["step"], e["epoch"]) in after]
-    thread = _mean((e["step_cpu"] for e in steps if e["stage"] == 0), own[0])
+    thread = [_mean((e["step_cpu"] for e in steps if e["stage"] == s), own[s]) for s in range(S)]
     process = [_mean((e["process_cpu"] for e in steps if e["stage"] == s), own[s]) for s in range(S)]
+    # the later stages' training thread beyond its compute, a share to each forward and backward (stage 0's is
+    # the step's overhead, before its first forward)
+    for s in range(1, S):
+        around = max(0.0, thread[s] - own[s]) / (2 * M)
+        forward[s], backward[s] = forward[s] + around, backward[s] + around
+        own[s] += 2 * M * around
     return dataclasses.replace(
         costs,
         forward=forward,
         backward=backward,
         optimizer=optimizer,
-        step_overhead=max(0.0, thread - own[0]),
+        step_overhead=max(0.0, thread[0] - own[0]),
         cpu=[max(process[s], own[s]) for s in range(S)],
     )
 

@@ -287,10 +287,13 @@ def share_cores(run, costs: Costs, cores: float, config: TrainConfig, network: N
 
 def _wanted_stretch(result, costs: Costs, net: Network, plan, hetero, extra: list, cores: float) -> float:
     """The mean of ``max(1, (n + b) / cores)`` over the computing instants of ``result``'s workers (see
-    :func:`share_cores`): n the workers computing at the instant, b the cores their other threads keep busy."""
+    :func:`share_cores`): n the workers computing at the instant, b the cores their other threads keep busy then.
+    A worker's other threads work while its own step runs (the Python between its actions, its sends' and
+    receives' threads, its records): its ``extra`` CPU seconds of a step are spread over that step (from its start
+    to its end, not the waits for other pipelines after it nor a slowdown's sleep)."""
     S = costs.stages
     offsets: dict = {}
-    marks = []
+    marks = []  # (time, change of n, change of b)
     for e in result.events:
         if e["kind"] != "forward" or e.get("microbatch") is not None:
             continue
@@ -298,22 +301,25 @@ def _wanted_stretch(result, costs: Costs, net: Network, plan, hetero, extra: lis
         k = tuple(hetero.compute_slowdown_of(p, x) for x in range(S))
         if k not in offsets:
             ends, _ = _step_finish(plan, costs, net, k, 0)
-            offsets[k] = _computing(plan, costs, net, k, ends)
+            offsets[k] = (_computing(plan, costs, net, k, ends), ends)
+        computing, ends = offsets[k]
         begin = e["start"]
-        for a, b in offsets[k][s]:
-            marks.append((begin + a, 1))
-            marks.append((begin + b, -1))
-    if not marks or result.wall_time <= 0:
+        for a, b in computing[s]:
+            marks.append((begin + a, 1, 0.0))
+            marks.append((begin + b, -1, 0.0))
+        if extra[s] > 0 and ends[s] > 0:
+            rate = extra[s] / ends[s]
+            marks.append((begin, 0, rate))
+            marks.append((begin + ends[s], 0, -rate))
+    if not any(dn for _, dn, _ in marks) or result.wall_time <= 0:
         return 1.0
-    steps = sum(result.steps.values())
-    busy_elsewhere = steps * sum(extra) / result.wall_time  # mean cores of their other threads
     marks.sort()
-    n, last, num, den = 0, marks[0][0], 0.0, 0.0
-    for t, d in marks:
+    n, b, last, num, den = 0, 0.0, marks[0][0], 0.0, 0.0
+    for t, dn, db in marks:
         if n > 0 and t > last:
-            num += n * (t - last) * max(1.0, (n + busy_elsewhere) / cores)
+            num += n * (t - last) * max(1.0, (n + b) / cores)
             den += n * (t - last)
-        n, last = n + d, t
+        n, b, last = n + dn, b + db, t
     return num / den if den > 0 else 1.0
 
 

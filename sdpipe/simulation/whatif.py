@@ -62,12 +62,16 @@ class WhatIf:
     since: float
     until: float
     cores: Optional[float] = None
-    """The cores' worth the workers got in the window (fitted: see :meth:`_Model.fit_cores`), the predictions'."""
+    """The cores' worth the workers got in the window, the predictions' (see :func:`predict`'s ``cores``)."""
     machine_cores: Optional[float] = None
     """The cores of the machines the workers run on."""
     others: Optional[float] = None
     """The cores' worth the processes beside the workers took in the window (measured: the machine's busy CPU
     less the workers'; :func:`sdpipe.simulation.others_cores`), None where the records do not say."""
+    cores_from: str = "measured"
+    """How :attr:`cores` was found: "measured" (the machine's less :attr:`others`) or "fitted" (where the records
+    do not say what the other processes took: the cores on which the run as it runs simulates at its measured
+    samples/s)."""
 
     def __getitem__(self, change: str) -> Prediction:
         for p in self.predictions:
@@ -94,9 +98,11 @@ class WhatIf:
             else "measured: no epoch ended in the window yet"
         )
         if self.cores is not None and self.machine_cores:
-            head += f"; the workers got {self.cores:.1f} of the {self.machine_cores:g} cores (fitted)"
-            if self.others is not None:
-                head += f", other processes took {self.others:.1f} (measured)"
+            head += f"; the workers got {self.cores:.1f} of the {self.machine_cores:g} cores"
+            if self.cores_from == "measured":
+                head += f" (other processes took {self.others:.1f}, measured)"
+            else:
+                head += " (fitted)"
         lines = [
             head,
             f"{'change':<28} {'simulated':>10} {'vs now':>7} {'expected':>10} {'time left':>10}",
@@ -269,6 +275,19 @@ class _Model:
             return None
         return max(self.cores * FIT_LOWEST, self.cores - self.others)
 
+    def choose_cores(self, how) -> tuple:
+        """(cores, how they were found) for :func:`predict`'s ``cores``."""
+        if how == "measured":
+            measured = self.measured_cores()
+            if measured is not None:
+                return measured, "measured"
+            how = "fitted"
+        if how == "fitted":
+            return self.fit_cores(), "fitted"
+        if how == "machine":
+            return self.cores, "machine"
+        return float(how), "given"
+
     def predict(self, changes: dict, cores) -> Prediction:
         config = self.source.config
         target = _changed(config, changes)
@@ -283,15 +302,32 @@ class _Model:
 FIT_LOWEST, FIT_STEPS = 0.1, 6
 
 
-def predict(source: Source, *, since=None, until=None, seed: int = 0, fit: bool = True, **changes) -> Prediction:
+def predict(source: Source, *, since=None, until=None, seed: int = 0, cores="measured", **changes) -> Prediction:
     """The simulated samples/s of ``source``'s run with ``changes`` (see :data:`CHANGES`), its costs calibrated on
-    its records in [``since``, ``until``] (default: the last 30 s), on the cores' worth its workers got there
-    (``fit``; else on the machine's cores: see :meth:`_Model.fit_cores`)."""
+    its records in [``since``, ``until``] (default: the last 30 s).
+
+    ``cores``: the cores' worth the workers share in the simulation.  "measured" (the default): the machine's
+    cores less what the processes beside the workers took in the window (the records' busy CPU: see
+    :func:`sdpipe.simulation.others_cores`), or "fitted" where the records do not say (workers on more than one
+    host, records without the machine's CPU); "fitted": the cores on which the run as it runs simulates at the
+    samples/s it measured (what the model gets wrong is then folded into the cores); "machine": all the
+    machine's cores; or a number."""
+    check_cores(cores)
     for name in changes:
         if name not in CHANGES:
             raise ValueError(f"{name}: not a change a prediction takes; it takes {', '.join(CHANGES)}")
     model = _Model(source, since, until, seed)
-    return model.predict(changes, model.fit_cores() if fit else model.cores)
+    return model.predict(changes, model.choose_cores(cores)[0])
+
+
+#: how :func:`predict` can find the cores' worth the workers share (or a number)
+CORES_FROM = ("measured", "fitted", "machine")
+
+
+def check_cores(cores) -> None:
+    if cores in CORES_FROM or (is_number(cores) and 0 < cores < math.inf):
+        return
+    raise ValueError(f"cores: must be one of {', '.join(CORES_FROM)} or a number of cores > 0, got {cores!r}")
 
 
 def _changed(config: TrainConfig, changes: dict) -> TrainConfig:
@@ -360,9 +396,11 @@ def _name(changes: dict, pipelines: int, ids: Optional[list] = None) -> str:
     return ", ".join(parts)
 
 
-def what_if(source: Source, *, since=None, until=None) -> WhatIf:
+def what_if(source: Source, *, since=None, until=None, cores="measured") -> WhatIf:
     """Predictions for the run as it runs and for each single change: every other live policy, no heterogeneity
-    (when it has some), every other schedule, one pipeline more and one fewer; with the measured samples/s."""
+    (when it has some), every other schedule, one pipeline more and one fewer; with the measured samples/s.
+    ``cores``: as :func:`predict`'s."""
+    check_cores(cores)
     config = source.config
     variants: list = [{}]
     variants += [{"policy": p} for p in LIVE_POLICIES if p != config.policy]
@@ -373,7 +411,7 @@ def what_if(source: Source, *, since=None, until=None) -> WhatIf:
     if config.pipelines > 1:
         variants.append({"pipelines": config.pipelines - 1})
     model = _Model(source, since, until)
-    cores = model.fit_cores()
+    cores, how = model.choose_cores(cores)
     predictions = [model.predict(v, cores) for v in variants]
     measured, base = model.measured, predictions[0].samples_per_s
     if measured is not None and base > 0 and source.samples_left is not None:  # time left at the expected rate
@@ -384,7 +422,7 @@ def what_if(source: Source, *, since=None, until=None) -> WhatIf:
             else p
             for p in predictions
         ]
-    return WhatIf(measured, predictions, model.since, model.until, cores, model.cores, model.others)
+    return WhatIf(measured, predictions, model.since, model.until, cores, model.cores, model.others, how)
 
 
 def check_window(last) -> None:
