@@ -267,9 +267,19 @@ def test_bad_control_calls_are_rejected(data, shared_cluster):
 
 @pytest.mark.parametrize("policy", ["allreduce", "sdpipe", "ps", "adpsgd"])
 def test_pause_holds_every_pipeline_longer_than_the_timeout_and_resumes(data, shared_cluster, policy):
+    """Pipeline 1 slowed 3x: its step is stretched to 3x its own time, the pause no part of it (counted in, the
+    pause's 5 s would become 10 s more of sleep after the resume)."""
     train_data, _ = data
     run = sdpipe.train(
-        digits_mlp(), train_data, stages=2, pipelines=2, policy=policy, epochs=200, timeout=3.0, cluster=shared_cluster
+        digits_mlp(),
+        train_data,
+        stages=2,
+        pipelines=2,
+        policy=policy,
+        epochs=200,
+        timeout=3.0,
+        heterogeneity=sdpipe.Heterogeneity(slowdown={1: 3.0}),
+        cluster=shared_cluster,
     )
     opt = lambda evs: [e for e in evs if e["kind"] == "optimizer"]
     wait_for(run, lambda evs: len(opt(evs)) >= 8)
@@ -286,6 +296,8 @@ def test_pause_holds_every_pipeline_longer_than_the_timeout_and_resumes(data, sh
     assert result.stopped
     pauses = [e for e in result.events if e["kind"] == "pause"]
     assert {e["pipeline"] for e in pauses} == {0, 1} and all(e["end"] - e["start"] > 3.5 for e in pauses)
+    slept = [e["end"] - e["start"] for e in result.events if e["kind"] == "straggle" and e.get("what") == "slowdown"]
+    assert slept and max(slept) < 2.0, max(slept)  # twice a step of a 2-stage MLP, not twice the pause
     if policy == "allreduce":  # coupled replicas paused at the same step
         assert len({e["step"] for e in pauses}) == 1
     assert [e["what"] for e in result.events if e["kind"] == "control" and e["applied_by"] == "driver"] == [

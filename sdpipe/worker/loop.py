@@ -445,7 +445,8 @@ class Training:
         else:  # a group policy takes the stop from its groups' answers (same round, same word)
             stop = w.policy.decide_stop(stop)
         if pause and not stop:
-            stop, hv, pv = w.ctl.hold(self.step, hv, pv)
+            with w.pace.waiting():  # a pause is no part of the pipeline's own step: a slowdown never stretches it
+                stop, hv, pv = w.ctl.hold(self.step, hv, pv)
             self.agreed = (agreed_stop, agreed_version, False, agreed_members)
             if coupled:
                 stop, pv = stop or agreed_stop, agreed_version or w.policy_version

@@ -7,8 +7,8 @@ communication, the control message and Python between the sends; stretching the 
 pipeline's stage 0, which leads each of its steps (its control message starts the step on every stage, and its
 own step spans the pipeline's: it sends the first micro-batch and takes the last gradient), measures its step
 from its start to its end, less the time it waited for other pipelines (its group, a collective, a server, an
-averaging in flight), and then sleeps ``f - 1`` times that before its next step; the later stages wait for its
-next control message meanwhile::
+averaging in flight) or held the pipeline while the run was paused, and then sleeps ``f - 1`` times that before
+its next step; the later stages wait for its next control message meanwhile::
 
     stage 0:  |ctl F0 F1 .. RB1 B1 opt| sync |........ sleep (f-1) x own ........| ctl F0 ...
     stage 1:    |ctl| RF0 F0 .. SB1 opt | sync |     wait for the control message  | RF0 ...
