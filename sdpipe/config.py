@@ -55,6 +55,8 @@ SCHEDULE_NAMES = ("1f1b", "gpipe", "async-1f1b", "async-2bw")
 ASYNC_SCHEDULE_NAMES = ASYNC_SCHEDULES
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
+#: how an nn.Sequential is cut into stages when no cut points are given (TrainConfig.cuts)
+CUT_RULES = ("params", "time")
 BACKENDS = ("gloo", "nccl")
 
 
@@ -218,7 +220,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     """Weight decay of the optimizer."""
     cuts: Optional[tuple] = None
-    """Explicit cut points of an nn.Sequential (start layer of stages 1..S-1)."""
+    """Where an nn.Sequential is cut into stages: "params" (each stage about as many parameters; also None), "time"
+    (the slowest stage as fast as it can be, from each layer's forward and backward time measured on the driver
+    with a micro-batch before the workers start; the run's config then holds the cut chosen), or explicit cut
+    points (start layer of stages 1..S-1)."""
+    memory_limit: Optional[float] = None
+    """With ``cuts="time"``: bytes a worker may hold (its layers' weights, gradients and two optimizer states, and
+    one output per micro-batch of a step); only cuts whose every stage fits are taken."""
     device: str = "cpu"
     """"cpu" or "cuda" (one GPU per worker, NCCL by default)."""
     backend: Optional[str] = None
@@ -286,8 +294,24 @@ class TrainConfig:
         number("lr", self.lr, 0.0, lo_open=True)
         number("momentum", self.momentum, 0.0, 1.0)
         number("weight_decay", self.weight_decay, 0.0)
-        if self.cuts is not None:
-            object.__setattr__(self, "cuts", tuple(self.cuts))
+        if isinstance(self.cuts, str):
+            if self.cuts not in CUT_RULES:
+                raise ValueError(
+                    f"cuts: must be one of {', '.join(CUT_RULES)} or cut points (the start layer of stages "
+                    f"1..S-1), got {self.cuts!r}"
+                )
+        elif self.cuts is not None:
+            try:
+                object.__setattr__(self, "cuts", tuple(self.cuts))
+            except TypeError:
+                raise ValueError(
+                    f"cuts: must be one of {', '.join(CUT_RULES)} or cut points (the start layer of stages "
+                    f"1..S-1), got {self.cuts!r}"
+                ) from None
+        if self.memory_limit is not None:
+            number("memory_limit", self.memory_limit, 0.0, lo_open=True)
+            if self.cuts != "time":
+                raise ValueError(f"memory_limit: applies to cuts='time' only, got cuts={self.cuts!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.backend is not None and self.backend not in BACKENDS:
@@ -360,7 +384,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["heterogeneity"] = self.heterogeneity.to_dict() if self.heterogeneity else None
-        out["cuts"] = list(self.cuts) if self.cuts is not None else None
+        out["cuts"] = list(self.cuts) if isinstance(self.cuts, tuple) else self.cuts
         out["scheduler"] = self.scheduler_policy().to_dict()
         return out
 

@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 
 from sdpipe.config import Heterogeneity, TrainConfig, config_keywords, field_docs
-from sdpipe.core.partition import balanced_cuts, check_cuts, stage_bounds
+from sdpipe.core.partition import balanced_cuts, check_cuts, stage_bounds, time_cuts
 
 
 def test_balanced_cuts_minimizes_heaviest_stage():
@@ -31,6 +31,55 @@ def test_balanced_cuts_brute_force_agreement():
         best = min(cost(list(c)) for c in itertools.combinations(range(1, n), S - 1))
         got = balanced_cuts(w, S)
         assert len(got) == S - 1 and cost(got) == best
+
+
+def test_time_cuts_minimize_the_slowest_stage_within_the_memory_limit():
+    """Against every cut tried: the slowest stage's seconds least, among the cuts whose stages all fit ``limit``
+    (none fits: one line naming memory_limit)."""
+    import itertools
+    import random
+
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        t = [rng.choice([0.0, 0.001, 0.004, 0.02]) for _ in range(n)]
+        mem = [rng.choice([1.0, 10.0, 100.0]) for _ in range(n)]
+        S = rng.randint(1, n)
+        limit = rng.choice([None, 50.0, 120.0, 1000.0])
+
+        def fits(cuts, n=n, mem=mem, limit=limit):
+            return limit is None or all(sum(mem[a:b]) <= limit for a, b in stage_bounds(list(cuts), n))
+
+        def slowest(cuts, n=n, t=t):
+            return max(sum(t[a:b]) for a, b in stage_bounds(list(cuts), n))
+
+        allowed = [c for c in itertools.combinations(range(1, n), S - 1) if fits(c)]
+        if not allowed:
+            with pytest.raises(ValueError, match=r"^memory_limit: no cut into \d+ stages fits"):
+                time_cuts(t, S, mem, limit)
+            continue
+        got = time_cuts(t, S, mem, limit)
+        assert len(got) == S - 1 and fits(got) and slowest(got) == pytest.approx(min(slowest(c) for c in allowed))
+    assert time_cuts([0.001, 0.001, 0.01, 0.001], 2) == [2]  # the heavy layer and the light last one: 11 ms
+
+
+def test_layer_costs_find_the_heavy_layer_and_leave_the_weights_as_they_were():
+    import torch
+    from torch import nn
+
+    from sdpipe.driver.layers import measure, memory_of
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    costs = measure(list(model), x, y, nn.CrossEntropyLoss())
+    assert len(costs) == 5 and all(c.forward >= 0 and c.backward >= 0 for c in costs)
+    assert max(range(5), key=lambda i: costs[i].seconds) == 3  # the 1024 x 1024 layer
+    assert costs[3].weight_bytes == (1024 * 1024 + 1024) * 4 and costs[3].activation_bytes == 32 * 1024 * 4
+    assert memory_of(costs[3], 4) == 4 * costs[3].weight_bytes + 4 * costs[3].activation_bytes
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_partition_errors():
@@ -84,6 +133,10 @@ def test_partition_sequential_and_list():
         ),
         (dict(momentum=1.5), r"momentum: must be a number from 0 to 1, got 1.5"),
         (dict(lr="fast"), r"lr: must be a number, got 'fast'"),
+        (dict(cuts="fast"), r"cuts: must be one of params, time or cut points \(the start layer of stages"),
+        (dict(cuts=3), r"cuts: must be one of params, time or cut points"),
+        (dict(memory_limit=1e9), r"memory_limit: applies to cuts='time' only, got cuts=None"),
+        (dict(cuts="time", memory_limit=0), r"memory_limit: must be > 0.0, got 0"),
     ],
 )
 def test_config_rejects_bad_input_with_one_line(kwargs, message):

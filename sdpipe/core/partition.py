@@ -8,6 +8,10 @@ without it).
 Worked case: layer weights ``[8256, 0, 16512, 0, 1290]`` (Linear, ReLU,
 Linear, ReLU, Linear) into 2 stages gives cut point ``[2]``: stage 0 holds
 layers 0-1 (8,257 with the per-layer unit), stage 1 holds layers 2-4.
+
+:func:`time_cuts` is the same search on measured seconds per layer (forward and backward, from
+:func:`sdpipe.core.layer_costs.measure`): the cut whose slowest stage is fastest, optionally only among cuts
+whose every stage fits a memory limit.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-__all__ = ["balanced_cuts", "check_cuts", "partition", "stage_bounds"]
+__all__ = ["balanced_cuts", "check_cuts", "partition", "stage_bounds", "time_cuts"]
 
 
 def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
@@ -24,26 +28,64 @@ def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
     Every stage gets at least one layer.  Each layer counts its weight plus one,
     so layers without parameters still spread out; ties go to the earliest cut.
     """
-    n = len(weights)
+    return _min_max_cuts([float(x) + 1.0 for x in weights], stages)
+
+
+def time_cuts(seconds: Sequence[float], stages: int, memory: Sequence[float] | None = None, limit=None) -> list[int]:
+    """Cut points (start index of stages 1..S-1) minimizing the slowest stage's seconds (``seconds``: each layer's
+    forward and backward time).  With ``memory`` (bytes per layer) and ``limit`` (bytes per worker), only among
+    cuts whose every stage holds at most ``limit``; a ValueError in one line when none does.  Ties go to the
+    earliest cut."""
+    fits = None
+    if limit is not None:
+        if memory is None or len(memory) != len(seconds):
+            raise ValueError("memory: needs one number of bytes per layer to cut within a limit")
+        mem_prefix = _prefix([float(x) for x in memory])
+
+        def fits(j: int, i: int) -> bool:
+            return mem_prefix[i] - mem_prefix[j] <= limit
+
+    cuts = _min_max_cuts([float(x) for x in seconds], stages, fits)
+    if cuts is None:
+        most = max(memory) if memory else 0.0
+        raise ValueError(
+            f"memory_limit: no cut into {stages} stages fits {limit:,.0f} bytes per worker (the largest layer alone "
+            f"needs {most:,.0f})"
+        )
+    return cuts
+
+
+def _prefix(values: list) -> list:
+    out = [0.0]
+    for x in values:
+        out.append(out[-1] + x)
+    return out
+
+
+def _min_max_cuts(cost: list, stages: int, fits=None):
+    """The contiguous cut of ``cost`` (one value per layer) into ``stages`` stages of at least one layer whose
+    largest stage sum is least (``fits(j, i)``: whether layers j..i-1 may form a stage); None when no cut fits."""
+    n = len(cost)
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages: must be an integer >= 1, got {stages!r}")
     if stages > n:
         raise ValueError(f"stages: {stages} exceeds the {n} layers of the model; allowed 1..{n}")
-    w = [float(x) + 1.0 for x in weights]
-    prefix = [0.0]
-    for x in w:
-        prefix.append(prefix[-1] + x)
+    prefix = _prefix(cost)
     inf = float("inf")
-    # best[k][i]: minimal max-stage weight of layers[:i] split into k stages
+    # best[k][i]: minimal max-stage sum of layers[:i] split into k stages
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     arg = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for k in range(1, stages + 1):
         for i in range(k, n - (stages - k) + 1):
             for j in range(k - 1, i):
+                if fits is not None and not fits(j, i):
+                    continue
                 v = max(best[k - 1][j], prefix[i] - prefix[j])
                 if v < best[k][i]:
                     best[k][i], arg[k][i] = v, j
+    if best[stages][n] == inf:
+        return None
     cuts, i = [], n
     for k in range(stages, 0, -1):
         i = arg[k][i]
@@ -75,8 +117,8 @@ def partition(model, stages: int, cuts: Sequence[int] | None = None) -> list:
     """Split ``model`` into ``stages`` modules.
 
     ``model`` is an ``nn.Sequential`` (cut into contiguous ranges, balanced by
-    parameter count unless ``cuts`` is given) or a list of exactly ``stages``
-    modules (taken as they are).
+    parameter count unless ``cuts`` gives cut points) or a list of exactly
+    ``stages`` modules (taken as they are).
     """
     from torch import nn
 
@@ -91,7 +133,9 @@ def partition(model, stages: int, cuts: Sequence[int] | None = None) -> list:
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model: must be an nn.Sequential or a list of nn.Module stages, got {type(model).__name__}")
     layers = list(model)
-    if cuts is None:
+    if isinstance(cuts, str) and cuts != "params":  # "time" is measured and chosen before (sdpipe.train)
+        raise ValueError(f"cuts: {cuts!r} must be resolved to cut points before the model is cut")
+    if cuts is None or cuts == "params":
         cuts = balanced_cuts([sum(p.numel() for p in m.parameters()) for m in layers], stages)
     else:
         if stages > len(layers):

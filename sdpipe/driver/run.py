@@ -137,6 +137,9 @@ class Run(Steering, Elastic):
         self.policy = config.policy
         self.scheduler_policy = config.scheduler_policy()
         self.heterogeneity = config.heterogeneity or Heterogeneity()
+        #: Each layer's measured cost (:class:`sdpipe.driver.layers.LayerCost`) where the run was cut by time
+        #: (``cuts="time"``; ``config.cuts`` holds the cut chosen), else None.
+        self.layer_costs: Optional[list] = None
         #: Cores of the hosts the workers run on (known once the workers are chosen).
         self.cores: Optional[int] = None
         #: Address and port of the run's rendezvous store (``host=``, else the one routing to the Dask scheduler).

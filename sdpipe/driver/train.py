@@ -10,6 +10,7 @@ every worker starts from is built once, and :class:`~sdpipe.Run` launches the wo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import uuid
 from typing import Optional
@@ -103,7 +104,11 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
     if cluster is None:
         _check_main_guard()
     _check_device(config, cluster)
-    stage_modules = [copy.deepcopy(m) for m in partition(model, config.stages, config.cuts)]
+    if config.cuts == "time" and not isinstance(model, nn.Sequential):
+        raise ValueError(f"cuts: 'time' cuts an nn.Sequential; the model is {type(model).__name__}")
+    stage_modules = None  # cut here, or by time once a micro-batch of the data is at hand
+    if config.cuts != "time":
+        stage_modules = [copy.deepcopy(m) for m in partition(model, config.stages, config.cuts)]
     train_data, eval_data, collate_fn = data
     if collate_fn is not None and not callable(collate_fn):
         raise ValueError(
@@ -118,6 +123,12 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
     elif not callable(loss_fn):
         raise ValueError(f"loss_fn: must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
     sample, targets = source.sample(config.microbatch_size)
+    layer_costs = None
+    if config.cuts == "time":
+        cuts, layer_costs = _time_cut(model, config, sample, targets, loss_fn, resume_from)
+        config = dataclasses.replace(config, cuts=tuple(cuts), memory_limit=None)
+    if stage_modules is None:
+        stage_modules = [copy.deepcopy(m) for m in partition(model, config.stages, config.cuts)]
     layouts, output = _probe_layouts(stage_modules, sample)
     metric = _check_loss_and_metric(loss_fn, metric, output, targets)
     resume, start = _resumed(resume_from, config, stage_modules)
@@ -140,7 +151,7 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
         t0=time.time(),
         **start,
     )
-    return Run(
+    run = Run(
         config,
         stage_modules,
         spec,
@@ -150,6 +161,34 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
         resume=resume,
         security=security,
     )
+    run.layer_costs = layer_costs
+    return run
+
+
+def _time_cut(model, config: TrainConfig, sample, targets, loss_fn, resume_from) -> tuple:
+    """(cut points, each layer's :class:`~sdpipe.driver.layers.LayerCost`) of ``cuts="time"``: the slowest stage
+    as fast as it can be on the times measured here (within ``memory_limit``); a resumed run keeps its
+    checkpoint's cut (its stages' weights are cut that way)."""
+    from sdpipe.core.partition import time_cuts
+    from sdpipe.driver.layers import measure, memory_of
+
+    layers = list(model)
+    if config.stages > len(layers):
+        raise ValueError(
+            f"stages: {config.stages} exceeds the {len(layers)} layers of the model; allowed 1..{len(layers)}"
+        )
+    if resume_from is not None:
+        saved = load_checkpoint(resume_from).config.get("cuts")
+        if isinstance(saved, list) and len(saved) == config.stages - 1:
+            return saved, None
+    try:
+        costs = measure(layers, sample, targets, loss_fn)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"cuts: timing the layers on a micro-batch failed: {type(e).__name__}: {first}") from None
+    memory = [memory_of(c, config.microbatches) for c in costs]
+    cuts = time_cuts([c.seconds for c in costs], config.stages, memory, config.memory_limit)
+    return cuts, costs
 
 
 def _resumed(resume_from, config: TrainConfig, stage_modules) -> tuple:

@@ -1,0 +1,121 @@
+"""Each layer's measured cost, for a cut by time (``cuts="time"``): measured on the driver with the probe's
+micro-batch before any worker starts.
+
+:func:`measure` runs an ``nn.Sequential``'s layers one by one on a micro-batch of the training data, single-threaded
+as a worker runs (each worker is a single-threaded process): each layer's forward (with autograd recording, as in
+training) and its backward (from the gradient the loss sends back through the later layers), the median of
+``repeats`` after one unmeasured pass; its weights' bytes and its output's bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+__all__ = ["LayerCost", "measure", "memory_of"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's seconds per micro-batch (forward, backward) and bytes (its weights, its output)."""
+
+    forward: float
+    backward: float
+    weight_bytes: int
+    activation_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.backward
+
+
+def memory_of(cost: LayerCost, microbatches: int) -> float:
+    """Bytes a layer asks of its worker: its weights, their gradients and up to two optimizer states (4x the
+    weights), and its output kept for the backward of every micro-batch of a step (the most a schedule holds)."""
+    return 4.0 * cost.weight_bytes + microbatches * cost.activation_bytes
+
+
+def _leaves(obj) -> list:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _leaves(v)]
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _leaves(v)]
+    return []
+
+
+def _detached(obj):
+    """``obj`` with every floating tensor detached and asking for its gradient (a layer's input)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().requires_grad_(obj.is_floating_point())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _detached(v) for k, v in obj.items()}
+    return obj
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up: first-call allocations and kernel choices
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(layers: list, sample, targets, loss_fn, repeats: int = 5) -> list:
+    """:class:`LayerCost` of each of ``layers`` (modules in order) on the micro-batch ``sample`` with ``targets``
+    and ``loss_fn`` (see the module's docstring).  The layers' weights and gradients are left as they were."""
+    import torch
+
+    threads = torch.get_num_threads()
+    saved = [[None if p.grad is None else p.grad.clone() for p in layer.parameters()] for layer in layers]
+    torch.set_num_threads(1)
+    try:
+        inputs = [sample]
+        with torch.no_grad():
+            for layer in layers:
+                inputs.append(layer(inputs[-1]))
+        forward = []
+        for layer, x in zip(layers, inputs, strict=False):
+            forward.append(_timed(lambda layer=layer, x=x: layer(x), repeats))
+        out = _detached(inputs[-1])
+        loss_fn(out, targets).backward()
+        grads = [t.grad for t in _leaves(out)]
+        backward = [0.0] * len(layers)
+        for i in range(len(layers) - 1, -1, -1):
+            x = _detached(inputs[i])
+
+            def step(i=i, x=x, grads=grads):
+                for t in _leaves(x):
+                    t.grad = None
+                pairs = [(y, g) for y, g in zip(_leaves(layers[i](x)), grads, strict=False) if y.requires_grad]
+                pairs = [(y, g) for y, g in pairs if g is not None]
+                if pairs:
+                    torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+
+            # the backward alone: the forward it needs is timed apart and taken off
+            backward[i] = max(0.0, _timed(step, repeats) - forward[i])
+            grads = [t.grad if t.is_floating_point() else None for t in _leaves(x)]
+    finally:
+        torch.set_num_threads(threads)
+        for layer, grads_before in zip(layers, saved, strict=True):
+            for p, g in zip(layer.parameters(), grads_before, strict=True):
+                p.grad = g
+    return [
+        LayerCost(
+            forward=forward[i],
+            backward=backward[i],
+            weight_bytes=sum(p.numel() * p.element_size() for p in layers[i].parameters()),
+            activation_bytes=sum(t.numel() * t.element_size() for t in _leaves(inputs[i + 1])),
+        )
+        for i in range(len(layers))
+    ]
