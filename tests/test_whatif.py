@@ -258,3 +258,14 @@ def test_a_prediction_refuses_cores_it_cannot_take(cores):
                              steps=3).events, TrainConfig(stages=2, pipelines=2), 2, 4)  # fmt: skip
     with pytest.raises(ValueError, match=r"^cores: must be one of measured, fitted, machine or a number of cores > 0"):
         what_if(source, cores=cores)
+
+
+def test_the_table_says_how_its_cores_were_found():
+    from sdpipe.simulation.whatif import WhatIf
+
+    def head(how, others=0.3):
+        return str(WhatIf(1000.0, [], 0.0, 10.0, 1.5, 2, others, how)).splitlines()[0]
+
+    assert head("measured").endswith("the workers got 1.5 of the 2 cores (other processes took 0.3, measured)")
+    assert head("fitted", None).endswith("(fitted)")
+    assert head("machine").endswith("(all of them, as asked)") and head("given").endswith("(as given)")

@@ -10,7 +10,7 @@ Linear, ReLU, Linear) into 2 stages gives cut point ``[2]``: stage 0 holds
 layers 0-1 (8,257 with the per-layer unit), stage 1 holds layers 2-4.
 
 :func:`time_cuts` is the same search on measured seconds per layer (forward and backward, from
-:func:`sdpipe.core.layer_costs.measure`): the cut whose slowest stage is fastest, optionally only among cuts
+:func:`sdpipe.driver.layers.measure`): the cut whose slowest stage is fastest, optionally only among cuts
 whose every stage fits a memory limit.
 """
 

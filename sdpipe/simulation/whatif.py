@@ -69,9 +69,9 @@ class WhatIf:
     """The cores' worth the processes beside the workers took in the window (measured: the machine's busy CPU
     less the workers'; :func:`sdpipe.simulation.others_cores`), None where the records do not say."""
     cores_from: str = "measured"
-    """How :attr:`cores` was found: "measured" (the machine's less :attr:`others`) or "fitted" (where the records
-    do not say what the other processes took: the cores on which the run as it runs simulates at its measured
-    samples/s)."""
+    """How :attr:`cores` was found: "measured" (the machine's less :attr:`others`), "fitted" (asked for, or where
+    the records do not say what the other processes took: the cores on which the run as it runs simulates at its
+    measured samples/s), "machine" (all of them, asked for) or "given" (a number asked for)."""
 
     def __getitem__(self, change: str) -> Prediction:
         for p in self.predictions:
@@ -102,7 +102,9 @@ class WhatIf:
             if self.cores_from == "measured":
                 head += f" (other processes took {self.others:.1f}, measured)"
             else:
-                head += " (fitted)"
+                head += {"fitted": " (fitted)", "machine": " (all of them, as asked)"}.get(
+                    self.cores_from, " (as given)"
+                )
         lines = [
             head,
             f"{'change':<28} {'simulated':>10} {'vs now':>7} {'expected':>10} {'time left':>10}",
