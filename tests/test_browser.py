@@ -401,9 +401,14 @@ def check_whatif(
             assert green == [] and "no change that keeps one model is predicted faster" in text, (where, text)
     if switches:
         assert text.count("after a switch") == 1 and all(len(r["cells"]) == 6 for r in state["tables"]["t"]["rows"])
-    if shot:
+    if shot:  # the panel as drawn now: a clip of the page (an element's screenshot waits for the element to hold
+        # still, and the panel is drawn anew with each prediction while the dashboard redraws four times a second)
         out = page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first
-        out.locator(".sdpipe-whatif").screenshot(path=str(ARTIFACTS / shot))
+        panel = out.locator(".sdpipe-whatif")
+        panel.evaluate("e => e.scrollIntoView({block: 'start'})")
+        box = panel.bounding_box()
+        assert box is not None and box["width"] > 0 and box["height"] > 0, (where, box)
+        page.screenshot(path=str(ARTIFACTS / shot), clip=box, timeout=60_000)
     return state
 
 

@@ -103,7 +103,7 @@ def test_cli_train_flags_are_the_train_config_fields():
             assert action.help == _plain(docs[f.name]), f.name
             continue
         assert action.option_strings == [flag] and action.default == f.default, f.name
-        kind = {"int": int, "Optional[int]": int, "float": float}.get(f.type, str)
+        kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(f.type, str)
         assert action.type is kind and action.help == _plain(docs[f.name]), f.name
         # help as a reader wants it: values written out, no internal names or markup, "none" as defaults read
         assert not re.search(r"[A-Z]{3,}_?[A-Z]* \(|``|\bNone\b", action.help), (f.name, action.help)
