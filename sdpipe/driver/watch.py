@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Optional
 
-from sdpipe.checkpoint import finish
+from sdpipe.checkpoint import finish, staging
 from sdpipe.core.policies import of_mode
 from sdpipe.core.scheduler import bounds_of
 from sdpipe.driver.cluster import workers_now
@@ -93,6 +93,11 @@ class CheckpointWriter:
         ranks = [p * cfg.stages + s for p in present for s in range(cfg.stages)]
         try:
             if run._run_store.add(Keys.checkpoint_count(epoch), 0) < len(ranks):
+                return None
+            # the count also holds the parts of a pipeline that wrote and then left: wait for each present worker's
+            # own part (finishing before one is in place moved the folder away under its rename)
+            folder = staging(cfg.checkpoint_dir, epoch, run.run_id)
+            if not all((folder / f"rank{r}.pt").exists() for r in ranks):
                 return None
             steps = {str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages))) for p in present}
             scheduler = None
