@@ -171,9 +171,9 @@ def main(argv=None) -> int:
                         "others": others,
                         "predict_seconds": cost,
                     }
-                    for k in ("simulated", "expected", "simulated_wall", "expected_wall", "simulated_fitted"):
+                    for k in ("simulated", "expected", "simulated_wall", "expected_wall", "simulated_fitted",
+                              "expected_fitted"):  # fmt: skip
                         row[k + "_error"] = row[k] / after - 1.0
-                    row["expected_fitted_error"] = row["expected_fitted"] / after - 1.0
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
             finally:
