@@ -360,6 +360,18 @@ WHATIF_JS = """() => {
 }"""
 
 
+# The what-if panel of the live dashboard scrolled to the top of the notebook: its box in the page, or null.
+PANEL_BOX_JS = """() => {
+    const out = Array.from(document.querySelectorAll('.jp-OutputArea-output'))
+        .find(o => Array.from(o.querySelectorAll('button')).some(b => b.textContent.includes('pause')));
+    const panel = out && out.querySelector('.sdpipe-whatif');
+    if (!panel) return null;
+    panel.scrollIntoView({block: 'start'});
+    const r = panel.getBoundingClientRect();
+    return {x: r.left, y: r.top, width: r.width, height: r.height};  // in the viewport, as a clip takes it
+}"""
+
+
 def check_whatif(
     page, where: str, rows: Optional[int] = None, switches: int = 0, measured: bool = False, shot: str = ""
 ) -> dict:
@@ -401,12 +413,10 @@ def check_whatif(
             assert green == [] and "no change that keeps one model is predicted faster" in text, (where, text)
     if switches:
         assert text.count("after a switch") == 1 and all(len(r["cells"]) == 6 for r in state["tables"]["t"]["rows"])
-    if shot:  # the panel as drawn now: a clip of the page (an element's screenshot waits for the element to hold
-        # still, and the panel is drawn anew with each prediction while the dashboard redraws four times a second)
-        out = page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="pause")).first
-        panel = out.locator(".sdpipe-whatif")
-        panel.evaluate("e => e.scrollIntoView({block: 'start'})")
-        box = panel.bounding_box()
+    if shot:  # the panel as drawn now: a clip of the page, found, scrolled to and measured in one evaluation (the
+        # panel is drawn anew with each prediction while the dashboard redraws four times a second: an element's
+        # screenshot waits for it to hold still, and a locator's evaluation could keep finding a panel just replaced)
+        box = page.evaluate(PANEL_BOX_JS)
         assert box is not None and box["width"] > 0 and box["height"] > 0, (where, box)
         page.screenshot(path=str(ARTIFACTS / shot), clip=box, timeout=60_000)
     return state
