@@ -5,7 +5,7 @@ in ``sdpipe.widgets``.
 """
 
 from sdpipe.checkpoint import Checkpoint, load_checkpoint
-from sdpipe.config import Heterogeneity, TrainConfig
+from sdpipe.config import Heterogeneity, Rebalance, TrainConfig
 from sdpipe.core.partition import partition
 from sdpipe.driver.cluster import close as close_cluster
 from sdpipe.driver.run import Run, RunError, RunResult
@@ -19,6 +19,7 @@ __all__ = [
     "Heterogeneity",
     "Network",
     "Proxy",
+    "Rebalance",
     "Run",
     "RunError",
     "RunResult",

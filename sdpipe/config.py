@@ -40,6 +40,7 @@ __all__ = [
     "REJOIN_POLICIES",
     "SCHEDULE_NAMES",
     "Heterogeneity",
+    "Rebalance",
     "TrainConfig",
     "config_keywords",
     "field_docs",
@@ -183,6 +184,53 @@ class Heterogeneity:
         )
 
 
+@dataclass(frozen=True)
+class Rebalance:
+    """Automatic re-cuts (``TrainConfig.rebalance``): the driver watches each stage's own time per step (its
+    forwards, backwards and slowdown, the median over the pipelines) and re-cuts every pipeline
+    (:meth:`sdpipe.Run.recut`) when one stage stays the bottleneck.
+
+    The new cut weighs each layer's time measured on the driver (as ``cuts="time"``) by how much slower than
+    that each stage's workers run now, and takes the cut whose slowest stage is fastest under those speeds.
+    """
+
+    margin: float = 0.25
+    """A stage is the bottleneck when its time per step exceeds the mean of the others' by this share, and a
+    re-cut is made only where it would make the slowest stage faster by this share too."""
+    steps: int = 10
+    """Steps each worker must have taken under the current cut (and heterogeneity) before the times decide, and
+    over which they are averaged."""
+    every: float = 10.0
+    """Seconds at least between two automatic re-cuts."""
+
+    def __post_init__(self):
+        number("rebalance.margin", self.margin, 0.0, lo_open=True)
+        integer("rebalance.steps", self.steps)
+        number("rebalance.every", self.every, 0.0)
+
+    def to_dict(self) -> dict:
+        return {"margin": self.margin, "steps": self.steps, "every": self.every}
+
+    @classmethod
+    def of(cls, value) -> Optional["Rebalance"]:
+        """``TrainConfig.rebalance`` as given: None or False (off), True (the defaults), a dict of fields, or a
+        Rebalance; a one-line error otherwise."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"margin", "steps", "every"})
+            if unknown:
+                raise ValueError(f"rebalance: unknown field {unknown[0]!r}; the fields are margin, steps, every")
+            return cls(**value)
+        raise ValueError(
+            f"rebalance: must be True, a sdpipe.Rebalance, a dict of its fields or None, got {type(value).__name__}"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything that defines a run except the model and the data."""
@@ -227,6 +275,9 @@ class TrainConfig:
     memory_limit: Optional[float] = None
     """With ``cuts="time"``: bytes a worker may hold (its layers' weights, gradients and two optimizer states, and
     one output per micro-batch of a step); only cuts whose every stage fits are taken."""
+    rebalance: Optional[Any] = None
+    """Re-cut the stages while the run trains when one stays the bottleneck: True (the defaults), a
+    sdpipe.Rebalance (its margin, steps and seconds between re-cuts) or a dict of its fields; None: never."""
     device: str = "cpu"
     """"cpu" or "cuda" (one GPU per worker, NCCL by default)."""
     backend: Optional[str] = None
@@ -308,6 +359,12 @@ class TrainConfig:
                     f"cuts: must be one of {', '.join(CUT_RULES)} or cut points (the start layer of stages "
                     f"1..S-1), got {self.cuts!r}"
                 ) from None
+        object.__setattr__(self, "rebalance", Rebalance.of(self.rebalance))
+        if self.rebalance is not None and not record(self.policy).recut:
+            raise ValueError(
+                f"rebalance: policy {self.policy!r} keeps a stage's weights in servers or peers for the whole run; "
+                f"a run is re-cut under {', '.join(names(recut=True))}"
+            )
         if self.memory_limit is not None:
             number("memory_limit", self.memory_limit, 0.0, lo_open=True)
             if self.cuts != "time":
@@ -385,6 +442,7 @@ class TrainConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["heterogeneity"] = self.heterogeneity.to_dict() if self.heterogeneity else None
         out["cuts"] = list(self.cuts) if isinstance(self.cuts, tuple) else self.cuts
+        out["rebalance"] = self.rebalance.to_dict() if self.rebalance is not None else None
         out["scheduler"] = self.scheduler_policy().to_dict()
         return out
 

@@ -93,7 +93,7 @@ def test_cli_train_flags_are_the_train_config_fields():
     parser = build_parser()
     flags = {a.dest: a for a in parser._subparsers._group_actions[0].choices["train"]._actions}
     docs = field_docs(TrainConfig)
-    scalar = [f for f in fields(TrainConfig) if f.name not in ("cuts", "heterogeneity", "scheduler")]
+    scalar = [f for f in fields(TrainConfig) if f.name not in ("cuts", "heterogeneity", "scheduler", "rebalance")]
     for f in scalar:
         action = flags[f.name]
         flag = f"--{f.name.replace('_', '-')}"

@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 
 from sdpipe.config import Heterogeneity, TrainConfig, config_keywords, field_docs
-from sdpipe.core.partition import balanced_cuts, check_cuts, stage_bounds, time_cuts
+from sdpipe.core.partition import balanced_cuts, check_cuts, speed_cuts, stage_bounds, time_cuts
 
 
 def test_balanced_cuts_minimizes_heaviest_stage():
@@ -61,6 +61,61 @@ def test_time_cuts_minimize_the_slowest_stage_within_the_memory_limit():
         got = time_cuts(t, S, mem, limit)
         assert len(got) == S - 1 and fits(got) and slowest(got) == pytest.approx(min(slowest(c) for c in allowed))
     assert time_cuts([0.001, 0.001, 0.01, 0.001], 2) == [2]  # the heavy layer and the light last one: 11 ms
+
+
+def test_speed_cuts_minimize_the_slowest_stage_at_each_stages_speed():
+    """Against every cut tried: stage k takes factors[k] times its layers' seconds; the slowest stage least."""
+    import itertools
+    import random
+
+    rng = random.Random(2)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        t = [rng.choice([0.0, 0.001, 0.004, 0.02]) for _ in range(n)]
+        S = rng.randint(1, n)
+        f = [rng.choice([1.0, 1.5, 3.0]) for _ in range(S)]
+
+        def slowest(cuts, n=n, t=t, f=f):
+            return max(k * sum(t[a:b]) for k, (a, b) in zip(f, stage_bounds(list(cuts), n), strict=True))
+
+        got = speed_cuts(t, f)
+        best = min(slowest(c) for c in itertools.combinations(range(1, n), S - 1))
+        assert len(got) == S - 1 and slowest(got) == pytest.approx(best)
+    assert speed_cuts([1.0] * 6, [1.0, 1.0, 1.0]) == time_cuts([1.0] * 6, 3) == [2, 4]
+    assert speed_cuts([1.0] * 6, [1.0, 4.0, 1.0]) == [1, 2]  # the slowed stage keeps one layer (ties: earliest)
+
+
+def test_an_automatic_recut_follows_a_slowed_stage_and_only_where_it_pays():
+    """The rebalancer's rule (sdpipe.driver.rebalance): stage times per step from the workers' own spans since
+    the last change (the latest step left out, it may still run), the median over the pipelines; a re-cut only
+    where one stage exceeds the others' mean by the margin and the new cut makes it that much faster."""
+    from sdpipe.driver.rebalance import StageTimes, decide
+
+    seconds = [1.0] * 6  # six layers of 1 ms (units cancel)
+    # stage 1 of (2, 4) slowed 3x: 6 against 2 and 2
+    assert decide([2.0, 6.0, 2.0], seconds, (2, 4), 0.25) == (2, 3)  # one layer left on it: 3 ms, not 6
+    assert decide([2.0, 2.2, 2.0], seconds, (2, 4), 0.25) is None  # within the margin: no bottleneck
+    # the bottleneck holds a single layer: no cut makes it faster
+    assert decide([1.0, 5.0, 1.0], [1.0, 1.0, 1.0], (1, 2), 0.25) is None
+    times = StageTimes(keep=2)
+
+    def span(kind, p, s, step, t0, t1, **kw):
+        return dict(kind=kind, pipeline=p, stage=s, step=step, start=t0, end=t1, **kw)
+
+    records = []
+    for p in range(3):
+        for step in range(4):
+            t = 10.0 + step
+            records += [span("forward", p, 0, step, t, t + 0.1), span("backward", p, 0, step, t + 0.2, t + 0.4)]
+            slow = 3.0 if p < 2 else 1.0  # stage 1 slowed in two of the three pipelines
+            records += [span("forward", p, 1, step, t, t + 0.1 * slow), span("wait", p, 1, step, t, t + 5.0)]
+            records += [span("straggle", p, 1, step, t, t + 0.2 * slow, what="slowdown")]
+    records.append(span("forward", 0, 0, 0, 1.0, 9.0))  # before the last change: left out
+    times.reset(5.0)
+    times.take(records)
+    got = times.stage_times([0, 1, 2], 2)
+    assert got == pytest.approx([0.3, 0.9])  # waits never count; the median pipeline is a slowed one
+    assert times.stage_times([0, 1, 2, 3], 3) is None  # a stage with no worker measured yet
 
 
 def test_layer_costs_find_the_heavy_layer_and_leave_the_weights_as_they_were():
@@ -137,6 +192,10 @@ def test_partition_sequential_and_list():
         (dict(cuts=3), r"cuts: must be one of params, time or cut points"),
         (dict(memory_limit=1e9), r"memory_limit: applies to cuts='time' only, got cuts=None"),
         (dict(cuts="time", memory_limit=0), r"memory_limit: must be > 0.0, got 0"),
+        (dict(rebalance=3), r"rebalance: must be True, a sdpipe.Rebalance, a dict of its fields or None, got int"),
+        (dict(rebalance={"margin": 0}), r"rebalance.margin: must be > 0.0, got 0"),
+        (dict(rebalance={"slack": 1}), r"rebalance: unknown field 'slack'; the fields are margin, steps, every"),
+        (dict(rebalance=True, policy="adpsgd"), r"rebalance: policy 'adpsgd' keeps a stage's weights in servers or"),
     ],
 )
 def test_config_rejects_bad_input_with_one_line(kwargs, message):

@@ -6,6 +6,7 @@ import logging
 import socket
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ from sdpipe.wire import events
 from sdpipe.wire.protocol import (
     Command,
     ControlMessage,
+    CutChange,
     GroupAnswer,
     GroupServiceClient,
     GroupServiceError,
@@ -27,6 +29,7 @@ from sdpipe.wire.protocol import (
     encode_frame,
     run_prefix,
 )
+from sdpipe.worker.tree import layout_of
 
 
 @given(
@@ -36,9 +39,10 @@ from sdpipe.wire.protocol import (
     st.integers(0, 10**6),
     st.booleans(),
     st.integers(0, 99),
+    st.integers(0, 99),
 )
-def test_command_round_trips_through_its_encoding(seq, stop, hetero, policy, pause, members):
-    cmd = Command(seq, stop, hetero, policy, pause, members)
+def test_command_round_trips_through_its_encoding(seq, stop, hetero, policy, pause, members, cut):
+    cmd = Command(seq, stop, hetero, policy, pause, members, cut)
     assert Command.decode(cmd.encode()) == cmd
     assert Command.decode(cmd.encode().encode()) == cmd  # as the store hands it back (bytes)
 
@@ -73,18 +77,21 @@ def test_the_store_payloads_round_trip_through_their_encodings():
         assert ServerRequest.decode(r.encode()) == r
     assert ServerRequest.decode("leave,2") == ServerRequest("leave", 2)  # a leave says no step
     assert PairRequest.decode(PairRequest(4, 9).encode()) == PairRequest(4, 9)
+    layout = layout_of(torch.zeros(2, 3), "output")
+    change = CutChange((2, 5), [layout, layout])
+    assert CutChange.decode(change.encode()) == change
 
 
 def test_command_next_advances_the_sequence_and_keeps_the_rest():
     c = Command().next(hetero=3)
     assert c == Command(1, False, 3, 0, False)
     assert c.next(stop=True) == Command(2, True, 3, 0, False)
-    assert Command(7, True, 2, 1, False, 4).encode() == "7,1,2,1,0,4"  # the layout stage 0 reads
+    assert Command(7, True, 2, 1, False, 4, 2).encode() == "7,1,2,1,0,4,2"  # the layout stage 0 reads
 
 
-@given(st.sampled_from(list(Op)), *[st.integers(-1, 2**40) for _ in range(6)])
-def test_control_message_round_trips_as_seven_integers(op, epoch, step, batch, hetero, policy, members):
-    msg = ControlMessage(op, epoch, step, batch, hetero, policy, members)
+@given(st.sampled_from(list(Op)), *[st.integers(-1, 2**40) for _ in range(7)])
+def test_control_message_round_trips_as_eight_integers(op, epoch, step, batch, hetero, policy, members, cut):
+    msg = ControlMessage(op, epoch, step, batch, hetero, policy, members, cut)
     values = msg.encode()
     assert len(values) == ControlMessage.SIZE and all(isinstance(v, int) for v in values)
     assert ControlMessage.decode(values) == msg
@@ -102,6 +109,7 @@ def test_store_keys_keep_their_layout():
         "lost/count",
     )
     assert (Keys.checkpoint_count(4), Keys.checkpoint_steps(4, 5)) == ("ckpt/4/n", "ckpt/4/rank5")
+    assert (Keys.checkpoint_cut(4, 5), Keys.cut(2), Keys.cut_done(2, 5)) == ("ckpt/4/cut5", "cut/2", "cut/2/done5")
     assert (Keys.batches_taken(0), Keys.step_time(0, 2)) == ("epoch0/taken", "epoch0/steptime/2")
     assert Keys.verdict(1, 7, "s1-0-2") == Keys.arrivals(1, 7, "s1-0-2") + "/verdict" == "arrive/s1/r7/s1-0-2/verdict"
     box = Keys.ps_mailbox(1)

@@ -308,6 +308,16 @@ def test_control_panel_applies_the_values_sent_with_a_press_and_refuses_bad_ones
     panel._on_message(panel, {"action": "remove pipeline", "values": {"remove": 1.5}}, [])
     [(action, error)] = pressed
     assert action == "remove pipeline" and "pipeline: must be a whole number" in str(error)
+    pressed.clear()
+    panel._on_message(panel, {"action": "re-cut", "values": {"cuts": "3; 6 "}}, [])
+    assert pressed == [("re-cut", None)] and panel.cuts == "3; 6"
+    pressed.clear()
+    panel._on_message(panel, {"action": "re-cut", "values": {"cuts": "3.5"}}, [])
+    [(action, error)] = pressed
+    assert action == "re-cut" and str(error) == (
+        "cut at: must be cut points (the first layer of stages 1..S-1, e.g. 3, 6), params or time, got '3.5'"
+    )
+    assert panel.cuts == "3; 6"  # the refused entry was not taken
 
 
 @pytest.mark.cluster
@@ -652,6 +662,43 @@ def test_live_dashboard_adds_and_removes_pipelines_and_its_rows_follow(data, sha
 
 
 @pytest.mark.cluster
+def test_live_dashboard_recuts_the_stages_and_marks_the_moment(data, shared_cluster):
+    """The panel shows the run's cut; a press of "re-cut" moves the stages (the kernel goes on meanwhile) and
+    says so, the panel then shows the new cut, the timeline marks the moment; a bad cut is said in one line."""
+    from sdpipe.widgets import Dashboard
+
+    train_data, _ = data
+    run = sdpipe.train(
+        digits_mlp(), train_data, stages=2, pipelines=2, cuts=(4,), policy="sdpipe", epochs=200, cluster=shared_cluster
+    )
+    dash = Dashboard(run, interval=0.25)
+    try:
+        deadline = await_events(dash, 100)
+        assert dash.panel.recut_enabled and dash.panel.cuts == "4"
+        dash.panel.press("re-cut", cuts="2")
+        while "re-cut applied" not in dash.message.value:
+            assert time.monotonic() < deadline + 120 and not run.done(), (run.status, dash.message.value)
+            time.sleep(0.1)
+        assert "stages start at layers 0, 2; every worker took it" in dash.message.value
+        assert run.cuts == (2,)
+        while "recut: stages start at layers 0, 2" not in [label for _, label in dash.view.controls]:
+            assert time.monotonic() < deadline + 150, dash.view.controls
+            time.sleep(0.2)
+        time.sleep(0.6)  # a redraw or two: the panel follows the run
+        assert dash.panel.cuts == "2"
+        dash.panel.press("re-cut", cuts="7")
+        while "re-cut not applied" not in dash.message.value:
+            assert time.monotonic() < deadline + 160, dash.message.value
+            time.sleep(0.1)
+        assert "ValueError: cuts: must be strictly increasing integers in 1..4, got [7]" in dash.message.value
+        run.stop()
+        run.result(timeout=120)
+    finally:
+        run.stop()
+        dash.stop()
+
+
+@pytest.mark.cluster
 def test_a_run_started_beside_another_says_so_in_its_repr_and_dashboard(data, shared_cluster):
     from sdpipe.widgets import Dashboard
 
@@ -734,6 +781,10 @@ def test_a_press_becomes_one_call_of_the_run_and_one_line():
     assert actions.plan("add pipeline", panel, h) == actions.Call("add_pipelines", (1,))
     assert actions.plan("remove pipeline", panel, h) == actions.Call("remove_pipeline", (2,))
     assert actions.plan("pause", panel, h) == actions.Call("pause")
+    for text, cuts in (("3, 6", (3, 6)), (" Time ", "time"), ("params", "params"), ("4", (4,))):
+        assert actions.plan("re-cut", SimpleNamespace(cuts=text), h) == actions.Call("recut", (cuts,))
+    said = actions.applied_text("re-cut", (3, 6), panel, 5.0, "c")
+    assert said == "c re-cut applied at t = 5.0 s: stages start at layers 0, 3, 6; every worker took it"
     with pytest.raises(ValueError, match=r"^action: 'rewind' is not one of policy, slowdowns, pause"):
         actions.plan("rewind", panel, h)
     said = actions.applied_text("policy", None, panel, 12.34, "10:00:00")

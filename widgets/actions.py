@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ACTIONS", "Call", "applied_text", "plan", "refused_text", "slowdowns_after"]
+__all__ = ["ACTIONS", "Call", "applied_text", "parse_cuts", "plan", "refused_text", "slowdowns_after"]
 
 #: the presses the control panel sends
-ACTIONS = ("policy", "slowdowns", "pause", "resume", "stop", "add pipeline", "remove pipeline")
+ACTIONS = ("policy", "slowdowns", "pause", "resume", "stop", "add pipeline", "remove pipeline", "re-cut")
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,24 @@ def slowdowns_after(slowdown: dict, shown: list, slowdown_of) -> dict:
     return out
 
 
+def parse_cuts(text):
+    """The re-cut a "cut at" entry asks for: ``"params"``, ``"time"`` or a tuple of cut points (``"3, 6"``); a
+    one-line ``ValueError`` otherwise (the run checks the points against its layers)."""
+    if not isinstance(text, str):
+        raise ValueError(f"cut at: must be text, got {type(text).__name__}")
+    words = text.strip().lower()
+    if words in ("params", "time"):
+        return words
+    parts = [x.strip() for x in words.replace(";", ",").split(",") if x.strip()]
+    if not parts or not all(x.isdigit() for x in parts):
+        raise ValueError(f"cut at: must be cut points (the first layer of stages 1..S-1, e.g. 3, 6), params or time, "
+                         f"got {text.strip()!r}")  # fmt: skip
+    return tuple(int(x) for x in parts)
+
+
 def plan(action: str, panel, heterogeneity) -> Call:
     """The run's call for a press of ``action`` with the panel's values now (``panel``: its ``policy``,
-    ``staleness``, ``max_group``, ``slowdown``, ``straggle_prob``, ``straggle_delay``, ``remove``)."""
+    ``staleness``, ``max_group``, ``slowdown``, ``straggle_prob``, ``straggle_delay``, ``remove``, ``cuts``)."""
     if action == "policy":
         return Call("set_policy", (panel.policy,), {"staleness": panel.staleness, "max_group": panel.max_group or None})
     if action == "slowdowns":
@@ -55,6 +70,8 @@ def plan(action: str, panel, heterogeneity) -> Call:
         return Call("add_pipelines", (1,))
     if action == "remove pipeline":
         return Call("remove_pipeline", (panel.remove,))
+    if action == "re-cut":
+        return Call("recut", (parse_cuts(panel.cuts),))
     if action in ("pause", "resume", "stop"):
         return Call(action)
     raise ValueError(f"action: {action!r} is not one of {', '.join(ACTIONS)}")
@@ -72,6 +89,8 @@ def applied_text(what: str, answer, panel, t: float, clock: str) -> str:
         said = f"pipeline {answer[0]} joins once its workers started (a live replica gives it its state)"
     elif what == "remove pipeline":
         said = f"pipeline {panel.remove} leaves at its next step boundary"
+    elif what == "re-cut":
+        said = f"stages start at layers 0, {', '.join(map(str, answer))}; every worker took it"
     elif what == "policy":
         said = (
             f"{panel.policy} (P = {panel.staleness}, max group {panel.max_group or 'all'}); every worker takes it "

@@ -19,11 +19,12 @@ import anywidget
 import traitlets
 
 from sdpipe.core.checks import number
+from sdpipe.widgets.actions import parse_cuts
 
 __all__ = ["ACTIONS", "ControlPanel"]
 
 #: what the buttons do, in the order they are shown
-ACTIONS = ("policy", "slowdowns", "pause", "resume", "stop", "add pipeline", "remove pipeline")
+ACTIONS = ("policy", "slowdowns", "pause", "resume", "stop", "add pipeline", "remove pipeline", "re-cut")
 #: (lowest, highest, step) of each slider
 SLOWDOWN = (1.0, 8.0, 0.5)
 STRAGGLE_PROB = (0.0, 0.5, 0.05)
@@ -110,7 +111,17 @@ class ControlPanel(anywidget.AnyWidget):
           addButton,
           el_("label", { className: "sdpipe-row" }, el_("span", { textContent: "pipeline" }), removeInput),
           removeButton);
-        el.append(el_("div", { className: "sdpipe-panel" }, policyBox, hetBox, runBox, memberBox));
+        // the model's cut into stages
+        const cutInput = el_("input", { type: "text", placeholder: "3, 6 or time",
+          title: "the first layer of stages 1..S-1, comma separated; or params (balanced by parameter count) or " +
+                 "time (by each layer's measured time)" });
+        touch("cuts", cutInput);
+        const recutButton = button("re-cut");
+        const stageBox = el_("div", { className: "sdpipe-col sdpipe-stages" }, el_("b", { textContent: "stages" }),
+          el_("label", { className: "sdpipe-row", title: cutInput.title }, el_("span", { textContent: "cut at" }),
+            cutInput),
+          recutButton);
+        el.append(el_("div", { className: "sdpipe-panel" }, policyBox, hetBox, runBox, memberBox, stageBox));
 
         // the values the user touched; an untouched slowdown travels as null (the kernel keeps the run's)
         const values = () => {
@@ -121,6 +132,7 @@ class ControlPanel(anywidget.AnyWidget):
             straggle_prob: Number(inputs.straggle_prob.input.value),
             straggle_delay: Number(inputs.straggle_delay.input.value),
             remove: Number(removeInput.value),
+            cuts: cutInput.value,
           };
           const out = Object.fromEntries(Object.entries(all).filter(([k]) => touched.has(k)));
           const slow = Array.from({ length: n }, (_, p) =>
@@ -151,6 +163,8 @@ class ControlPanel(anywidget.AnyWidget):
           resumeButton.disabled = status !== "paused";
           stopButton.disabled = !(live || status === "starting");
           for (const e of [addButton, removeButton, removeInput]) e.disabled = !(model.get("elastic") && live);
+          set("cuts", () => { cutInput.value = model.get("cuts"); });
+          for (const e of [cutInput, recutButton]) e.disabled = !(model.get("recut_enabled") && live);
           el.dataset.status = status;
         };
         show();
@@ -167,6 +181,7 @@ class ControlPanel(anywidget.AnyWidget):
     .sdpipe-controls .sdpipe-het { width: 340px; }
     .sdpipe-controls .sdpipe-run { width: 150px; }
     .sdpipe-controls .sdpipe-members { width: 260px; }
+    .sdpipe-controls .sdpipe-stages { width: 260px; }
     .sdpipe-controls .sdpipe-row { display: flex; align-items: center; gap: 8px; }
     .sdpipe-controls .sdpipe-row > span { width: 80px; flex: none; text-align: right; }
     .sdpipe-controls .sdpipe-row > select, .sdpipe-controls .sdpipe-row > input[type=number] { width: 150px; }
@@ -194,6 +209,10 @@ class ControlPanel(anywidget.AnyWidget):
     remove = traitlets.Int(0).tag(sync=True)
     #: whether pipelines can be added and removed (the run's policy lets them)
     elastic = traitlets.Bool(False).tag(sync=True)
+    #: the cut "re-cut" moves the stages to: cut points ("3, 6"), "params" or "time"
+    cuts = traitlets.Unicode("").tag(sync=True)
+    #: whether the run can be re-cut (an nn.Sequential, under a policy that lets it)
+    recut_enabled = traitlets.Bool(False).tag(sync=True)
     #: the run's status: the buttons that do not apply to it are disabled ("running": all but resume, "paused":
     #: all but pause, "starting": stop alone, ended: none)
     status = traitlets.Unicode("running").tag(sync=True)
@@ -222,7 +241,7 @@ class ControlPanel(anywidget.AnyWidget):
 
     def _take(self, values: dict) -> None:
         """Check ``values`` (as sent by a page or given to :meth:`press`) and take them."""
-        known = {"policy", "staleness", "max_group", "slowdown", "straggle_prob", "straggle_delay", "remove"}
+        known = {"policy", "staleness", "max_group", "slowdown", "straggle_prob", "straggle_delay", "remove", "cuts"}
         unknown = set(values) - known
         if unknown:
             raise ValueError(f"values: unknown {', '.join(sorted(unknown))}")
@@ -249,6 +268,9 @@ class ControlPanel(anywidget.AnyWidget):
             checked["straggle_delay"] = number("delay", values["straggle_delay"], *STRAGGLE_DELAY[:2])
         if "remove" in values:
             checked["remove"] = number("pipeline", values["remove"], 0, 10**6, whole=True)
+        if "cuts" in values:
+            parse_cuts(values["cuts"])  # a one-line error for what is no cut at all; the run checks the rest
+            checked["cuts"] = str(values["cuts"]).strip()
         with self.hold_sync():
             for k, v in checked.items():
                 setattr(self, k, v)

@@ -84,6 +84,8 @@ class _Controls:
             straggle_prob=float(h.straggle_prob),
             straggle_delay=float(h.straggle_delay),
             elastic=record(run.config.policy).elastic,  # pipelines can join and leave
+            cuts=", ".join(map(str, run.cuts or ())),
+            recut_enabled=run.cuts is not None and record(run.config.policy).recut,
             status=run.status,
         )
 
@@ -113,6 +115,11 @@ class _Controls:
             def call():
                 return getattr(run, planned.method)(*planned.args, **planned.kwargs)
 
+        if action == "re-cut" and error is None:  # it returns once every worker took it: the kernel goes on meanwhile
+            at = time.strftime("%H:%M:%S")
+            self.message.value = html.escape(f"{at} re-cut asked for: the layers move at the next step boundary")
+            threading.Thread(target=self._act, args=(action, call), name="sdpipe-recut", daemon=True).start()
+            return
         self._act(action, call)
 
     def _act(self, what: str, fn) -> None:

@@ -235,6 +235,8 @@ class RunView:
                     label = f"{what}: pipeline {e['pipeline']}"
                 elif what == "add":
                     label = f"add: pipeline {', '.join(map(str, e.get('pipelines') or []))}"
+                elif what == "recut":
+                    label = f"recut: stages start at layers 0, {', '.join(map(str, e.get('cuts') or []))}"
                 if e["what"] == "heterogeneity":
                     self.emulated = e.get("heterogeneity")
                 elif e["what"] == "shaped":

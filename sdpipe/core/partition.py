@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-__all__ = ["balanced_cuts", "check_cuts", "partition", "stage_bounds", "time_cuts"]
+__all__ = ["balanced_cuts", "check_cuts", "cut_points", "partition", "speed_cuts", "stage_bounds", "time_cuts"]
 
 
 def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
@@ -62,9 +62,17 @@ def _prefix(values: list) -> list:
     return out
 
 
-def _min_max_cuts(cost: list, stages: int, fits=None):
+def speed_cuts(seconds: Sequence[float], factors: Sequence[float]) -> list[int]:
+    """Cut points (start index of stages 1..S-1, S = ``len(factors)``) minimizing the slowest stage when stage ``k``
+    takes ``factors[k]`` times the sum of its layers' ``seconds`` (its workers that much slower than the
+    measurement).  Ties go to the earliest cut."""
+    return _min_max_cuts([float(x) for x in seconds], len(factors), scale=[float(f) for f in factors])
+
+
+def _min_max_cuts(cost: list, stages: int, fits=None, scale=None):
     """The contiguous cut of ``cost`` (one value per layer) into ``stages`` stages of at least one layer whose
-    largest stage sum is least (``fits(j, i)``: whether layers j..i-1 may form a stage); None when no cut fits."""
+    largest stage sum is least (``fits(j, i)``: whether layers j..i-1 may form a stage; ``scale[k]``: stage k's
+    sum counts that many times); None when no cut fits."""
     n = len(cost)
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages: must be an integer >= 1, got {stages!r}")
@@ -81,7 +89,7 @@ def _min_max_cuts(cost: list, stages: int, fits=None):
             for j in range(k - 1, i):
                 if fits is not None and not fits(j, i):
                     continue
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                v = max(best[k - 1][j], (scale[k - 1] if scale else 1.0) * (prefix[i] - prefix[j]))
                 if v < best[k][i]:
                     best[k][i], arg[k][i] = v, j
     if best[stages][n] == inf:
@@ -133,14 +141,17 @@ def partition(model, stages: int, cuts: Sequence[int] | None = None) -> list:
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model: must be an nn.Sequential or a list of nn.Module stages, got {type(model).__name__}")
     layers = list(model)
+    cuts = cut_points(layers, stages, cuts)
+    return [nn.Sequential(*layers[a:b]) for a, b in stage_bounds(cuts, len(layers))]
+
+
+def cut_points(layers: list, stages: int, cuts=None) -> list[int]:
+    """The cut points ``partition`` cuts the ``layers`` of an ``nn.Sequential`` at: balanced by parameter count
+    for None or ``"params"``, else ``cuts`` checked (:func:`check_cuts`)."""
     if isinstance(cuts, str) and cuts != "params":  # "time" is measured and chosen before (sdpipe.train)
         raise ValueError(f"cuts: {cuts!r} must be resolved to cut points before the model is cut")
     if cuts is None or cuts == "params":
-        cuts = balanced_cuts([sum(p.numel() for p in m.parameters()) for m in layers], stages)
-    else:
-        if stages > len(layers):
-            raise ValueError(
-                f"stages: {stages} exceeds the {len(layers)} layers of the model; allowed 1..{len(layers)}"
-            )
-        cuts = check_cuts(cuts, len(layers), stages)
-    return [nn.Sequential(*layers[a:b]) for a, b in stage_bounds(cuts, len(layers))]
+        return balanced_cuts([sum(p.numel() for p in m.parameters()) for m in layers], stages)
+    if stages > len(layers):
+        raise ValueError(f"stages: {stages} exceeds the {len(layers)} layers of the model; allowed 1..{len(layers)}")
+    return check_cuts(cuts, len(layers), stages)

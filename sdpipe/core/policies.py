@@ -65,6 +65,9 @@ class PolicyRecord:
     uses_service: bool = False
     #: its replicas move in lock step (fixed shards of each epoch, every step averaged by all)
     coupled: bool = False
+    #: ``Run.recut`` can move layers between the stages of a running run under it (not where servers or
+    #: background peers hold a stage's weights for the whole run)
+    recut: bool = False
     #: the simulator models it (``sdpipe.simulate``)
     simulated: bool = True
     #: its colour where a figure compares policies
@@ -99,6 +102,7 @@ _ALL = PolicyRecord(
     live=True,
     elastic=True,
     coupled=True,
+    recut=True,
     colour="#d62728",
 )
 
@@ -117,6 +121,7 @@ RECORDS: dict[str, PolicyRecord] = {
             elastic=True,
             rejoin=True,
             uses_service=True,
+            recut=True,
             colour="#1f77b4",
         ),
         _ALL,
@@ -151,6 +156,7 @@ RECORDS: dict[str, PolicyRecord] = {
             loss_tolerant=True,
             elastic=True,
             rejoin=True,
+            recut=True,
             colour="#7f7f7f",
         ),
     )

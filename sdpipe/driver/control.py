@@ -13,16 +13,17 @@ request in one line before anything is applied, applies it, records a ``control`
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
 from typing import Optional
 
 from sdpipe.config import LIVE_POLICIES, Heterogeneity
-from sdpipe.core.checks import is_integer
-from sdpipe.core.policies import SWITCHED_MODE, record
+from sdpipe.core.checks import is_integer, number
+from sdpipe.core.policies import SWITCHED_MODE, names, of_mode, record
 from sdpipe.wire import events
-from sdpipe.wire.protocol import Command, GroupServiceClient, Keys, MembershipChange, PolicyChange
+from sdpipe.wire.protocol import Command, CutChange, GroupServiceClient, Keys, MembershipChange, PolicyChange
 
 __all__ = ["ControlPlane", "Steering"]
 
@@ -92,6 +93,17 @@ class ControlPlane:
         with self.lock:
             self.service.pause(paused)
             self._write(pause=bool(paused))
+
+    def recut(self, change: CutChange, pause: bool = False) -> int:
+        """Publish ``change`` as the next cut version (with ``pause``, the run paused in the same write: a coupled
+        policy takes a re-cut in a pause); returns the version."""
+        with self.lock:
+            version = self.command.cut + 1
+            self._store.set(Keys.cut(version), change.encode())
+            if pause:
+                self.service.pause(True)
+            self._write(cut=version, pause=True if pause else self.command.pause)
+        return version
 
     def stop(self) -> None:
         """The group service first: pipelines under a group policy take the stop from their groups' answers
@@ -209,6 +221,144 @@ class Steering:
         self.policy, self.scheduler_policy = name, new
         params = {k: (None if v == float("inf") else v) for k, v in new.to_dict().items()}
         self._record("policy", policy=name, params=params)
+
+    def recut(self, cuts, timeout: Optional[float] = None) -> tuple:
+        """Move layers between the stages of every pipeline while the run trains; returns the cut now.
+
+        ``cuts``: the cut points (the start layer of stages 1..S-1), ``"params"`` (balanced by parameter count,
+        the default cut) or ``"time"`` (by each layer's forward and backward time measured on the driver, as
+        ``cuts="time"``).  Every stage of a pipeline takes it at one step boundary, an asynchronous schedule
+        drained first: the moved layers' weights and optimizer state go with them, and the layouts of what crosses
+        each boundary are probed anew.  No averaging mixes the two cuts: under ``sdpipe`` every stage's replicas
+        meet in a global sync first, under ``allreduce`` the run is paused for the re-cut (its replicas hold at
+        the same step) and resumed after, under ``none`` each pipeline takes it at its next step boundary.
+        Blocks until every worker took it (at most ``timeout`` seconds, by default the run's ``timeout``).
+        Recorded as a ``control`` event ``what="recut"`` (each worker's, with the layers it sent and received).
+        Checked in one line before anything moves: the cut, the model (an ``nn.Sequential``), the policy (not
+        ``ps`` or ``adpsgd``, whose servers and peers hold a stage's weights for the whole run), a pipeline
+        joining, a policy switch or another re-cut not yet taken up.
+        """
+        from sdpipe.core.partition import cut_points, time_cuts
+
+        if not self._from_sequential:
+            raise ValueError("recut: the model was given as a list of stage modules; only an nn.Sequential is re-cut")
+        S = self.config.stages
+        layers = [layer for m in self._stage_modules for layer in m]
+        allowed = (
+            f"'params', 'time' or {S - 1} cut points in 1..{len(layers) - 1} (the start layer of stages 1..{S - 1})"
+        )
+        if isinstance(cuts, str):
+            if cuts not in ("params", "time"):
+                raise ValueError(f"cuts: must be {allowed}, got {cuts!r}")
+        elif not isinstance(cuts, (list, tuple)) or not all(is_integer(c) for c in cuts):
+            raise ValueError(f"cuts: must be {allowed}, got {cuts!r}")
+        else:
+            cuts = [int(c) for c in cuts]
+        if timeout is not None:
+            number("timeout", timeout, 0.0)
+        mode = of_mode(self._control.mode) if self._control is not None else record(self.config.policy)
+        if not mode.recut:
+            raise ValueError(
+                f"recut: policy {self.policy!r} keeps a stage's weights in servers or peers for the whole run; a run "
+                f"is re-cut under {', '.join(names(recut=True))}"
+            )
+        if cuts != "time":
+            cuts = tuple(cut_points(layers, S, None if cuts == "params" else cuts))
+        self._require_running("recut")
+        if cuts == "time":
+            cuts = tuple(time_cuts([c.seconds for c in self._layer_costs()], S))
+        return self._recut(cuts, timeout=timeout)
+
+    def _recut(self, cuts: tuple, timeout: Optional[float] = None, reason: Optional[str] = None) -> tuple:
+        """A checked cut made (see :meth:`recut`; ``reason``: an automatic re-cut's, in its record)."""
+        import dataclasses
+
+        from torch import nn
+
+        from sdpipe.core.partition import partition
+        from sdpipe.driver.train import _probe_layouts
+
+        if cuts == tuple(self.cuts):
+            return cuts
+        joining = sorted(self._members.joining)
+        if joining:
+            raise RuntimeError(f"recut: pipeline {joining[0]} is joining the run; re-cut once it has joined")
+        pending = self._policy_pending()
+        if pending:
+            raise RuntimeError(f"recut: {pending}; re-cut once every pipeline has taken it")
+        if not self._recut_lock.acquire(blocking=False):
+            raise RuntimeError("recut: another re-cut is still being taken up; re-cut once it returned")
+        try:
+            S, mode = self.config.stages, of_mode(self._control.mode)
+            layers = [layer for m in self._stage_modules for layer in m]
+            modules = [copy.deepcopy(m) for m in partition(nn.Sequential(*layers), S, cuts)]
+            layouts, _ = _probe_layouts(modules, self._probe[0])
+            previous = tuple(self.cuts)
+            paused_here = mode.coupled and not self.paused
+            start = time.monotonic()
+            version = self._control.recut(CutChange(cuts, layouts), pause=paused_here)
+            try:
+                self._await_recut(version, self.config.timeout if timeout is None else timeout)
+            finally:
+                if paused_here and not self._done.is_set():
+                    self._control.pause(False)
+            self.config = dataclasses.replace(self.config, cuts=cuts)
+            self._stage_modules = modules
+            self._spec = dataclasses.replace(
+                self._spec, stage_modules=modules, layouts=layouts, cuts=cuts, cut_version=version,
+                config=self.config.to_dict(),
+            )  # fmt: skip
+            self._cuts_by_version[version] = cuts
+            fields = {"reason": reason} if reason else {}
+            self._record("recut", cuts=list(cuts), previous=list(previous), version=version,
+                         seconds=round(time.monotonic() - start, 3), **fields)  # fmt: skip
+        finally:
+            self._recut_lock.release()
+        return cuts
+
+    def _layer_costs(self) -> list:
+        """Each layer's measured cost (:func:`sdpipe.driver.layers.measure`), timed at the first re-cut by time
+        where the run was not cut by time."""
+        if self.layer_costs is None:
+            from sdpipe.driver.layers import measure
+
+            sample, targets, loss_fn = self._probe
+            self.layer_costs = measure([layer for m in self._stage_modules for layer in m], sample, targets, loss_fn)
+        return self.layer_costs
+
+    def _policy_pending(self) -> Optional[str]:
+        """What a live policy switch still waits for (every present worker's ``control`` record of it), or None."""
+        version = self._control.command.policy
+        if version == 0:
+            return None
+        took = {
+            (e["pipeline"], e["stage"])
+            for e in self._inbox.all()
+            if e.get("kind") == "control" and e.get("what") == "policy" and e.get("version") == version
+        }
+        if all((p, s) in took for p in self.pipelines for s in range(self.config.stages)):
+            return None
+        return f"the switch to policy {self.policy!r} is still being taken up"
+
+    def _await_recut(self, version: int, timeout: float) -> None:
+        """Until every worker of the pipelines present took re-cut ``version`` (bounded)."""
+        deadline = time.monotonic() + timeout
+        S = self.config.stages
+        while True:
+            ranks = [p * S + s for p in self.pipelines for s in range(S)]
+            if all(self._run_store.check([Keys.cut_done(version, r)]) for r in ranks):
+                return
+            if self._done.is_set():
+                raise RuntimeError(
+                    f"recut: run {self.run_id} ended ({self.status}) before every worker took the re-cut"
+                )
+            if time.monotonic() > deadline:
+                missing = [r for r in ranks if not self._run_store.check([Keys.cut_done(version, r)])]
+                raise RuntimeError(
+                    f"recut: workers {missing} (rank = pipeline x stages + stage) did not take the re-cut within "
+                    f"{timeout:g} s; they take it at their next step boundary"
+                )
+            time.sleep(0.05)
 
     def scheduler_state(self) -> dict:
         """A snapshot of the group service's state for this run (rounds, windows, disjoint sets)."""

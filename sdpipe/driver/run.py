@@ -148,6 +148,7 @@ class Run(Steering, Elastic):
         self._t0 = spec.t0
         self._from_sequential = from_sequential
         self._stage_modules = stage_modules
+        self._first_cuts = spec.cuts
         self._emulated = cluster if isinstance(cluster, EmulatedHosts) else None
         self._init_state()
         _RUNS.add(self)
@@ -174,6 +175,10 @@ class Run(Steering, Elastic):
         self._startup = "connecting to the Dask cluster"
         self._began, self._ended = time.monotonic(), None
         self._scheduler: Optional[str] = None  # the Dask scheduler's address, once connected
+        self._probe: Optional[tuple] = None  # (a micro-batch, its targets, the loss): a re-cut probes with it
+        self._recut_lock = threading.Lock()  # one re-cut at a time
+        #: re-cut version -> its cut points, as the configuration names them (a checkpoint's manifest)
+        self._cuts_by_version: dict = {0: self.config.cuts}
 
     def _connect_existing(self, cluster, security) -> None:
         """An existing cluster is reached (bounded) and checked here, so that a wrong address or too few workers
@@ -202,6 +207,12 @@ class Run(Steering, Elastic):
     def launched(self) -> bool:
         """Whether the run's workers were launched: from then on controls apply without waiting."""
         return self._launched.is_set()
+
+    @property
+    def cuts(self) -> Optional[tuple]:
+        """Where the model's layers are cut into stages now (the first layer of stages 1..S-1; :meth:`recut` moves
+        them), or None for a model given as a list of stage modules."""
+        return self._spec.cuts if self._spec is not None else self._first_cuts
 
     @property
     def t0(self) -> float:

@@ -17,7 +17,7 @@ from typing import Optional
 
 from sdpipe.checkpoint import load_checkpoint
 from sdpipe.config import TrainConfig, config_keywords
-from sdpipe.core.partition import partition
+from sdpipe.core.partition import cut_points, partition
 from sdpipe.core.policies import record
 from sdpipe.core.schedule import build_plan
 from sdpipe.data import StreamSource, as_source
@@ -106,6 +106,10 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
     _check_device(config, cluster)
     if config.cuts == "time" and not isinstance(model, nn.Sequential):
         raise ValueError(f"cuts: 'time' cuts an nn.Sequential; the model is {type(model).__name__}")
+    if config.rebalance is not None and not isinstance(model, nn.Sequential):
+        raise ValueError(f"rebalance: re-cuts an nn.Sequential; the model is {type(model).__name__}")
+    if resume_from is not None and config.cuts in (None, "params") and isinstance(model, nn.Sequential):
+        config = _checkpoint_cut(config, resume_from)
     stage_modules = None  # cut here, or by time once a micro-batch of the data is at hand
     if config.cuts != "time":
         stage_modules = [copy.deepcopy(m) for m in partition(model, config.stages, config.cuts)]
@@ -129,6 +133,8 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
         config = dataclasses.replace(config, cuts=tuple(cuts), memory_limit=None)
     if stage_modules is None:
         stage_modules = [copy.deepcopy(m) for m in partition(model, config.stages, config.cuts)]
+    sequential = isinstance(model, nn.Sequential)
+    cuts = tuple(cut_points(list(model), config.stages, config.cuts)) if sequential else None
     layouts, output = _probe_layouts(stage_modules, sample)
     metric = _check_loss_and_metric(loss_fn, metric, output, targets)
     resume, start = _resumed(resume_from, config, stage_modules)
@@ -149,6 +155,7 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
         streamed=streamed,
         target_layout=layout_of(targets, "targets") if streamed else None,
         t0=time.time(),
+        cuts=cuts,
         **start,
     )
     run = Run(
@@ -157,11 +164,16 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
         spec,
         (source, eval_source),
         cluster,
-        from_sequential=isinstance(model, nn.Sequential),
+        from_sequential=sequential,
         resume=resume,
         security=security,
     )
     run.layer_costs = layer_costs
+    run._probe = (sample, targets, loss_fn)  # what a re-cut probes its stages' outputs (and times layers) with
+    if config.rebalance is not None:
+        from sdpipe.driver.rebalance import Rebalancer
+
+        Rebalancer(run, config.rebalance).start()
     return run
 
 
@@ -189,6 +201,18 @@ def _time_cut(model, config: TrainConfig, sample, targets, loss_fn, resume_from)
     memory = [memory_of(c, config.microbatches) for c in costs]
     cuts = time_cuts([c.seconds for c in costs], config.stages, memory, config.memory_limit)
     return cuts, costs
+
+
+def _checkpoint_cut(config: TrainConfig, resume_from) -> TrainConfig:
+    """A run resumed with the default cut takes its checkpoint's cut points, where it has some (a run re-cut
+    while it trained, or cut by time, wrote its stages' weights cut that way)."""
+    try:
+        saved = load_checkpoint(resume_from).config.get("cuts")
+    except Exception:  # no checkpoint there: _check_resume says so in one line
+        return config
+    if isinstance(saved, list) and len(saved) == config.stages - 1:
+        return dataclasses.replace(config, cuts=tuple(saved))
+    return config
 
 
 def _resumed(resume_from, config: TrainConfig, stage_modules) -> tuple:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
+import shutil
 import time
 from typing import Optional
 
@@ -84,6 +86,15 @@ class CheckpointWriter:
         #: the epoch of the next checkpoint (None: no more)
         self.next = first_checkpoint(run.start_epoch, run.config.checkpoint_every, run.config.epochs)
 
+    def _skip(self, epoch: int, folder, versions: set) -> None:
+        """The checkpoint of ``epoch`` is left out: its parts were written on both sides of a re-cut."""
+        shutil.rmtree(folder, ignore_errors=True)
+        why = f"its parts were written on both sides of a re-cut (cut versions {sorted(versions)})"
+        log.warning("sdpipe: run %s wrote no checkpoint after epoch %d: %s", self.run.run_id, epoch, why)
+        at = time.time() - self.run.t0
+        self.run._inbox.add(events.control("checkpoint-skipped", at, applied_by="driver", epoch=epoch, reason=why))
+        self.next = first_checkpoint(epoch, self.run.config.checkpoint_every, self.run.config.epochs)
+
     def poll(self) -> Optional[BaseException]:
         """Once every live worker wrote its part of the next checkpoint: the manifest, then the folder into place."""
         run, cfg, epoch = self.run, self.run.config, self.next
@@ -99,6 +110,11 @@ class CheckpointWriter:
             folder = staging(cfg.checkpoint_dir, epoch, run.run_id)
             if not all((folder / f"rank{r}.pt").exists() for r in ranks):
                 return None
+            versions = {int(run._run_store.get(Keys.checkpoint_cut(epoch, r))) for r in ranks}
+            if len(versions) > 1:  # a re-cut fell between pipelines' ends of that epoch: its parts are cut two ways
+                self._skip(epoch, folder, versions)
+                return None
+            cfg = dataclasses.replace(cfg, cuts=run._cuts_by_version.get(versions.pop(), cfg.cuts))
             steps = {str(p): int(run._run_store.get(Keys.checkpoint_steps(epoch, p * cfg.stages))) for p in present}
             scheduler = None
             if of_mode(run._control.mode).uses_service:
@@ -155,7 +171,7 @@ class RunWatcher:
             bounds = self._bounds() if error is None else []
             if error is None:
                 run._result = assemble(
-                    self.config,
+                    run.config,  # its cut as the run ended (a re-cut changes it)
                     run._stage_modules,
                     results,
                     run._members.lost,

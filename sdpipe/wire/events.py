@@ -69,8 +69,8 @@ SCHEMA: dict = {
     "wait": ((), ("what", "group", "round")),
     # loss: the step's mean loss, at the last stage only; cpu: as forward's; step_cpu, process_cpu, machine_cpu: CPU
     # seconds since the worker's previous update ended, of its training thread, of its whole process and of its
-    # machine (every process on it)
-    "optimizer": (("epoch",), ("loss", "cpu", "step_cpu", "process_cpu", "machine_cpu")),
+    # machine (every process on it); versions: under an asynchronous schedule, the older weight versions stashed
+    "optimizer": (("epoch",), ("loss", "cpu", "step_cpu", "process_cpu", "machine_cpu", "versions")),
     # lane="background": an overlapped averaging, in the worker's background thread while its next step computes
     "sync": (("group",), ("round", "reason", "mass", "weighting", "failed", "served", "server", "lane")),
     "save": (("epoch",), ()),  # this worker's part of a checkpoint
@@ -81,7 +81,10 @@ SCHEMA: dict = {
     # what: pause, resume, stop, heterogeneity, policy, shaped; and the pipelines present: "add" (the driver was
     # asked for more), "donated" (a worker gave its stage's state to joiner "to"), "joined" (every stage of the
     # joiner took it: its "donor", "generation", whether a lost pipeline came back, "seconds" from its launch),
-    # "join-failed", "leave" (asked), "left" (the pipeline's worker took it at a step boundary)
+    # "join-failed", "leave" (asked), "left" (the pipeline's worker took it at a step boundary); "recut": the driver's
+    # (its "cuts", the "previous" ones, "seconds" until every worker took it) and each worker's (the layers it
+    # "sent" and "received", their "bytes", the "epoch" and the "batches" of it its pipeline trained before);
+    # "checkpoint-skipped": a checkpoint whose parts were written on both sides of a re-cut ("epoch", "reason")
     "control": (
         ("what",),
         (
@@ -103,6 +106,12 @@ SCHEMA: dict = {
             "to",
             "bytes",
             "reason",
+            "cuts",
+            "previous",
+            "sent",
+            "received",
+            "epoch",
+            "batches",
         ),
     ),
     "checkpoint": (("epoch", "path"), ()),

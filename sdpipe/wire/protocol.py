@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import json
+import pickle
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -35,6 +36,7 @@ __all__ = [
     "SERVICE_TIMEOUT",
     "Command",
     "ControlMessage",
+    "CutChange",
     "GroupAnswer",
     "GroupServiceClient",
     "GroupServiceError",
@@ -122,6 +124,12 @@ class WorkerSpec:
     store_host: Optional[str] = None
     """Address of the run's rendezvous store (set once it listens)."""
     store_port: Optional[int] = None
+    cuts: Optional[tuple] = None
+    """Where ``stage_modules`` cut the model's layers (the start layer of stages 1..S-1), when the model is an
+    ``nn.Sequential``; None for a list of stage modules (it cannot be re-cut)."""
+    cut_version: int = 0
+    """The re-cut (:attr:`Command.cut`) ``stage_modules`` and ``layouts`` come from: 0 for the run's first cut; a
+    pipeline that joins after a re-cut starts from the current one."""
 
     @property
     def metric_name(self) -> Optional[str]:
@@ -148,9 +156,9 @@ class Command:
     """What the driver asks of the run, under the store key :attr:`Keys.CTL`, read by every pipeline's stage 0.
 
     ``seq`` numbers the driver's writes: a reader holding readings from two connections keeps the newest.
-    ``hetero``, ``policy`` and ``members`` are versions whose content is stored under :meth:`Keys.hetero`,
-    :meth:`Keys.policy` and :meth:`Keys.members` (one change of the pipelines present per version: a join or
-    a leave).  Encoded as ``"seq,stop,hetero,policy,pause,members"``.
+    ``hetero``, ``policy``, ``members`` and ``cut`` are versions whose content is stored under :meth:`Keys.hetero`,
+    :meth:`Keys.policy`, :meth:`Keys.members` (one change of the pipelines present per version: a join or
+    a leave) and :meth:`Keys.cut` (a re-cut).  Encoded as ``"seq,stop,hetero,policy,pause,members,cut"``.
     """
 
     seq: int = 0
@@ -159,15 +167,16 @@ class Command:
     policy: int = 0
     pause: bool = False
     members: int = 0
+    cut: int = 0
 
     def encode(self) -> str:
-        return f"{self.seq},{int(self.stop)},{self.hetero},{self.policy},{int(self.pause)},{self.members}"
+        return f"{self.seq},{int(self.stop)},{self.hetero},{self.policy},{int(self.pause)},{self.members},{self.cut}"
 
     @classmethod
     def decode(cls, raw) -> "Command":
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
-        seq, stop, hetero, policy, pause, members = text.split(",")
-        return cls(int(seq), stop == "1", int(hetero), int(policy), pause == "1", int(members))
+        seq, stop, hetero, policy, pause, members, cut = text.split(",")
+        return cls(int(seq), stop == "1", int(hetero), int(policy), pause == "1", int(members), int(cut))
 
     def next(self, **changes) -> "Command":
         """The next write: ``changes`` applied and the sequence number advanced."""
@@ -190,6 +199,22 @@ class PolicyChange:
     def decode(cls, raw) -> "PolicyChange":
         d = json.loads(raw.decode() if isinstance(raw, (bytes, bytearray)) else raw)
         return cls(d["mode"], d["name"])
+
+
+@dataclass(frozen=True)
+class CutChange:
+    """Under :meth:`Keys.cut` (a version): the cut every pipeline's layers move to, and the layout of each stage's
+    output under it (probed on the driver); pickled (layouts are dataclasses)."""
+
+    cuts: tuple
+    layouts: list
+
+    def encode(self) -> bytes:
+        return pickle.dumps(self)
+
+    @staticmethod
+    def decode(raw) -> "CutChange":
+        return pickle.loads(bytes(raw))
 
 
 @dataclass(frozen=True)
@@ -335,13 +360,14 @@ class Op(enum.IntEnum):
     EPOCH_END = 2
     PAUSE = 3  # stage 0 holds the pipeline; sent a few times a second as a heartbeat
     LEAVE = 4  # this pipeline leaves the run (run.remove_pipeline); the others go on
+    RECUT = 5  # the pipeline's layers move to the cut of version ``cut`` (run.recut) before its next step
 
 
 @dataclass(frozen=True)
 class ControlMessage:
-    """The step's control message, sent by stage 0 down its pipeline as seven int64 values.
+    """The step's control message, sent by stage 0 down its pipeline as eight int64 values.
 
-    ``[op, epoch, step, batch (-1: none), heterogeneity version, policy version, membership version]``
+    ``[op, epoch, step, batch (-1: none), heterogeneity version, policy version, membership version, cut version]``
     """
 
     op: Op
@@ -351,16 +377,17 @@ class ControlMessage:
     hetero: int = 0
     policy: int = 0
     members: int = 0
+    cut: int = 0
 
-    SIZE = 7
+    SIZE = 8
 
     def encode(self) -> list:
-        return [int(self.op), self.epoch, self.step, self.batch, self.hetero, self.policy, self.members]
+        return [int(self.op), self.epoch, self.step, self.batch, self.hetero, self.policy, self.members, self.cut]
 
     @classmethod
     def decode(cls, values) -> "ControlMessage":
-        op, epoch, step, batch, hetero, policy, members = (int(v) for v in values)
-        return cls(Op(op), epoch, step, batch, hetero, policy, members)
+        op, epoch, step, batch, hetero, policy, members, cut = (int(v) for v in values)
+        return cls(Op(op), epoch, step, batch, hetero, policy, members, cut)
 
 
 # ------------------------------------------------------------------ store keys
@@ -422,6 +449,21 @@ class Keys:
     def checkpoint_steps(epoch: int, rank: int) -> str:
         """Steps rank ``rank`` had taken when it wrote its part of that checkpoint."""
         return f"ckpt/{epoch}/rank{rank}"
+
+    @staticmethod
+    def checkpoint_cut(epoch: int, rank: int) -> str:
+        """The cut version (:attr:`Command.cut`) rank ``rank``'s part of that checkpoint is cut by."""
+        return f"ckpt/{epoch}/cut{rank}"
+
+    @staticmethod
+    def cut(version: int) -> str:
+        """The driver: a re-cut (:class:`CutChange`, pickled), for :attr:`Command.cut`."""
+        return f"cut/{version}"
+
+    @staticmethod
+    def cut_done(version: int, rank: int) -> str:
+        """Rank ``rank`` took re-cut ``version`` (set once its layers moved)."""
+        return f"cut/{version}/done{rank}"
 
     @staticmethod
     def batches_taken(epoch: int) -> str:

@@ -133,16 +133,17 @@ class PipelineControl:
 
         A heartbeat control message goes down the pipeline a few times a
         second, so the other stages' waits never run into their timeout.
-        Returns (stop, heterogeneity version, policy version) once resumed.
+        Returns (stop, heterogeneity version, policy version, cut version) once resumed, or at once when the
+        driver published a re-cut (taken in the pause; the pipeline holds again after it).
         """
         start = time.time()
         while True:
             self.exchange(ControlMessage(Op.PAUSE, 0, step, -1, hv, pv))
             time.sleep(0.2)
             cmd = self.read()
-            if cmd.stop or not cmd.pause:
+            if cmd.stop or not cmd.pause or cmd.cut > self.worker.cut_version:
                 self.worker.span("pause", step, None, start, time.time())
-                return cmd.stop, cmd.hetero, cmd.policy
+                return cmd.stop, cmd.hetero, cmd.policy, cmd.cut
 
     def changes(self, version: int) -> bool:
         """Stage 0 at a step boundary: look at the membership changes up to ``version`` not seen yet.

@@ -329,3 +329,14 @@ def allreduce_mean_(
     sums = [float(x) for x in flat[n:]]
     unflatten_(tensors, flat[:n].div_(sums[-1] if weight is not None else size).to(device))
     return sums
+
+
+def allreduce_max(group, value: float, comm_device, timeout: float) -> float:
+    """The largest of the members' ``value`` over ``group`` (one number: a re-cut's version agreed in a global
+    sync)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=comm_device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    opts.timeout = datetime.timedelta(seconds=timeout)
+    group.allreduce([t], opts).wait()
+    return float(t[0])

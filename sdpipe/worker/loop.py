@@ -32,6 +32,7 @@ from sdpipe.data import ShardReader, batch_indices
 from sdpipe.wire import events
 from sdpipe.wire.protocol import (
     ControlMessage,
+    CutChange,
     GroupAnswer,
     GroupServiceClient,
     GroupServiceError,
@@ -46,6 +47,7 @@ from sdpipe.worker.comm import TAG_TARGET, Link, as_peer_lost, make_group
 from sdpipe.worker.connect import connect_store, nccl_interface, own_address
 from sdpipe.worker.handover import await_state
 from sdpipe.worker.pace import Pace
+from sdpipe.worker.recut import move_layers
 from sdpipe.worker.sink import EventSink
 from sdpipe.worker.stage import AsyncStream, evaluate, train_step
 from sdpipe.worker.sync import make_policy, state_tensors
@@ -100,6 +102,9 @@ class Worker:
         self.steps_per_epoch = spec.steps_per_epoch
         self.hetero_version = 0
         self.policy_version = 0
+        #: where the model's layers are cut now (None: the run was given stage modules) and the re-cut it came from
+        self.cuts = tuple(spec.cuts) if spec.cuts is not None else None
+        self.cut_version = spec.cut_version
         self.dispenser = Dispenser(self.store, self.pipeline, self.pipelines, spec.batches_per_epoch)
         self.reader = None  # stage 0 on a stream: its pipeline's shard (set with the data, in Training)
         self.ctl = PipelineControl(self, connect_store(spec, self.timeout) if self.first else None)
@@ -118,10 +123,7 @@ class Worker:
         self.layout_in = spec.layouts[self.stage - 1] if not self.first else None
         self.layout_out = spec.layouts[self.stage]
         self.plan = spec.plan[self.stage]
-        self.stream = None  # an asynchronous schedule's micro-batches in flight across steps
-        if cfg["schedule"] in ASYNC_SCHEDULES:
-            every = cfg["update_every"] or default_update_every(cfg["schedule"], self.stages, cfg["microbatches"])
-            self.stream = AsyncStream(self, every)
+        self._new_stream(cfg)
         self.link = None
         if self.stages > 1:
             name = f"pipe{self.pipeline}" + (f".g{self.generation}" if self.generation else "")
@@ -130,6 +132,32 @@ class Worker:
                 self.device,
                 self.backend,
             )
+
+    def _new_stream(self, cfg: dict) -> None:
+        """An asynchronous schedule's micro-batches in flight across steps (None under a flushing schedule)."""
+        self.stream = None
+        if cfg["schedule"] in ASYNC_SCHEDULES:
+            every = cfg["update_every"] or default_update_every(cfg["schedule"], self.stages, cfg["microbatches"])
+            self.stream = AsyncStream(self, every)
+
+    def recut(self, version: int, step: int, epoch: int, j: int) -> None:
+        """Take re-cut ``version`` (every stage of the pipeline at this step boundary, the stream drained): the
+        replicas of this stage meet first where the policy needs it (:meth:`SyncPolicy.barrier`), then the layers
+        move (:func:`sdpipe.worker.recut.move_layers`); recorded as a ``control`` event (``epoch``, and ``j``: the
+        batches of the epoch this pipeline trained before it), counted in the store."""
+        start = time.time()
+        self.policy.settle(self, step)
+        version = self.policy.barrier(self, step, version)
+        moved = move_layers(self, CutChange.decode(self.store.get(Keys.cut(version))))
+        self.cut_version = version
+        self._new_stream(self.cfg)  # its weight versions referred to the old stage's parameters
+        self.describe()
+        now = time.time()
+        self.span(
+            "control", step, None, now, now, what="recut", cuts=list(self.cuts), version=version, applied_by="worker",
+            epoch=epoch, batches=j, seconds=round(now - start, 4), **moved,
+        )  # fmt: skip
+        self.store.set(Keys.cut_done(version, self.rank), "1")
 
     def _take_policy(self, cfg: dict, join: Optional[dict]) -> None:
         """The sync policy in force (a joiner's: the one its join names) set up; the command watcher closed if not."""
@@ -147,8 +175,10 @@ class Worker:
             self.ctl.close()
             raise
 
-    def _make_optimizer(self, cfg: dict):
-        params = [p for p in self.module.parameters() if p.requires_grad]
+    def _make_optimizer(self, cfg: dict, params: Optional[list] = None):
+        """The run's optimizer over ``params`` (default: the stage's trainable parameters); None without any."""
+        if params is None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:  # a stage of parameter-free layers (a lone activation) has nothing to update
             return None
         opt, lr, wd = cfg["optimizer"], cfg["lr"], cfg["weight_decay"]
@@ -282,6 +312,7 @@ class Worker:
         }
         write_rank(self.cfg["checkpoint_dir"], epoch, self.run_id, self.rank, state)
         self.store.set(Keys.checkpoint_steps(epoch, self.rank), str(step))
+        self.store.set(Keys.checkpoint_cut(epoch, self.rank), str(self.cut_version))
         self.store.add(Keys.checkpoint_count(epoch), 1)
         self.span("save", step, None, t, time.time(), epoch=epoch)
 
@@ -393,6 +424,11 @@ class Training:
                 w.pace.end()
             if msg.op is Op.PAUSE:  # stage 0 holds the pipeline; this is its heartbeat
                 continue
+            if msg.op is Op.RECUT:  # the layers move before the next step (a drained stream: see below)
+                if w.stream is not None and not w.stream.idle:
+                    w.stream.drain(lambda: self.step, lambda loss, **kw: self._update(epoch, loss, **kw))
+                w.recut(msg.cut, self.step, epoch, j)
+                continue
             changes = msg.policy > w.policy_version or msg.members > w.members_version
             if w.stream is not None and not w.stream.idle and (msg.op is not Op.RUN or changes):
                 # an asynchronous schedule drains where the run needs consistent weights: the epoch's end (its
@@ -433,8 +469,9 @@ class Training:
         w = self.w
         if not w.first:
             return w.ctl.exchange(None)
-        # a reading up to CTL_MAX_AGE old (the watcher keeps one)
-        cmd = w.read_ctl(CTL_MAX_AGE)
+        # a reading up to CTL_MAX_AGE old (the watcher keeps one); a fresh one as an epoch starts, since the global
+        # sync that ended the last one may have been a re-cut's meeting for the other replicas (see recut_now)
+        cmd = w.read_ctl(0.0 if j == 0 else CTL_MAX_AGE)
         stop, hv, pv, pause = cmd.stop, cmd.hetero, cmd.policy, cmd.pause
         coupled = w.policy.coupled
         mv = cmd.members
@@ -444,9 +481,15 @@ class Training:
             mv = max(agreed_members, w.ctl.seen)
         else:  # a group policy takes the stop from its groups' answers (same round, same word)
             stop = w.policy.decide_stop(stop)
+        cut = max(cmd.cut, w.policy.pending_cut(w))
+        if not stop and not coupled and cut > w.cut_version:
+            return self._recut_now(epoch, cut)
         if pause and not stop:
             with w.pace.waiting():  # a pause is no part of the pipeline's own step: a slowdown never stretches it
-                stop, hv, pv = w.ctl.hold(self.step, hv, pv)
+                stop, hv, pv, cut = w.ctl.hold(self.step, hv, pv)
+                cut = max(cut, w.policy.pending_cut(w))
+            if not stop and cut > w.cut_version:  # taken in the pause, where coupled replicas hold at one step
+                return self._recut_now(epoch, cut)
             self.agreed = (agreed_stop, agreed_version, False, agreed_members)
             if coupled:
                 stop, pv = stop or agreed_stop, agreed_version or w.policy_version
@@ -459,6 +502,21 @@ class Training:
         op = Op.STOP if stop else Op.LEAVE if leave else (Op.EPOCH_END if batch is None else Op.RUN)
         mv = w.ctl.seen
         return w.ctl.exchange(ControlMessage(op, epoch, self.step, -1 if batch is None else batch, hv, pv, mv))
+
+    def _recut_now(self, epoch: int, version: int) -> ControlMessage:
+        """Stage 0: the pipeline takes re-cut ``version`` at this boundary.
+
+        The stages' replicas must change their cut together, so that no averaging mixes layers of two cuts: a
+        coupled policy takes it only in a pause (its replicas agreed that step in their collective; the driver
+        pauses such a run for its re-cut), a group policy's replicas meet in a global sync first
+        (:meth:`SyncPolicy.barrier`), which the group service forms only once every replica of the stage asks
+        for it; a replica that was in it for its epoch's end reads the command afresh at the next epoch's first
+        boundary, so it takes the re-cut before its next averaging."""
+        w = self.w
+        msg = ControlMessage(
+            Op.RECUT, epoch, self.step, -1, w.hetero_version, w.policy_version, w.members_version, version
+        )
+        return w.ctl.exchange(msg)
 
     def _train(self, epoch: int, batch: int) -> Optional[float]:
         """One step on ``batch``: the stage's compute, the policy's sync, the optimizer; the last stage's loss."""

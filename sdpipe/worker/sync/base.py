@@ -19,8 +19,9 @@ class SyncPolicy(abc.ABC):
 
     **What the worker loop may use** (nothing else): the attributes :attr:`name`, :attr:`coupled`,
     :attr:`record` and :attr:`mass`, and the methods :meth:`setup`, :meth:`decide_stop`, :meth:`next_batch`,
-    :meth:`after_backward`, :meth:`after_step`, :meth:`settle`, :meth:`epoch_end`, :meth:`stopping`, :meth:`leave`,
-    :meth:`close`; plus :func:`make_policy` and :func:`state_tensors` of this module.
+    :meth:`after_backward`, :meth:`after_step`, :meth:`settle`, :meth:`epoch_end`, :meth:`barrier`,
+    :meth:`pending_cut`, :meth:`stopping`, :meth:`leave`, :meth:`close`; plus :func:`make_policy` and
+    :func:`state_tensors` of this module.
 
     **What a policy may use of the worker** (nothing else):
 
@@ -33,7 +34,8 @@ class SyncPolicy(abc.ABC):
     * ``worker.group(name, rank, size, connect_timeout=None, pipelines=None)``, ``worker.drop_group(g)``;
     * ``worker.delay_link()``: the emulated link's delay before a transfer; ``worker.dispense(epoch)``;
     * attributes ``store``, ``timeout``, ``stage``, ``pipeline``, ``pipelines``, ``module``,
-      ``link_device``, ``rng``, ``cfg`` (the ``TrainConfig`` as a dict), ``steps_per_epoch``.
+      ``link_device``, ``rng``, ``cfg`` (the ``TrainConfig`` as a dict), ``steps_per_epoch``, ``cut_version`` (the
+      re-cut its stage is cut by).
 
     Every policy says what its replicas do after a step and at an epoch's end (:meth:`after_step`,
     :meth:`epoch_end`, abstract), even when the answer is "nothing".
@@ -92,6 +94,18 @@ class SyncPolicy(abc.ABC):
     def settle(self, worker, step=None, boundary: bool = True) -> None:  # noqa: B027 (an optional hook: by default it does nothing)
         """Before the weights must be this replica's own and complete (an epoch's end: its evaluation and
         checkpoint): finish any exchange still in flight.  Nothing to do for most policies."""
+
+    def barrier(self, worker, step: int, version: int) -> int:
+        """A re-cut (``run.recut``) to ``version`` at this step boundary, after :meth:`settle`: where replicas of
+        the stage could otherwise average layers of two cuts, they all meet here first; returns the version to
+        take (a newer one where the replicas met agree on it).  By default no meeting: a policy whose replicas
+        never average, or hold at one step already (a coupled policy takes a re-cut in a pause)."""
+        return version
+
+    def pending_cut(self, worker) -> int:
+        """Stage 0 at a step boundary: the newest re-cut this replica must take before it averages again (its
+        own cut version when none; see :meth:`barrier`)."""
+        return worker.cut_version
 
     def stopping(self, worker, step: int) -> None:  # noqa: B027 (an optional hook: by default it does nothing)
         """The run stops at this step boundary (before :meth:`leave`)."""

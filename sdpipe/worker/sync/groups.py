@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from sdpipe.core import sync_rules as rules
 from sdpipe.wire.protocol import GroupAnswer, Keys, pipeline_lost
-from sdpipe.worker.comm import CONNECT_TIMEOUT, allreduce_mean_
+from sdpipe.worker.comm import CONNECT_TIMEOUT, allreduce_max, allreduce_mean_
 from sdpipe.worker.sync.base import SyncPolicy, failure, state_tensors
 
 __all__ = ["GroupPolicy", "all_arrive"]
@@ -66,23 +67,30 @@ class GroupPolicy(SyncPolicy):
     def setup(self, worker) -> None:
         self.groups: dict = {}  # group name -> its process group
         self.mass = 1.0
+        #: the re-cut the members of this worker's last global sync agreed on (see :meth:`barrier`)
+        self.agreed_cut = worker.cut_version
 
     def _ask(self, worker, step: int, global_sync: bool) -> GroupAnswer:
         """The group service's answer for this worker at ``step``."""
         return worker.ask_group(step, global_sync=global_sync)
 
-    def _average(self, worker, answer: GroupAnswer, step: int) -> bool:
+    def _average(self, worker, answer: GroupAnswer, step: int, cut: Optional[int] = None) -> bool:
         """Average with the answer's group; False when the group was skipped because a member's pipeline was
-        lost first."""
-        ok, self.mass = self._exchange(worker, answer, step, state_tensors(worker), self.mass)
+        lost first.  ``cut`` (a global sync): the re-cut this member meets the others for (its own cut version
+        when none); the members agree on the newest (:attr:`agreed_cut`)."""
+        ok, self.mass = self._exchange(worker, answer, step, state_tensors(worker), self.mass, cut=cut)
         return ok
 
-    def _exchange(self, worker, answer: GroupAnswer, step: int, tensors: list, mass: float, **extra) -> tuple:
+    def _exchange(
+        self, worker, answer: GroupAnswer, step: int, tensors: list, mass: float, cut: Optional[int] = None, **extra
+    ) -> tuple:
         """Average ``tensors`` (in place) with the answer's group, this member counting with ``mass``;
         returns ``(False when a member's pipeline was lost before the group formed, the mass after)``.
-        ``extra``: more fields of the ``sync`` span."""
+        ``cut``: see :meth:`_average`.  ``extra``: more fields of the ``sync`` span."""
         members, weighting = answer.members, answer.weighting
         if len(members) < 2:
+            if cut is not None:
+                self.agreed_cut = max(self.agreed_cut, cut)
             return True, rules.mass_after_round(mass, answer.reason)
         start = time.time()
         fields = dict(group=members, round=answer.round, reason=answer.reason, **extra)
@@ -120,6 +128,9 @@ class GroupPolicy(SyncPolicy):
                 weight=rules.member_weight(mass, weighting),
             )[0]
             after = rules.mass_after_round(rules.mass_after_group(total, len(members)), answer.reason)
+            if cut is not None:
+                agreed = allreduce_max(pg, cut, worker.link_device, worker.timeout)
+                self.agreed_cut = max(self.agreed_cut, int(agreed))
         except RuntimeError as e:
             # a member died during the collective (its pipeline is being lost): this worker keeps its own
             # weights (allreduce_mean_ writes them back only after the collective returned), forgets the
@@ -135,13 +146,30 @@ class GroupPolicy(SyncPolicy):
         worker.span("sync", step, None, start, time.time(), **fields, mass=round(mass, 4), weighting=weighting)
         return True, after
 
-    def _global_sync(self, worker, step: int, answer: GroupAnswer) -> None:
+    def _global_sync(self, worker, step: int, answer: GroupAnswer, cut: Optional[int] = None) -> None:
         """Average with a global sync's answer; when a member's pipeline was lost before the group formed
-        (every member then skips it: one verdict), the survivors ask for a global sync among themselves again."""
+        (every member then skips it: one verdict), the survivors ask for a global sync among themselves again.
+        The members also agree on the newest re-cut any of them met for (``cut``; see :meth:`barrier`)."""
+        cut = worker.cut_version if cut is None else cut
         for _ in range(4 * worker.pipelines + 8):  # each retry follows a loss (rejoined pipelines can be lost again)
-            if self._average(worker, answer, step):
+            if self._average(worker, answer, step, cut=cut):
                 return
             answer = self._ask(worker, step, True)
+
+    def barrier(self, worker, step: int, version: int) -> int:
+        """A re-cut: the stage's replicas meet in a global sync (which the group service forms once every replica
+        asked for it), so every averaging before it has the old stages and every one after it the new.  A global
+        sync is one group whatever each member came for: a replica there for its epoch's end (or a stop) meets
+        the re-cut's replicas in it too, so its members agree on the newest re-cut any of them came for
+        (:attr:`agreed_cut`), and every member takes that one before it averages again; one that met the others
+        so already skips the meeting.  Returns the version to take."""
+        if self.agreed_cut < version:
+            self.settle(worker, step)
+            self._global_sync(worker, step, self._ask(worker, step, True), cut=version)
+        return max(version, self.agreed_cut)
+
+    def pending_cut(self, worker) -> int:
+        return max(worker.cut_version, self.agreed_cut)
 
     def leave(self, worker) -> None:
         worker.leave_service()
