@@ -702,3 +702,55 @@ def test_transformer_notebook_after_run_all_fits_with_every_panel_drawn(tmp_path
         shots = views_after_the_end(page, "05")
     for shot in shots:
         assert shot.stat().st_size > 20_000, shot
+
+
+def test_the_recut_control_moves_the_stages_and_the_timeline_marks_the_moment(tmp_path, no_leaks):
+    """Notebook 08's first run (the digits CNN cut badly: stage 1 holds the last layer alone), awaited in its cell:
+    the control panel shows the run's cut; a cut typed in the page and pressed is applied (the message line says
+    so), the panel then shows the new cut, and the timeline marks the moment; stop ends the run."""
+    import nbformat
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    nb = nbformat.read(ROOT / "notebooks" / "08_recut.ipynb", as_version=4)
+    cells = nb.cells
+    start = next(i for i, c in enumerate(cells) if "run = sdpipe.train(" in c.source)
+    close = next(c for c in cells if "sdpipe.close_cluster(" in c.source)
+    awaited = nbformat.v4.new_code_cell("result = await run.wait_async(timeout=900)\nprint(result.config.cuts)")
+    nb.cells = [*cells[: start + 1], awaited, close]
+    assert "cuts=(9,)" in cells[start].source
+    name = "recut.ipynb"
+    nbformat.write(nb, tmp_path / name)
+    with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
+        run_notebook(page, url, token, name)
+        wait_js(page, HEADER_RUNNING, 240, "the live dashboard's header saying the run is running", poll=0.25)
+        wait_live(page, "s.drawn > 10", 120, "the live timeline drawing its first steps")
+        cut_input = """() => {
+            const i = document.querySelector('.sdpipe-controls .sdpipe-stages input');
+            const b = Array.from(document.querySelectorAll('button.sdpipe-button'))
+                .find(b => b.textContent === 're-cut');
+            return i && b ? {value: i.value, disabled: i.disabled || b.disabled} : null;
+        }"""
+        shown = wait_js(page, f"() => {{ const s = ({cut_input})(); return s && !s.disabled ? s : null; }}", 60,
+                        "the re-cut control enabled")  # fmt: skip
+        assert shown["value"] == "9", shown
+        page.evaluate("""() => {
+            const i = document.querySelector('.sdpipe-controls .sdpipe-stages input');
+            i.value = '6';
+            i.dispatchEvent(new Event('input', {bubbles: true}));
+        }""")
+        state = press(
+            page,
+            "re-cut",
+            "/re-cut applied at t = [0-9.]+ s: stages start at layers 0, 6; every worker took it/.test(s.text)"
+            " && s.markers.includes('recut: stages start at layers 0, 6')",
+            "the re-cut applied and its moment in the timeline",
+            wait=120,
+        )
+        assert state["drawn"] > 10, state["drawn"]  # (TRACES counts notebook 01's four pipelines)
+        wait_js(page, f"() => {{ const s = ({cut_input})(); return s && s.value === '6' ? s : null; }}", 30,
+                "the panel showing the run's new cut")  # fmt: skip
+        page.set_viewport_size({"width": 1440, "height": 3000})
+        shot = screenshot(page, "recut-1440.png")
+        press(page, "stop", "/status (stopped|finished)/.test(s.text)", "the run stopped from the page", wait=120)
+        finish(page)
+    assert shot.stat().st_size > 20_000

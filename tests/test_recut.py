@@ -191,11 +191,12 @@ def test_replicas_stay_identical_across_a_recut_under_allreduce(shared_cluster, 
     assert [type(m).__name__ for m in result.models[0]] == [type(m).__name__ for m in digits_cnn(channels=8)]
 
 
-def test_a_recut_in_a_paused_run_waits_for_a_policy_switch_and_keeps_the_pause(shared_cluster, no_leaks):
+def test_under_sdpipe_a_recut_is_taken_after_a_global_sync_and_waits_for_a_policy_switch(shared_cluster, no_leaks):
     """Paused, the pipelines hold: a switch from ``none`` to ``sdpipe`` asked for now is not taken up yet, and a
-    re-cut says so in one line.  Once the resume took it up, a re-cut made in a second pause is taken by every
-    worker, each after a global sync with its stage's other replica, and the pipelines hold again right after it
-    (no step between the re-cut and the pause that follows) until resumed."""
+    re-cut says so in one line.  Once the resume took it up and the run is paused again, a re-cut that would wait
+    for a global sync a paused run never reaches is refused in one line; asked without waiting, it is taken after
+    the resume: every worker takes it at the first step boundary of an epoch, right after the global sync that
+    ended the last one (its stage's two replicas, who agreed on it there), and the replicas end identical."""
     (X, Y), (EX, EY) = digits()
     run = sdpipe.train(digits_mlp(), (X, Y), eval_data=(EX, EY), pipelines=2, policy="none",
                        heterogeneity=sdpipe.Heterogeneity(slowdown={1: 2.0}), **common(shared_cluster))  # fmt: skip
@@ -210,23 +211,26 @@ def test_a_recut_in_a_paused_run_waits_for_a_policy_switch_and_keeps_the_pause(s
         assert time.monotonic() < deadline and not run.done(), run.status
         time.sleep(0.1)
     run.pause()
-    assert run.recut((4,)) == (4,)
-    assert run.paused
+    with pytest.raises(ValueError, match=r"^recut: under 'sdpipe' the pipelines take a re-cut after their next global"):
+        run.recut((4,))
+    assert run.recut((4,), wait=False) == (4,) and run.cuts == (4,) and run.paused
+    with pytest.raises(RuntimeError, match=r"^recut: another re-cut is still being taken up"):
+        run.recut((3,), wait=False)
     run.resume()
     result = run.result(timeout=600)
     assert_records_valid(result.events)
     mine = [e for e in recut_records(result) if e["applied_by"] == "worker"]
     assert sorted((e["pipeline"], e["stage"]) for e in mine) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for e in mine:
+        assert e["batches"] == 0, e  # an epoch's first boundary
         own = [x for x in result.events if (x["pipeline"], x["stage"]) == (e["pipeline"], e["stage"])]
         syncs = [x for x in own if x["kind"] == "sync" and x["end"] <= e["start"] + 1e-6]
-        last = max(syncs, key=lambda x: x["end"])  # the stage's replicas met just before
+        last = max(syncs, key=lambda x: x["end"])  # the last averaging before it: the global sync
         assert last.get("reason") == "global" and sorted(last["group"]) == [0, 1], last
-        if e["stage"] == 0:  # its pipeline held again at once: a pause after it, and no update in between
-            after = [x for x in own if x["start"] >= e["start"] and x["kind"] in ("pause", "optimizer")]
-            assert min(after, key=lambda x: x["start"])["kind"] == "pause", after[:3]
+    assert len({e["epoch"] for e in mine}) == 1  # the same epoch's end for both pipelines
     assert result.max_param_diff() < 1e-5  # the last epoch's global sync
     assert result.config.cuts == (4,)
+    assert [len(m) for m in result.models] == [5, 5]
 
 
 def test_pipelines_under_none_recut_each_at_its_own_boundary(shared_cluster, no_leaks):
@@ -272,6 +276,43 @@ def test_bad_recuts_get_one_line_before_anything_moves(shared_cluster, no_leaks)
     listed.result(timeout=300)
     with pytest.raises(ValueError, match=r"^recut: the model was given as a list of stage modules; only an "):
         listed.recut((3,))
+    with pytest.raises(ValueError, match=r"^rebalance: re-cuts an nn.Sequential; the model is list$"):
+        sdpipe.train(stages, (X, Y), pipelines=1, rebalance=True, **common(shared_cluster, epochs=1))
+
+
+def test_automatic_rebalancing_moves_layers_off_the_stage_that_stays_the_bottleneck(shared_cluster, no_leaks):
+    """Started from a bad cut (stage 1 holds the last layer alone), the run re-cuts itself toward stage 1; after a
+    live slowdown of stage 1 of every pipeline, it re-cuts again, moving layers back to stage 0.  Each automatic
+    re-cut is a driver ``control`` record with its reason, every worker took it, and the run trains on."""
+    (X, Y), (EX, EY) = digits()
+    run = sdpipe.train(digits_cnn(channels=32), (X, Y), eval_data=(EX, EY), pipelines=2, policy="sdpipe", cuts=(9,),
+                       rebalance={"steps": 8, "every": 2.0}, **common(shared_cluster, epochs=1000))  # fmt: skip
+
+    def automatic(n: int, timeout: float = 120) -> list:
+        deadline = time.monotonic() + timeout
+        while True:
+            made = [e for e in recut_records(run) if e["applied_by"] == "driver" and e.get("reason")]
+            if len(made) >= n:
+                return made
+            assert time.monotonic() < deadline and not run.done(), (run.status, made)
+            time.sleep(0.2)
+
+    try:
+        first = automatic(1)[0]
+        assert first["previous"] == [9] and first["cuts"][0] < 9, first
+        assert first["reason"].startswith("stage 0 took "), first
+        run.set_heterogeneity(compute_slowdown={(0, 1): 4.0, (1, 1): 4.0})
+        second = automatic(2)[1]
+        assert second["cuts"][0] > first["cuts"][0] and second["reason"].startswith("stage 1 took "), second
+        assert run.cuts == tuple(automatic(2)[-1]["cuts"])
+    finally:
+        run.stop()
+    result = run.result(timeout=300)
+    assert_records_valid(result.events)
+    for e in recut_records(result):
+        if e["applied_by"] == "driver":
+            took = [w for w in recut_records(result) if w["applied_by"] == "worker" and w["version"] == e["version"]]
+            assert len(took) == 4, (e, took)
 
 
 def test_a_checkpoint_after_a_recut_resumes_with_its_cut(shared_cluster, tmp_path, no_leaks):

@@ -62,17 +62,19 @@ def _prefix(values: list) -> list:
     return out
 
 
-def speed_cuts(seconds: Sequence[float], factors: Sequence[float]) -> list[int]:
+def speed_cuts(seconds: Sequence[float], factors: Sequence[float], fixed: Sequence[float] | None = None) -> list[int]:
     """Cut points (start index of stages 1..S-1, S = ``len(factors)``) minimizing the slowest stage when stage ``k``
-    takes ``factors[k]`` times the sum of its layers' ``seconds`` (its workers that much slower than the
-    measurement).  Ties go to the earliest cut."""
-    return _min_max_cuts([float(x) for x in seconds], len(factors), scale=[float(f) for f in factors])
+    takes ``factors[k]`` times the sum of its layers' ``seconds`` plus ``fixed[k]`` (what it spends whatever layers
+    it holds).  Ties go to the earliest cut."""
+    return _min_max_cuts(
+        [float(x) for x in seconds], len(factors), scale=[float(f) for f in factors], offset=fixed and list(fixed)
+    )
 
 
-def _min_max_cuts(cost: list, stages: int, fits=None, scale=None):
+def _min_max_cuts(cost: list, stages: int, fits=None, scale=None, offset=None):
     """The contiguous cut of ``cost`` (one value per layer) into ``stages`` stages of at least one layer whose
-    largest stage sum is least (``fits(j, i)``: whether layers j..i-1 may form a stage; ``scale[k]``: stage k's
-    sum counts that many times); None when no cut fits."""
+    largest stage sum is least (``fits(j, i)``: whether layers j..i-1 may form a stage; stage k's sum counts
+    ``scale[k]`` times, plus ``offset[k]``); None when no cut fits."""
     n = len(cost)
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages: must be an integer >= 1, got {stages!r}")
@@ -89,7 +91,8 @@ def _min_max_cuts(cost: list, stages: int, fits=None, scale=None):
             for j in range(k - 1, i):
                 if fits is not None and not fits(j, i):
                     continue
-                v = max(best[k - 1][j], (scale[k - 1] if scale else 1.0) * (prefix[i] - prefix[j]))
+                own = (scale[k - 1] if scale else 1.0) * (prefix[i] - prefix[j]) + (offset[k - 1] if offset else 0.0)
+                v = max(best[k - 1][j], own)
                 if v < best[k][i]:
                     best[k][i], arg[k][i] = v, j
     if best[stages][n] == inf:

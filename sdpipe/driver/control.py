@@ -222,21 +222,23 @@ class Steering:
         params = {k: (None if v == float("inf") else v) for k, v in new.to_dict().items()}
         self._record("policy", policy=name, params=params)
 
-    def recut(self, cuts, timeout: Optional[float] = None) -> tuple:
-        """Move layers between the stages of every pipeline while the run trains; returns the cut now.
+    def recut(self, cuts, wait: bool = True, timeout: Optional[float] = None) -> tuple:
+        """Move layers between the stages of every pipeline while the run trains; returns the new cut.
 
         ``cuts``: the cut points (the start layer of stages 1..S-1), ``"params"`` (balanced by parameter count,
         the default cut) or ``"time"`` (by each layer's forward and backward time measured on the driver, as
         ``cuts="time"``).  Every stage of a pipeline takes it at one step boundary, an asynchronous schedule
         drained first: the moved layers' weights and optimizer state go with them, and the layouts of what crosses
-        each boundary are probed anew.  No averaging mixes the two cuts: under ``sdpipe`` every stage's replicas
-        meet in a global sync first, under ``allreduce`` the run is paused for the re-cut (its replicas hold at
-        the same step) and resumed after, under ``none`` each pipeline takes it at its next step boundary.
-        Blocks until every worker took it (at most ``timeout`` seconds, by default the run's ``timeout``).
-        Recorded as a ``control`` event ``what="recut"`` (each worker's, with the layers it sent and received).
-        Checked in one line before anything moves: the cut, the model (an ``nn.Sequential``), the policy (not
-        ``ps`` or ``adpsgd``, whose servers and peers hold a stage's weights for the whole run), a pipeline
-        joining, a policy switch or another re-cut not yet taken up.
+        each boundary are probed anew.  No averaging mixes the two cuts: under ``allreduce`` the run is paused for
+        the re-cut (its replicas hold at the same step) and resumed after; under ``sdpipe`` every pipeline takes it
+        right after the next global sync (an epoch's end, every ``sync_every`` epochs), whose members agree on it;
+        under ``none`` each pipeline takes it at its next step boundary.  With ``wait`` it returns once every
+        worker took it (at most ``timeout`` seconds, by default the run's ``timeout``; a ``TimeoutError`` says it is
+        still to be taken), else at once.  Recorded as ``control`` events ``what="recut"``: the driver's, and each
+        worker's with the layers it sent and received.  Checked in one line before anything moves: the cut, the
+        model (an ``nn.Sequential``), the policy (not ``ps`` or ``adpsgd``, whose servers and peers hold a stage's
+        weights for the whole run), a pipeline joining, a policy switch or another re-cut not yet taken up, a
+        wait that a paused run under ``sdpipe`` would never end.
         """
         from sdpipe.core.partition import cut_points, time_cuts
 
@@ -267,9 +269,11 @@ class Steering:
         self._require_running("recut")
         if cuts == "time":
             cuts = tuple(time_cuts([c.seconds for c in self._layer_costs()], S))
-        return self._recut(cuts, timeout=timeout)
+        return self._recut(cuts, wait=wait, timeout=timeout)
 
-    def _recut(self, cuts: tuple, timeout: Optional[float] = None, reason: Optional[str] = None) -> tuple:
+    def _recut(
+        self, cuts: tuple, wait: bool = True, timeout: Optional[float] = None, reason: Optional[str] = None
+    ) -> tuple:
         """A checked cut made (see :meth:`recut`; ``reason``: an automatic re-cut's, in its record)."""
         import dataclasses
 
@@ -280,16 +284,25 @@ class Steering:
 
         if cuts == tuple(self.cuts):
             return cuts
+        if self._cut_pending():
+            raise RuntimeError("recut: another re-cut is still being taken up; re-cut once it has been")
         joining = sorted(self._members.joining)
         if joining:
             raise RuntimeError(f"recut: pipeline {joining[0]} is joining the run; re-cut once it has joined")
         pending = self._policy_pending()
         if pending:
             raise RuntimeError(f"recut: {pending}; re-cut once every pipeline has taken it")
+        mode = of_mode(self._control.mode)
+        at_sync = mode.exchange == "groups" and not mode.coupled  # taken after the next global sync
+        if wait and at_sync and self.paused:
+            raise ValueError(
+                f"recut: under {self.policy!r} the pipelines take a re-cut after their next global sync, which a "
+                "paused run does not reach; resume first, or pass wait=False"
+            )
         if not self._recut_lock.acquire(blocking=False):
             raise RuntimeError("recut: another re-cut is still being taken up; re-cut once it returned")
         try:
-            S, mode = self.config.stages, of_mode(self._control.mode)
+            S = self.config.stages
             layers = [layer for m in self._stage_modules for layer in m]
             modules = [copy.deepcopy(m) for m in partition(nn.Sequential(*layers), S, cuts)]
             layouts, _ = _probe_layouts(modules, self._probe[0])
@@ -297,21 +310,24 @@ class Steering:
             paused_here = mode.coupled and not self.paused
             start = time.monotonic()
             version = self._control.recut(CutChange(cuts, layouts), pause=paused_here)
-            try:
-                self._await_recut(version, self.config.timeout if timeout is None else timeout)
-            finally:
-                if paused_here and not self._done.is_set():
-                    self._control.pause(False)
+            # the run's cut from now on (every worker takes it; a pipeline that joins starts from it)
+            self._cuts_by_version[version] = cuts
+            self._recut_version = version
             self.config = dataclasses.replace(self.config, cuts=cuts)
             self._stage_modules = modules
             self._spec = dataclasses.replace(
                 self._spec, stage_modules=modules, layouts=layouts, cuts=cuts, cut_version=version,
                 config=self.config.to_dict(),
             )  # fmt: skip
-            self._cuts_by_version[version] = cuts
             fields = {"reason": reason} if reason else {}
-            self._record("recut", cuts=list(cuts), previous=list(previous), version=version,
-                         seconds=round(time.monotonic() - start, 3), **fields)  # fmt: skip
+            try:
+                if wait or paused_here:
+                    self._await_recut(version, self.config.timeout if timeout is None else timeout)
+                    fields["seconds"] = round(time.monotonic() - start, 3)
+            finally:
+                if paused_here and not self._done.is_set():
+                    self._control.pause(False)
+                self._record("recut", cuts=list(cuts), previous=list(previous), version=version, **fields)
         finally:
             self._recut_lock.release()
         return cuts
@@ -340,6 +356,14 @@ class Steering:
             return None
         return f"the switch to policy {self.policy!r} is still being taken up"
 
+    def _cut_pending(self) -> bool:
+        """Whether a re-cut published is not yet taken by every worker of the pipelines present."""
+        version, S = self._recut_version, self.config.stages
+        if not version:
+            return False
+        ranks = [p * S + s for p in self.pipelines for s in range(S)]
+        return not all(self._run_store.check([Keys.cut_done(version, r)]) for r in ranks)
+
     def _await_recut(self, version: int, timeout: float) -> None:
         """Until every worker of the pipelines present took re-cut ``version`` (bounded)."""
         deadline = time.monotonic() + timeout
@@ -354,9 +378,9 @@ class Steering:
                 )
             if time.monotonic() > deadline:
                 missing = [r for r in ranks if not self._run_store.check([Keys.cut_done(version, r)])]
-                raise RuntimeError(
+                raise TimeoutError(
                     f"recut: workers {missing} (rank = pipeline x stages + stage) did not take the re-cut within "
-                    f"{timeout:g} s; they take it at their next step boundary"
+                    f"{timeout:g} s; it stays asked for, and they take it as the policy lets them"
                 )
             time.sleep(0.05)
 

@@ -1,15 +1,19 @@
 """Automatic re-cuts (``TrainConfig.rebalance``): a driver thread that re-cuts every pipeline when one stage stays
 the bottleneck.
 
-It reads the run's records as they arrive and keeps, for each worker, its own time of each step under the current
-cut: the step's forwards and backwards and the sleep of an emulated slowdown (what the worker itself spends, not
-its waits for the others).  Once every stage has a worker with ``steps`` whole steps since the last change (a
-re-cut, or a change of the heterogeneity), each stage's time is the median over the pipelines of its workers'
-means.  Worked case, 3 stages whose layers' measured times sum to ``C = (4, 4, 4)`` ms, stage 1 slowed 3x: its
-times ``T = (4.4, 13.1, 4.5)`` ms make it the bottleneck (13.1 > 1.25 x the others' mean 4.45), its workers run
-``T / C = (1.1, 3.3, 1.1)`` times slower than the measurement, and the cut whose slowest stage is fastest at those
-speeds (:func:`sdpipe.core.partition.speed_cuts`) gives stage 1 fewer layers; it is taken if it makes the slowest
-stage at least ``margin`` faster, at most once every ``every`` seconds.
+It reads the run's records as they arrive and keeps, for each worker and each step under the current cut, its
+own time (its forwards and backwards, and the sleep of an emulated slowdown: not its waits for the others), the
+CPU time of its forwards and backwards, and how many micro-batches they ran.  Once every stage has a worker with
+``steps`` whole steps since the last change (a re-cut, or a change of the heterogeneity), a stage's figures are
+those of the median pipeline.  A stage is modelled as running ``f = time / CPU time`` slower than its CPU work (an
+emulated slowdown sleeps; two workers sharing a core wait for it), its CPU work as its layers' times measured on
+the driver (``cuts="time"``'s) once per micro-batch plus what it spends whatever layers it holds (the CPU time
+beyond them: the loss, autograd, the framework).  Worked case, 10 layers, cut ``(9,)``, 4 micro-batches a step:
+stage 0 holds 3.98 ms of layers and spends 17.8 ms a step at 16.9 ms of CPU (``f = 1.05``, 1.0 ms beyond its
+layers), stage 1 holds 0.24 ms and spends 2.1 ms at 2.0 ms of CPU (1.0 ms beyond): stage 0 is the bottleneck
+(17.8 > 1.25 x 2.1), and the cut whose slowest stage is fastest under that model
+(:func:`sdpipe.core.partition.speed_cuts`) is taken if it makes the slowest stage ``margin`` faster, at most once
+every ``every`` seconds.
 """
 
 from __future__ import annotations
@@ -27,17 +31,17 @@ __all__ = ["Rebalancer", "StageTimes", "decide"]
 
 log = logging.getLogger("sdpipe")
 
-#: the span kinds that are a worker's own time in a step (a slowdown's sleep is a "straggle" of what="slowdown")
+#: the span kinds of a worker's own compute in a step (a slowdown's sleep is a "straggle" of what="slowdown")
 OWN = ("forward", "backward")
 
 
 class StageTimes:
-    """Each worker's own time per step since the last change, from the run's records."""
+    """Each worker's own time, CPU time and micro-batches per step since the last change, from the run's records."""
 
     def __init__(self, keep: int):
         self.keep = keep
         self.since = 0.0  # run time of the last change: spans that start before it do not count
-        self._steps: dict = {}  # (pipeline, stage) -> {step: seconds}
+        self._steps: dict = {}  # (pipeline, stage) -> {step: [seconds, cpu seconds, micro-batches]}
 
     def reset(self, at: float) -> None:
         self.since = at
@@ -50,47 +54,59 @@ class StageTimes:
             if not own or e["start"] < self.since or e.get("step") is None:
                 continue
             per = self._steps.setdefault((e["pipeline"], e["stage"]), {})
-            per[e["step"]] = per.get(e["step"], 0.0) + (e["end"] - e["start"])
+            row = per.setdefault(e["step"], [0.0, 0.0, 0])
+            row[0] += e["end"] - e["start"]
+            if kind in OWN:
+                row[1] += e.get("cpu") or 0.0
+                row[2] += kind == "forward"
             if len(per) > self.keep + 2:  # only the last steps count
                 del per[min(per)]
 
     def stage_times(self, pipelines: list, stages: int) -> Optional[list]:
-        """Each stage's time per step (the median over ``pipelines`` of their workers' means over their last
-        ``keep`` whole steps), or None while a stage has no worker with that many."""
+        """Per stage ``(seconds, CPU seconds, micro-batches)`` a step: of the pipeline whose worker's mean time
+        over its last ``keep`` whole steps is the median; None while a stage has no worker with that many."""
         out = []
         for s in range(stages):
             means = []
             for p in pipelines:
                 per = self._steps.get((p, s), {})
-                whole = sorted(per)[:-1]  # the latest step may still be running
+                whole = sorted(per)[:-1][-self.keep :]  # the latest step may still be running
                 if len(whole) >= self.keep:
-                    means.append(sum(per[k] for k in whole[-self.keep :]) / self.keep)
+                    means.append(tuple(sum(per[k][i] for k in whole) / self.keep for i in range(3)))
             if not means:
                 return None
-            out.append(statistics.median(means))
+            median = statistics.median_low([m[0] for m in means])
+            out.append(next(m for m in means if m[0] == median))
         return out
 
 
 def decide(times: list, layer_seconds: list, cuts: tuple, margin: float) -> Optional[tuple]:
-    """The re-cut to make for stage ``times`` under ``cuts`` (each layer measured at ``layer_seconds``), or None:
-    only where the slowest stage exceeds the others' mean by ``margin`` and the new cut is predicted to make the
-    slowest stage faster by ``margin`` (see the module's worked case)."""
+    """The re-cut to make for the stages' ``times`` (``(seconds, CPU seconds, micro-batches)`` a step each) under
+    ``cuts``, each layer measured at ``layer_seconds`` a micro-batch; or None: only where the slowest stage takes
+    more than the others' mean by ``margin`` and the new cut is predicted to make the slowest stage that much
+    faster (the model of the module's docstring)."""
     S = len(times)
     if S < 2:
         return None
-    slow = max(range(S), key=lambda s: times[s])
-    others = [t for s, t in enumerate(times) if s != slow]
-    if times[slow] <= (1.0 + margin) * (sum(others) / len(others)):
+    wall = [t[0] for t in times]
+    slow = max(range(S), key=lambda s: wall[s])
+    others = [w for s, w in enumerate(wall) if s != slow]
+    if wall[slow] <= (1.0 + margin) * (sum(others) / len(others)):
         return None
-    bounds = stage_bounds(list(cuts), len(layer_seconds))
-    own = [max(sum(layer_seconds[a:b]), 1e-9) for a, b in bounds]
-    factors = [t / c for t, c in zip(times, own, strict=True)]
-    new = tuple(speed_cuts(layer_seconds, factors))
-    predicted = max(
-        f * sum(layer_seconds[a:b])
-        for f, (a, b) in zip(factors, stage_bounds(list(new), len(layer_seconds)), strict=True)
-    )
-    if new == tuple(cuts) or predicted * (1.0 + margin) > times[slow]:
+    n = len(layer_seconds)
+    held = [sum(layer_seconds[a:b]) for a, b in stage_bounds(list(cuts), n)]
+    mbs = max(1.0, statistics.median([t[2] for t in times]))  # micro-batches a step (all stages run as many)
+    speed = [max(1.0, w / c) if c > 0 else 1.0 for w, (_, c, _) in zip(wall, times, strict=True)]
+    fixed = [max(0.0, c - mbs * h) for (_, c, _), h in zip(times, held, strict=True)]
+    scale = [f * mbs for f in speed]
+    offset = [f * x for f, x in zip(speed, fixed, strict=True)]
+    new = tuple(speed_cuts(layer_seconds, scale, offset))
+
+    def slowest(c) -> float:
+        bounds = stage_bounds(list(c), n)
+        return max(k * sum(layer_seconds[a:b]) + o for k, o, (a, b) in zip(scale, offset, bounds, strict=True))
+
+    if new == tuple(cuts) or slowest(new) * (1.0 + margin) > slowest(cuts):
         return None
     return new
 
@@ -136,11 +152,12 @@ class Rebalancer:
             cuts = decide(times, seconds, run.cuts, self.policy.margin)
             if cuts is None:
                 continue
-            slow = max(range(len(times)), key=lambda s: times[s])
-            reason = f"stage {slow} took {times[slow] * 1e3:.1f} ms a step, the others {_listed(times, slow)}"
+            wall = [t[0] for t in times]
+            slow = max(range(len(wall)), key=lambda s: wall[s])
+            reason = f"stage {slow} took {wall[slow] * 1e3:.1f} ms a step, the others {_listed(wall, slow)}"
             try:
                 run._recut(cuts, reason=reason)
-            except (RuntimeError, ValueError) as e:  # a policy switch or a join not taken up yet: try again later
+            except (RuntimeError, ValueError, TimeoutError) as e:  # a switch or a join not taken up yet: later
                 log.info("sdpipe: run %s: automatic re-cut put off: %s", run.run_id, e)
                 continue
             self._last = time.monotonic()

@@ -117,6 +117,8 @@ def assemble(
     """
     from torch import nn
 
+    from sdpipe.core.partition import partition
+
     left = left or {}
     pipelines = config.pipelines if pipelines is None else pipelines
     models = []
@@ -125,8 +127,14 @@ def assemble(
             models.append(None)
             continue
         parts = []
+        cut = results[p * config.stages].cuts
+        if from_sequential and cut is not None:  # the pipeline's own cut as it ended (a late re-cut: not taken)
+            whole = nn.Sequential(*[layer for m in stage_modules for layer in m])
+            modules = partition(whole, config.stages, list(cut))
+        else:
+            modules = stage_modules
         for s in range(config.stages):
-            mod = copy.deepcopy(stage_modules[s])
+            mod = copy.deepcopy(modules[s])
             mod.load_state_dict(results[p * config.stages + s].state)
             parts.append(mod)
         layers = [layer for part in parts for layer in part] if from_sequential else parts

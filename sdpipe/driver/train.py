@@ -173,7 +173,8 @@ def _start(config: TrainConfig, model, data, loss_fn, metric, cluster, resume_fr
     if config.rebalance is not None:
         from sdpipe.driver.rebalance import Rebalancer
 
-        Rebalancer(run, config.rebalance).start()
+        run._rebalancer = Rebalancer(run, config.rebalance)
+        run._rebalancer.start()
     return run
 
 

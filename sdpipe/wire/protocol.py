@@ -301,6 +301,9 @@ class WorkerResult:
     joined: bool = True
     #: the event records it sent (the driver waits until it has received them all)
     events: int = 0
+    #: where its pipeline's layers were cut as it ended (a re-cut asked late may not have been taken); None for
+    #: a model given as stage modules
+    cuts: Optional[tuple] = None
 
 
 # ------------------------------------------------------------------ the group service's answer

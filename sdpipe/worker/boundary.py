@@ -134,14 +134,16 @@ class PipelineControl:
         A heartbeat control message goes down the pipeline a few times a
         second, so the other stages' waits never run into their timeout.
         Returns (stop, heterogeneity version, policy version, cut version) once resumed, or at once when the
-        driver published a re-cut (taken in the pause; the pipeline holds again after it).
+        driver published a re-cut the policy takes in a pause (:meth:`SyncPolicy.pending_cut`; the pipeline holds
+        again after it).
         """
         start = time.time()
         while True:
             self.exchange(ControlMessage(Op.PAUSE, 0, step, -1, hv, pv))
             time.sleep(0.2)
             cmd = self.read()
-            if cmd.stop or not cmd.pause or cmd.cut > self.worker.cut_version:
+            w = self.worker
+            if cmd.stop or not cmd.pause or w.policy.pending_cut(w, cmd.cut) > w.cut_version:
                 self.worker.span("pause", step, None, start, time.time())
                 return cmd.stop, cmd.hetero, cmd.policy, cmd.cut
 

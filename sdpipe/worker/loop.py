@@ -141,13 +141,12 @@ class Worker:
             self.stream = AsyncStream(self, every)
 
     def recut(self, version: int, step: int, epoch: int, j: int) -> None:
-        """Take re-cut ``version`` (every stage of the pipeline at this step boundary, the stream drained): the
-        replicas of this stage meet first where the policy needs it (:meth:`SyncPolicy.barrier`), then the layers
-        move (:func:`sdpipe.worker.recut.move_layers`); recorded as a ``control`` event (``epoch``, and ``j``: the
-        batches of the epoch this pipeline trained before it), counted in the store."""
+        """Take re-cut ``version`` (every stage of the pipeline at this step boundary, the stream drained, an
+        averaging in flight landed): the layers move (:func:`sdpipe.worker.recut.move_layers`); recorded as a
+        ``control`` event (``epoch``, and ``j``: the batches of the epoch this pipeline trained before it),
+        counted in the store."""
         start = time.time()
         self.policy.settle(self, step)
-        version = self.policy.barrier(self, step, version)
         moved = move_layers(self, CutChange.decode(self.store.get(Keys.cut(version))))
         self.cut_version = version
         self._new_stream(self.cfg)  # its weight versions referred to the old stage's parameters
@@ -410,6 +409,7 @@ class Training:
             steps=self.step,
             stopped=self.stopped and not self.left,
             left=self.left,
+            cuts=w.cuts,
         )
 
     def _epoch(self, epoch: int) -> None:
@@ -469,9 +469,8 @@ class Training:
         w = self.w
         if not w.first:
             return w.ctl.exchange(None)
-        # a reading up to CTL_MAX_AGE old (the watcher keeps one); a fresh one as an epoch starts, since the global
-        # sync that ended the last one may have been a re-cut's meeting for the other replicas (see recut_now)
-        cmd = w.read_ctl(0.0 if j == 0 else CTL_MAX_AGE)
+        # a reading up to CTL_MAX_AGE old (the watcher keeps one)
+        cmd = w.read_ctl(CTL_MAX_AGE)
         stop, hv, pv, pause = cmd.stop, cmd.hetero, cmd.policy, cmd.pause
         coupled = w.policy.coupled
         mv = cmd.members
@@ -481,13 +480,13 @@ class Training:
             mv = max(agreed_members, w.ctl.seen)
         else:  # a group policy takes the stop from its groups' answers (same round, same word)
             stop = w.policy.decide_stop(stop)
-        cut = max(cmd.cut, w.policy.pending_cut(w))
+        cut = w.policy.pending_cut(w, cmd.cut)
         if not stop and not coupled and cut > w.cut_version:
             return self._recut_now(epoch, cut)
         if pause and not stop:
             with w.pace.waiting():  # a pause is no part of the pipeline's own step: a slowdown never stretches it
                 stop, hv, pv, cut = w.ctl.hold(self.step, hv, pv)
-                cut = max(cut, w.policy.pending_cut(w))
+            cut = w.policy.pending_cut(w, cut)
             if not stop and cut > w.cut_version:  # taken in the pause, where coupled replicas hold at one step
                 return self._recut_now(epoch, cut)
             self.agreed = (agreed_stop, agreed_version, False, agreed_members)
@@ -506,12 +505,10 @@ class Training:
     def _recut_now(self, epoch: int, version: int) -> ControlMessage:
         """Stage 0: the pipeline takes re-cut ``version`` at this boundary.
 
-        The stages' replicas must change their cut together, so that no averaging mixes layers of two cuts: a
-        coupled policy takes it only in a pause (its replicas agreed that step in their collective; the driver
-        pauses such a run for its re-cut), a group policy's replicas meet in a global sync first
-        (:meth:`SyncPolicy.barrier`), which the group service forms only once every replica of the stage asks
-        for it; a replica that was in it for its epoch's end reads the command afresh at the next epoch's first
-        boundary, so it takes the re-cut before its next averaging."""
+        The stages' replicas must change their cut together, so that no averaging mixes layers of two cuts
+        (:meth:`SyncPolicy.pending_cut`): a coupled policy takes it only in a pause (its replicas agreed that step
+        in their collective; the driver pauses such a run for its re-cut), a group policy right after a global
+        sync (whose members agreed on it), a policy whose replicas never average at once."""
         w = self.w
         msg = ControlMessage(
             Op.RECUT, epoch, self.step, -1, w.hetero_version, w.policy_version, w.members_version, version

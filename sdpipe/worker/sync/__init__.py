@@ -14,7 +14,7 @@ it (see :class:`SyncPolicy`)::
     ...
     policy.settle(worker, step)                       # at an epoch's end: finish an exchange still in flight
     policy.epoch_end(worker, step)                    # at an epoch's end (every sync_every epochs): global sync
-    policy.barrier(worker, step, version)             # before a re-cut moves layers (after settle)
+    cut = policy.pending_cut(worker, published)       # stage 0: the re-cut its pipeline takes at this boundary
     policy.stopping(worker, step)                     # the run stops at this step boundary, then
     policy.leave(worker)                              # ... leave; on a failure only leave
     policy.close(failed)                              # once: at a switch away, or when the worker closes

@@ -19,8 +19,8 @@ class SyncPolicy(abc.ABC):
 
     **What the worker loop may use** (nothing else): the attributes :attr:`name`, :attr:`coupled`,
     :attr:`record` and :attr:`mass`, and the methods :meth:`setup`, :meth:`decide_stop`, :meth:`next_batch`,
-    :meth:`after_backward`, :meth:`after_step`, :meth:`settle`, :meth:`epoch_end`, :meth:`barrier`,
-    :meth:`pending_cut`, :meth:`stopping`, :meth:`leave`, :meth:`close`; plus :func:`make_policy` and
+    :meth:`after_backward`, :meth:`after_step`, :meth:`settle`, :meth:`epoch_end`, :meth:`pending_cut`,
+    :meth:`stopping`, :meth:`leave`, :meth:`close`; plus :func:`make_policy` and
     :func:`state_tensors` of this module.
 
     **What a policy may use of the worker** (nothing else):
@@ -95,17 +95,12 @@ class SyncPolicy(abc.ABC):
         """Before the weights must be this replica's own and complete (an epoch's end: its evaluation and
         checkpoint): finish any exchange still in flight.  Nothing to do for most policies."""
 
-    def barrier(self, worker, step: int, version: int) -> int:
-        """A re-cut (``run.recut``) to ``version`` at this step boundary, after :meth:`settle`: where replicas of
-        the stage could otherwise average layers of two cuts, they all meet here first; returns the version to
-        take (a newer one where the replicas met agree on it).  By default no meeting: a policy whose replicas
-        never average, or hold at one step already (a coupled policy takes a re-cut in a pause)."""
-        return version
-
-    def pending_cut(self, worker) -> int:
-        """Stage 0 at a step boundary: the newest re-cut this replica must take before it averages again (its
-        own cut version when none; see :meth:`barrier`)."""
-        return worker.cut_version
+    def pending_cut(self, worker, published: int) -> int:
+        """Stage 0 at a step boundary (or held in a pause): the re-cut its pipeline takes now, given the newest the
+        driver ``published`` (its own cut version: none).  By default the published one, at once: a policy whose
+        replicas never average, or that takes it only in a pause, where its replicas hold at one step (a coupled
+        one: the driver pauses such a run for its re-cut)."""
+        return published
 
     def stopping(self, worker, step: int) -> None:  # noqa: B027 (an optional hook: by default it does nothing)
         """The run stops at this step boundary (before :meth:`leave`)."""

@@ -67,7 +67,7 @@ class GroupPolicy(SyncPolicy):
     def setup(self, worker) -> None:
         self.groups: dict = {}  # group name -> its process group
         self.mass = 1.0
-        #: the re-cut the members of this worker's last global sync agreed on (see :meth:`barrier`)
+        #: the re-cut the members of this worker's global syncs agreed on (see :meth:`pending_cut`)
         self.agreed_cut = worker.cut_version
 
     def _ask(self, worker, step: int, global_sync: bool) -> GroupAnswer:
@@ -146,29 +146,21 @@ class GroupPolicy(SyncPolicy):
         worker.span("sync", step, None, start, time.time(), **fields, mass=round(mass, 4), weighting=weighting)
         return True, after
 
-    def _global_sync(self, worker, step: int, answer: GroupAnswer, cut: Optional[int] = None) -> None:
+    def _global_sync(self, worker, step: int, answer: GroupAnswer) -> None:
         """Average with a global sync's answer; when a member's pipeline was lost before the group formed
         (every member then skips it: one verdict), the survivors ask for a global sync among themselves again.
-        The members also agree on the newest re-cut any of them met for (``cut``; see :meth:`barrier`)."""
-        cut = worker.cut_version if cut is None else cut
+        The members also agree on the newest re-cut any of them knows of (see :meth:`pending_cut`)."""
+        cut = max(worker.cut_version, worker.read_ctl().cut)
         for _ in range(4 * worker.pipelines + 8):  # each retry follows a loss (rejoined pipelines can be lost again)
             if self._average(worker, answer, step, cut=cut):
                 return
             answer = self._ask(worker, step, True)
 
-    def barrier(self, worker, step: int, version: int) -> int:
-        """A re-cut: the stage's replicas meet in a global sync (which the group service forms once every replica
-        asked for it), so every averaging before it has the old stages and every one after it the new.  A global
-        sync is one group whatever each member came for: a replica there for its epoch's end (or a stop) meets
-        the re-cut's replicas in it too, so its members agree on the newest re-cut any of them came for
-        (:attr:`agreed_cut`), and every member takes that one before it averages again; one that met the others
-        so already skips the meeting.  Returns the version to take."""
-        if self.agreed_cut < version:
-            self.settle(worker, step)
-            self._global_sync(worker, step, self._ask(worker, step, True), cut=version)
-        return max(version, self.agreed_cut)
-
-    def pending_cut(self, worker) -> int:
+    def pending_cut(self, worker, published: int) -> int:
+        """A re-cut is taken after a global sync (an epoch's end): every member of one reads the newest re-cut the
+        driver published and the members agree on the newest any of them read, which every replica of the stage
+        then takes at its next step boundary, before it averages again.  A global sync holds every replica
+        whatever each came for, so no averaging has one replica on the old cut and another on the new."""
         return max(worker.cut_version, self.agreed_cut)
 
     def leave(self, worker) -> None:
