@@ -86,17 +86,21 @@ def test_speed_cuts_minimize_the_slowest_stage_at_each_stages_speed():
 
 
 def test_an_automatic_recut_follows_a_slowed_stage_and_only_where_it_pays():
-    """The rebalancer's rule (sdpipe.driver.rebalance): stage times per step from the workers' own spans since
-    the last change (the latest step left out, it may still run), the median over the pipelines; a re-cut only
-    where one stage exceeds the others' mean by the margin and the new cut makes it that much faster."""
+    """The rebalancer's rule (sdpipe.driver.rebalance): per stage (time, CPU time, micro-batches) a step; a re-cut
+    only where one stage exceeds the others' mean by the margin and the model (each stage's speed its time over its
+    CPU time; its CPU beyond its layers' driver-measured times a fixed cost) predicts a cut that much faster."""
     from sdpipe.driver.rebalance import StageTimes, decide
 
-    seconds = [1.0] * 6  # six layers of 1 ms (units cancel)
-    # stage 1 of (2, 4) slowed 3x: 6 against 2 and 2
-    assert decide([2.0, 6.0, 2.0], seconds, (2, 4), 0.25) == (2, 3)  # one layer left on it: 3 ms, not 6
-    assert decide([2.0, 2.2, 2.0], seconds, (2, 4), 0.25) is None  # within the margin: no bottleneck
+    seconds = [1.0] * 6  # six layers of 1 ms a micro-batch, 4 micro-batches a step, cut (2, 4): 8 ms of CPU each
+    slowed = [(8.0, 8.0, 4), (24.0, 8.0, 4), (8.0, 8.0, 4)]  # stage 1 sleeps twice its compute
+    assert decide(slowed, seconds, (2, 4), 0.25) == (2, 3)  # one layer left on it: 12 ms, not 24
+    assert decide([(8.0, 8.0, 4), (9.0, 8.8, 4), (8.0, 8.0, 4)], seconds, (2, 4), 0.25) is None  # no bottleneck
     # the bottleneck holds a single layer: no cut makes it faster
-    assert decide([1.0, 5.0, 1.0], [1.0, 1.0, 1.0], (1, 2), 0.25) is None
+    assert decide([(4.0, 4.0, 4), (20.0, 4.0, 4), (4.0, 4.0, 4)], [1.0] * 3, (1, 2), 0.25) is None
+    # a bad cut: stage 1 holds one layer and spends 4 ms a step whatever it holds (the loss, autograd); its own
+    # time over its layers' (8 / 4) is not a 2x slower worker, and the re-cut evens the stages out
+    bad = [(36.0, 36.0, 4), (8.0, 8.0, 4)]
+    assert decide(bad, [1.0] * 10, (9,), 0.25) == (5,)  # 20 and 24 ms: the best of 10 layers and 4 ms fixed
     times = StageTimes(keep=2)
 
     def span(kind, p, s, step, t0, t1, **kw):
@@ -106,15 +110,17 @@ def test_an_automatic_recut_follows_a_slowed_stage_and_only_where_it_pays():
     for p in range(3):
         for step in range(4):
             t = 10.0 + step
-            records += [span("forward", p, 0, step, t, t + 0.1), span("backward", p, 0, step, t + 0.2, t + 0.4)]
+            records += [span("forward", p, 0, step, t, t + 0.1, cpu=0.1)]
+            records += [span("backward", p, 0, step, t, t + 0.2, cpu=0.2)]
             slow = 3.0 if p < 2 else 1.0  # stage 1 slowed in two of the three pipelines
-            records += [span("forward", p, 1, step, t, t + 0.1 * slow), span("wait", p, 1, step, t, t + 5.0)]
+            records += [span("forward", p, 1, step, t, t + 0.1 * slow, cpu=0.1), span("wait", p, 1, step, t, t + 5.0)]
             records += [span("straggle", p, 1, step, t, t + 0.2 * slow, what="slowdown")]
-    records.append(span("forward", 0, 0, 0, 1.0, 9.0))  # before the last change: left out
+    records.append(span("forward", 0, 0, 0, 1.0, 9.0, cpu=8.0))  # before the last change: left out
     times.reset(5.0)
     times.take(records)
     got = times.stage_times([0, 1, 2], 2)
-    assert got == pytest.approx([0.3, 0.9])  # waits never count; the median pipeline is a slowed one
+    # waits never count; the median pipeline is a slowed one; CPU time only from forwards and backwards
+    assert [tuple(round(x, 6) for x in t) for t in got] == [(0.3, 0.3, 1.0), (0.9, 0.1, 1.0)]
     assert times.stage_times([0, 1, 2, 3], 3) is None  # a stage with no worker measured yet
 
 
