@@ -738,7 +738,7 @@ def test_the_recut_control_moves_the_stages_and_the_timeline_marks_the_moment(tm
             i.value = '6';
             i.dispatchEvent(new Event('input', {bubbles: true}));
         }""")
-        state = press(
+        press(
             page,
             "re-cut",
             "/re-cut applied at t = [0-9.]+ s: stages start at layers 0, 6; every worker took it/.test(s.text)"
@@ -746,7 +746,6 @@ def test_the_recut_control_moves_the_stages_and_the_timeline_marks_the_moment(tm
             "the re-cut applied and its moment in the timeline",
             wait=120,
         )
-        assert state["drawn"] > 10, state["drawn"]  # (TRACES counts notebook 01's four pipelines)
         wait_js(page, f"() => {{ const s = ({cut_input})(); return s && s.value === '6' ? s : null; }}", 30,
                 "the panel showing the run's new cut")  # fmt: skip
         page.set_viewport_size({"width": 1440, "height": 3000})

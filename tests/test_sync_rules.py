@@ -359,12 +359,12 @@ def test_policy_interface_coupled_and_decide_stop():
         p = policy.make_policy(name)
         assert p.decide_stop(True) is True and p.decide_stop(False) is False  # the driver's flag as read
     s = policy.make_policy("sdpipe")
-    s.setup(SimpleNamespace(cfg={}))
+    s.setup(SimpleNamespace(cfg={}, cut_version=0))
     assert s.decide_stop(True) is False  # the store flag first seen: the group's word is awaited a while
     s.stop_seen_at -= policy.STOP_GRACE + 1
     assert s.decide_stop(True) is True
     s = policy.make_policy("sdpipe")
-    s.setup(SimpleNamespace(cfg={}))
+    s.setup(SimpleNamespace(cfg={}, cut_version=0))
     answer = GroupAnswer(round=0, members=[0], reason="full", name="s0-0", stop=True)
     s._ask(SimpleNamespace(ask_group=lambda step, global_sync: answer), 3, False)
     assert s.decide_stop(False) is True  # an answer said stop

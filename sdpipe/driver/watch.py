@@ -162,8 +162,13 @@ class RunWatcher:
         results: Optional[dict] = {}
         try:
             error = self._until_ended()
-            if error is None and self.checkpoints.next is not None:  # the last epoch's, written as the workers ended
+            # the checkpoints written as the workers ended: every one still to finish (the last epochs of a fast run
+            # can end between two of the monitor's looks, and a look finishes one checkpoint)
+            while error is None and self.checkpoints.next is not None:
+                waiting = self.checkpoints.next
                 error = self.checkpoints.poll()
+                if self.checkpoints.next == waiting:
+                    break
             results = self._collect()
             if error is not None and not isinstance(error, LostWorker):
                 error = root_cause(run) or error
