@@ -124,6 +124,14 @@ class Rebalancer:
         self._thread.start()
 
     def _loop(self) -> None:
+        """Follow the run until it ends; whatever goes wrong here is one log line, never the run's failure."""
+        try:
+            self._follow()
+        except Exception as e:
+            if not self.run._done.is_set():  # (as a run ends its store closes under a call: nothing to say)
+                log.warning("sdpipe: run %s stopped rebalancing: %s: %s", self.run.run_id, type(e).__name__, e)
+
+    def _follow(self) -> None:
         run = self.run
         while not run._launched.wait(0.5):
             if run._done.is_set():
