@@ -179,6 +179,21 @@ def slide(page, label: str, value: float) -> None:
     assert moved, f"no slider {label!r} in the page"
 
 
+def type_in(page, selector: str, value: str) -> None:
+    """Type ``value`` into the live dashboard's input at ``selector`` as a user's typing does (its input event)."""
+    typed = page.evaluate(
+        """([selector, value]) => {
+        const input = document.querySelector(selector);
+        if (!input) return false;
+        input.value = value;
+        input.dispatchEvent(new Event('input', {bubbles: true}));
+        return true;
+    }""",
+        [selector, value],
+    )
+    assert typed, f"no input {selector!r} in the page"
+
+
 #: seconds from each press until the page showed what it did, by button (written to live.json)
 SHOWN_AFTER: dict = {}
 
@@ -558,11 +573,7 @@ def test_live_dashboard_draws_in_its_colours_fits_and_answers_its_controls(tmp_p
         # the two slowdowns pressed are live switches of its heterogeneity: a line each in the what-if panel
         check_whatif(page, "after the switches, 1000 px", switches=2)
         # the straggler removed from the page: it leaves at its next step boundary and its rows go
-        page.evaluate("""() => {
-            const input = document.querySelector('.sdpipe-controls input[title="the pipeline to remove"]');
-            input.value = '3';
-            input.dispatchEvent(new Event('input', {bubbles: true}));
-        }""")
+        type_in(page, '.sdpipe-controls input[title="the pipeline to remove"]', "3")
         press(
             page,
             "remove pipeline",
@@ -733,11 +744,7 @@ def test_the_recut_control_moves_the_stages_and_the_timeline_marks_the_moment(tm
         shown = wait_js(page, f"() => {{ const s = ({cut_input})(); return s && !s.disabled ? s : null; }}", 60,
                         "the re-cut control enabled")  # fmt: skip
         assert shown["value"] == "9", shown
-        page.evaluate("""() => {
-            const i = document.querySelector('.sdpipe-controls .sdpipe-stages input');
-            i.value = '6';
-            i.dispatchEvent(new Event('input', {bubbles: true}));
-        }""")
+        type_in(page, ".sdpipe-controls .sdpipe-stages input", "6")
         press(
             page,
             "re-cut",

@@ -19,12 +19,10 @@ import anywidget
 import traitlets
 
 from sdpipe.core.checks import number
-from sdpipe.widgets.actions import parse_cuts
+from sdpipe.widgets.actions import ACTIONS, parse_cuts
 
 __all__ = ["ACTIONS", "ControlPanel"]
 
-#: what the buttons do, in the order they are shown
-ACTIONS = ("policy", "slowdowns", "pause", "resume", "stop", "add pipeline", "remove pipeline", "re-cut")
 #: (lowest, highest, step) of each slider
 SLOWDOWN = (1.0, 8.0, 0.5)
 STRAGGLE_PROB = (0.0, 0.5, 0.05)

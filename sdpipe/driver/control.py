@@ -245,7 +245,7 @@ class Steering:
         if not self._from_sequential:
             raise ValueError("recut: the model was given as a list of stage modules; only an nn.Sequential is re-cut")
         S = self.config.stages
-        layers = [layer for m in self._stage_modules for layer in m]
+        layers = self._layers()
         allowed = (
             f"'params', 'time' or {S - 1} cut points in 1..{len(layers) - 1} (the start layer of stages 1..{S - 1})"
         )
@@ -303,8 +303,7 @@ class Steering:
             raise RuntimeError("recut: another re-cut is still being taken up; re-cut once it returned")
         try:
             S = self.config.stages
-            layers = [layer for m in self._stage_modules for layer in m]
-            modules = [copy.deepcopy(m) for m in partition(nn.Sequential(*layers), S, cuts)]
+            modules = [copy.deepcopy(m) for m in partition(nn.Sequential(*self._layers()), S, cuts)]
             layouts, _ = _probe_layouts(modules, self._probe[0])
             previous = tuple(self.cuts)
             paused_here = mode.coupled and not self.paused
@@ -312,7 +311,6 @@ class Steering:
             version = self._control.recut(CutChange(cuts, layouts), pause=paused_here)
             # the run's cut from now on (every worker takes it; a pipeline that joins starts from it)
             self._cuts_by_version[version] = cuts
-            self._recut_version = version
             self.config = dataclasses.replace(self.config, cuts=cuts)
             self._stage_modules = modules
             self._spec = dataclasses.replace(
@@ -332,6 +330,10 @@ class Steering:
             self._recut_lock.release()
         return cuts
 
+    def _layers(self) -> list:
+        """The layers of the model (an ``nn.Sequential``) in order, as its stage modules hold them."""
+        return [layer for m in self._stage_modules for layer in m]
+
     def _layer_costs(self) -> list:
         """Each layer's measured cost (:func:`sdpipe.driver.layers.measure`), timed at the first re-cut by time
         where the run was not cut by time."""
@@ -339,7 +341,7 @@ class Steering:
             from sdpipe.driver.layers import measure
 
             sample, targets, loss_fn = self._probe
-            self.layer_costs = measure([layer for m in self._stage_modules for layer in m], sample, targets, loss_fn)
+            self.layer_costs = measure(self._layers(), sample, targets, loss_fn)
         return self.layer_costs
 
     def _policy_pending(self) -> Optional[str]:
@@ -356,28 +358,29 @@ class Steering:
             return None
         return f"the switch to policy {self.policy!r} is still being taken up"
 
-    def _cut_pending(self) -> bool:
-        """Whether a re-cut published is not yet taken by every worker of the pipelines present."""
-        version, S = self._recut_version, self.config.stages
-        if not version:
-            return False
+    def _not_taken(self, version: int) -> list:
+        """The ranks of the pipelines present that have not taken re-cut ``version`` yet."""
+        S = self.config.stages
         ranks = [p * S + s for p in self.pipelines for s in range(S)]
-        return not all(self._run_store.check([Keys.cut_done(version, r)]) for r in ranks)
+        return [r for r in ranks if not self._run_store.check([Keys.cut_done(version, r)])]
+
+    def _cut_pending(self) -> bool:
+        """Whether the last re-cut published is not yet taken by every worker of the pipelines present."""
+        version = self._control.command.cut
+        return version > 0 and bool(self._not_taken(version))
 
     def _await_recut(self, version: int, timeout: float) -> None:
         """Until every worker of the pipelines present took re-cut ``version`` (bounded)."""
         deadline = time.monotonic() + timeout
-        S = self.config.stages
         while True:
-            ranks = [p * S + s for p in self.pipelines for s in range(S)]
-            if all(self._run_store.check([Keys.cut_done(version, r)]) for r in ranks):
+            missing = self._not_taken(version)
+            if not missing:
                 return
             if self._done.is_set():
                 raise RuntimeError(
                     f"recut: run {self.run_id} ended ({self.status}) before every worker took the re-cut"
                 )
             if time.monotonic() > deadline:
-                missing = [r for r in ranks if not self._run_store.check([Keys.cut_done(version, r)])]
                 raise TimeoutError(
                     f"recut: workers {missing} (rank = pipeline x stages + stage) did not take the re-cut within "
                     f"{timeout:g} s; it stays asked for, and they take it as the policy lets them"

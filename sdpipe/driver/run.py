@@ -177,7 +177,6 @@ class Run(Steering, Elastic):
         self._scheduler: Optional[str] = None  # the Dask scheduler's address, once connected
         self._probe: Optional[tuple] = None  # (a micro-batch, its targets, the loss): a re-cut probes with it
         self._recut_lock = threading.Lock()  # one re-cut at a time
-        self._recut_version = 0  # the last re-cut published
         #: re-cut version -> its cut points, as the configuration names them (a checkpoint's manifest)
         self._cuts_by_version: dict = {0: self.config.cuts}
 

@@ -76,8 +76,8 @@ class GroupPolicy(SyncPolicy):
 
     def _average(self, worker, answer: GroupAnswer, step: int, cut: Optional[int] = None) -> bool:
         """Average with the answer's group; False when the group was skipped because a member's pipeline was
-        lost first.  ``cut`` (a global sync): the re-cut this member meets the others for (its own cut version
-        when none); the members agree on the newest (:attr:`agreed_cut`)."""
+        lost first.  ``cut`` (a global sync): the newest re-cut this member knows of; the members agree on the
+        newest any of them knows (:attr:`agreed_cut`)."""
         ok, self.mass = self._exchange(worker, answer, step, state_tensors(worker), self.mass, cut=cut)
         return ok
 
