@@ -1,31 +1,34 @@
 """Engine efficiency: sdpipe's allreduce against torch.distributed.pipelining, same work, gloo on the CPU.
 
-    python benchmarks/engine.py [--stages 2] [--pipelines 2] [--model cnn|mlp|gpt] [--steps 60] [--repeats 3]
+    python benchmarks/engine.py [--models mlp,cnn,resnet,gpt] [--shapes 2x2,3x2,4x1] [--async] [--steps 40]
+                                [--repeats 2] [--out benchmarks/results/engine.md]
 
-Contenders, alternated in every repeat so that machine drift affects all alike:
+Contenders, alternated within each cell (model, S x D) in every repeat, the order reversed every other repeat, so
+that machine drift affects all alike:
 
 - ``sdpipe-1f1b`` / ``sdpipe-gpipe``: ``sdpipe.train(policy="allreduce")`` on
   a LocalCluster of S x D single-threaded worker processes (127.0.0.1);
 - ``torch-1f1b`` / ``torch-gpipe``: S x D processes (spawned, one thread
   each) in one gloo world; per pipeline a ``PipelineStage`` with
   ``Schedule1F1B`` / ``ScheduleGPipe`` over the pipeline's group, then the
-  gradients all-reduced across pipelines per stage and an Adam step.
+  gradients all-reduced across pipelines per stage and an Adam step;
+- with ``--async``, at D = 1: ``sdpipe-async-1f1b`` and ``sdpipe-async-2bw`` (sdpipe's asynchronous schedules).
 
 Same model cut at the same layers, same micro-batching, same batches in the
-same order (``sdpipe.data.batch_indices``), same optimizer and loss.  Models:
-the digits CNN or MLP (cross entropy), or ``gpt``: ``sdpipe.examples.char_gpt``
+same order (``sdpipe.data.batch_indices``), same optimizer (torch's Adam as constructed by default) and loss.
+Models: the digits MLP, CNN and ResNet (cross entropy), and ``gpt``: ``sdpipe.examples.char_gpt``
 on the standard library's text in windows of 64 characters (``lm_loss``, the
-mean cross entropy of every position; results ``engine_gpt.md`` with
-``--out``).  Measured:
+mean cross entropy of every position).  Measured:
 samples/s of all pipelines over the steps after a warm-up epoch, and the peak
 resident memory of each worker process (fresh processes per contender).
-Results: ``benchmarks/results/engine.md`` and ``.json``.
+Results: ``benchmarks/results/engine.md`` and ``.json`` (written after every cell).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import resource
 import statistics
 import sys
@@ -33,6 +36,14 @@ import time
 from pathlib import Path
 
 from _common import local_cluster, meta_lines, run_meta, save_figure
+
+MODELS = ("mlp", "cnn", "resnet", "gpt")
+DESCRIBED = {
+    "mlp": "digits MLP 64-512-512-10",
+    "cnn": "digits CNN, 32 channels",
+    "resnet": "digits ResNet (sdpipe.examples.digits_resnet)",
+    "gpt": "GPT-style character model (sdpipe.examples.char_gpt) on windows of 64 characters",
+}
 
 
 def make_model(name: str):
@@ -42,6 +53,10 @@ def make_model(name: str):
         from sdpipe.examples import char_gpt
 
         return char_gpt()
+    if name == "resnet":
+        from sdpipe.examples import digits_resnet
+
+        return digits_resnet()
     return digits_cnn(32) if name == "cnn" else digits_mlp(hidden=512)
 
 
@@ -78,7 +93,7 @@ def _torch_worker(rank, args, port, out):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from sdpipe.core import partition
+    from sdpipe.core.partition import partition
     from sdpipe.data import batch_indices
 
     torch.set_num_threads(1)
@@ -147,7 +162,17 @@ def run_torch(args: dict) -> dict:
     procs = [ctx.Process(target=_torch_worker, args=(r, args, port, out)) for r in range(world)]
     for p in procs:
         p.start()
-    rows = [out.get(timeout=900) for _ in range(world)]
+    rows = []
+    deadline = time.monotonic() + 900
+    while len(rows) < world:  # a process that died (an error in it) ends the wait at once, not at the deadline
+        try:
+            rows.append(out.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"torch.distributed.pipelining contender failed (exit codes {dead})") from None
     for p in procs:
         p.join(60)
         if p.is_alive():
@@ -191,11 +216,36 @@ def run_sdpipe(args: dict) -> dict:
     return {"samples_per_s": statistics.median(rates), "peak_rss_mib": max(rss.values())}
 
 
+def _cells(a) -> list:
+    """``[(model, stages, pipelines), ...]`` from ``--models`` and ``--shapes`` (or the single ``--model``,
+    ``--stages``, ``--pipelines``)."""
+    models = a.models.split(",") if a.models else [a.model]
+    shapes = a.shapes.split(",") if a.shapes else [f"{a.stages}x{a.pipelines}"]
+    cells = []
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"--models: {m!r} is not one of {', '.join(MODELS)}")
+        for shape in shapes:
+            try:
+                S, D = (int(x) for x in shape.split("x"))
+            except ValueError:
+                raise SystemExit(f"--shapes: {shape!r} is not STAGESxPIPELINES (e.g. 3x2)") from None
+            cells.append((m, S, D))
+    return cells
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--pipelines", type=int, default=2)
-    ap.add_argument("--model", choices=["cnn", "mlp", "gpt"], default="cnn")
+    ap.add_argument("--model", choices=MODELS, default="cnn")
+    ap.add_argument("--models", help="comma-separated models, each measured at every --shapes (overrides --model)")
+    ap.add_argument(
+        "--shapes", help="comma-separated STAGESxPIPELINES, e.g. 2x2,3x2,4x1 (overrides --stages/--pipelines)"
+    )
+    ap.add_argument(
+        "--async", dest="async_", action="store_true", help="at D = 1 also sdpipe's async-1f1b and async-2bw schedules"
+    )
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60, help="measured steps per pipeline (after a warm-up epoch)")
@@ -205,123 +255,140 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.from_json:
         recorded = json.loads(Path(a.from_json).read_text())
-        write_results(recorded["meta"], recorded["results"], Path(a.out))
+        write_results(recorded["meta"], recorded["cells"], Path(a.out))
         return 0
-    base = dict(
-        stages=a.stages,
-        pipelines=a.pipelines,
-        model=a.model,
-        microbatches=a.microbatches,
-        batch_size=a.batch_size,
-        steps=a.steps,
-    )
-    contenders = [("sdpipe", "1f1b"), ("torch", "1f1b"), ("sdpipe", "gpipe"), ("torch", "gpipe")]
-    samples: dict = {}
-    for rep in range(a.repeats):
-        for engine, schedule in contenders if rep % 2 == 0 else contenders[::-1]:
-            t = time.time()
-            args = {**base, "schedule": schedule}
-            row = run_sdpipe(args) if engine == "sdpipe" else run_torch(args)
-            samples.setdefault(f"{engine}-{schedule}", []).append(row)
-            print(
-                f"#{rep} {engine}-{schedule}: {row['samples_per_s']:.0f} samples/s, "
-                f"peak RSS {row['peak_rss_mib']:.0f} MiB "
-                f"({time.time() - t:.0f} s)",
-                file=sys.stderr,
-            )
+    cells = _cells(a)
+    out = Path(a.out)
     meta = run_meta(
         "engine.py",
         argv,
-        f"{'GPT-style character model (sdpipe.examples.char_gpt)' if a.model == 'gpt' else 'digits ' + a.model.upper()}"
-        f", {a.stages} stages x {a.pipelines} pipelines, batch {a.batch_size}, "
+        f"models: {'; '.join(f'{m}: {DESCRIBED[m]}' for m in MODELS if any(c[0] == m for c in cells))}"
+        f"; S x D in {', '.join(sorted({f'{S}x{D}' for _, S, D in cells}))}, batch {a.batch_size}, "
         f"{a.microbatches} micro-batches, Adam 0.002, gloo on the CPU, {a.steps} measured steps per pipeline "
-        f"after a warm-up epoch, {a.repeats} repeats alternated",
+        f"after a warm-up epoch, {a.repeats} repeats alternated within each cell",
     )
-    table = {
-        k: {
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
-            "samples_per_s_each": [r["samples_per_s"] for r in rows],
-            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rows),
+    results: dict = {}
+    for model, S, D in cells:
+        contenders = [("sdpipe", "1f1b"), ("torch", "1f1b"), ("sdpipe", "gpipe"), ("torch", "gpipe")]
+        if a.async_ and D == 1:
+            contenders += [("sdpipe", "async-1f1b"), ("sdpipe", "async-2bw")]
+        base = dict(
+            stages=S, pipelines=D, model=model, microbatches=a.microbatches, batch_size=a.batch_size, steps=a.steps
+        )
+        samples: dict = {}
+        for rep in range(a.repeats):
+            for engine, schedule in contenders if rep % 2 == 0 else contenders[::-1]:
+                t = time.time()
+                args = {**base, "schedule": schedule}
+                row = run_sdpipe(args) if engine == "sdpipe" else run_torch(args)
+                samples.setdefault(f"{engine}-{schedule}", []).append(row)
+                print(
+                    f"{model} {S}x{D} #{rep} {engine}-{schedule}: {row['samples_per_s']:.0f} samples/s, "
+                    f"peak RSS {row['peak_rss_mib']:.0f} MiB ({time.time() - t:.0f} s)",
+                    file=sys.stderr,
+                )
+        results[f"{model} {S}x{D}"] = {
+            k: {
+                "samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
+                "samples_per_s_each": [r["samples_per_s"] for r in rows],
+                "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rows),
+                "peak_rss_mib_each": [r["peak_rss_mib"] for r in rows],
+            }
+            for k, rows in samples.items()
         }
-        for k, rows in samples.items()
-    }
-    out = Path(a.out)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": table}, indent=1))
-    write_results(meta, table, out)
+        # written after every cell: a long matrix interrupted keeps what it measured
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cells": results}, indent=1))
+    write_results(meta, results, out)
     return 0
 
 
-def write_results(meta: dict, table: dict, out: Path) -> None:
-    """The results file and figure from the measured table (also: ``--from-json``, to redraw without re-measuring)."""
+def _ratio(table: dict, a: str, b: str) -> float:
+    return table[a]["samples_per_s"] / table[b]["samples_per_s"]
+
+
+def write_results(meta: dict, cells: dict, out: Path) -> None:
+    """The results file and figure from the measured cells (also: ``--from-json``, to redraw without re-measuring)."""
     lines = [
         "# Engine efficiency: sdpipe's allreduce against torch.distributed.pipelining",
         "",
         *meta_lines(meta),
         "",
-        "| contender | samples/s (median) | each repeat | peak RSS per worker (MiB) |",
-        "|---|---|---|---|",
+        "Samples/s of all pipelines, median of the repeats [min-max]; x torch: sdpipe's median over "
+        "torch.distributed.pipelining's with the same schedule; RSS: peak resident memory of the largest worker "
+        "process, median of the repeats (sdpipe's workers are Dask worker processes, torch's plain processes).",
+        "",
+        "| model S x D | sdpipe 1F1B | torch 1F1B | x torch | sdpipe GPipe | torch GPipe | x torch "
+        "| RSS MiB sdpipe / torch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for k, v in table.items():
+
+    def cell(v):
+        return f"{v['samples_per_s']:.0f} [{min(v['samples_per_s_each']):.0f}-{max(v['samples_per_s_each']):.0f}]"
+
+    for key, t in cells.items():
+        rss = max(t["sdpipe-1f1b"]["peak_rss_mib"], t["sdpipe-gpipe"]["peak_rss_mib"])
+        rss_t = max(t["torch-1f1b"]["peak_rss_mib"], t["torch-gpipe"]["peak_rss_mib"])
+        r1, rg = _ratio(t, "sdpipe-1f1b", "torch-1f1b"), _ratio(t, "sdpipe-gpipe", "torch-gpipe")
         lines.append(
-            f"| {k} | {v['samples_per_s']:.0f} | {', '.join(f'{x:.0f}' for x in v['samples_per_s_each'])} | "
-            f"{v['peak_rss_mib']:.0f} |"
+            f"| {key} | {cell(t['sdpipe-1f1b'])} | {cell(t['torch-1f1b'])} | **{r1:.2f}** "
+            f"| {cell(t['sdpipe-gpipe'])} | {cell(t['torch-gpipe'])} | **{rg:.2f}** | {rss:.0f} / {rss_t:.0f} |"
         )
-    for schedule in ("1f1b", "gpipe"):
-        ratio = table[f"sdpipe-{schedule}"]["samples_per_s"] / table[f"torch-{schedule}"]["samples_per_s"]
-        lines.append("")
-        lines.append(f"- {schedule}: sdpipe / torch.distributed.pipelining = **{ratio:.2f}x**")
+    asyncs = [(k, t) for k, t in cells.items() if "sdpipe-async-1f1b" in t]
+    if asyncs:
+        lines += [
+            "",
+            "The asynchronous schedules against sdpipe's 1F1B in the same cell (x 1F1B: ratio of the medians):",
+            "",
+            "| model S x D | 1F1B | async-1f1b | x 1F1B | async-2bw | x 1F1B |",
+            "|---|---|---|---|---|---|",
+        ]
+        for key, t in asyncs:
+            lines.append(
+                f"| {key} | {cell(t['sdpipe-1f1b'])} | {cell(t['sdpipe-async-1f1b'])} | "
+                f"**{_ratio(t, 'sdpipe-async-1f1b', 'sdpipe-1f1b'):.2f}** | {cell(t['sdpipe-async-2bw'])} | "
+                f"**{_ratio(t, 'sdpipe-async-2bw', 'sdpipe-1f1b'):.2f}** |"
+            )
     spread = max(
-        (max(v["samples_per_s_each"]) - min(v["samples_per_s_each"])) / v["samples_per_s"] for v in table.values()
+        (max(v["samples_per_s_each"]) - min(v["samples_per_s_each"])) / v["samples_per_s"]
+        for t in cells.values()
+        for v in t.values()
     )
     lines += [
         "",
         f"- noise: the repeats of one contender differ by up to {100 * spread:.0f}% of its median on this machine "
-        "(S x D worker processes share its cores); where sdpipe falls short, its per-step extras are a 6-integer "
-        "control message from stage 0 down the pipeline and the event records (`benchmarks/step_breakdown.py` shows "
-        "where a step's time goes), and its workers are Dask worker processes (an event loop next to the training "
-        "thread)",
+        "(S x D single-threaded worker processes share its cores); `benchmarks/results/engine_breakdown.md` says "
+        "where a step's CPU time goes",
     ]
-    written = save_figure(figure(table), out.with_suffix(""), width=800, height=440)
+    written = save_figure(figure(cells), out.with_suffix(""), width=900, height=440)
     lines += ["", "Figure: " + ", ".join(f"[{w.name}]({w.name})" for w in written)]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
 
 
-def figure(table: dict):
+def figure(cells: dict):
+    """Per cell, sdpipe over torch.distributed.pipelining with each schedule (each repeat's ratio to the other's
+    median as points)."""
     import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
 
-    names = list(table)
-    fig = make_subplots(
-        rows=1,
-        cols=2,
-        column_widths=[0.65, 0.35],
-        horizontal_spacing=0.12,
-        subplot_titles=("samples/s (bar: median, points: each repeat)", "peak RSS per worker (MiB)"),
+    fig = go.Figure()
+    keys = list(cells)
+    for schedule, color in (("1f1b", "#1f77b4"), ("gpipe", "#ff7f0e")):
+        fig.add_trace(
+            go.Bar(
+                x=keys,
+                y=[_ratio(cells[k], f"sdpipe-{schedule}", f"torch-{schedule}") for k in keys],
+                name=schedule,
+                marker_color=color,
+            )
+        )
+    fig.add_hline(y=1.0, line_dash="dot")
+    fig.update_layout(
+        template="plotly_white",
+        width=900,
+        height=440,
+        barmode="group",
+        yaxis_title="sdpipe / torch.distributed.pipelining (samples/s)",
     )
-    colors = ["#1f77b4" if n.startswith("sdpipe") else "#ff7f0e" for n in names]
-    fig.add_trace(
-        go.Bar(x=names, y=[table[n]["samples_per_s"] for n in names], marker_color=colors, showlegend=False),
-        row=1,
-        col=1,
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=[n for n in names for _ in table[n]["samples_per_s_each"]],
-            y=[v for n in names for v in table[n]["samples_per_s_each"]],
-            mode="markers",
-            marker=dict(color="black", size=7),
-            showlegend=False,
-        ),
-        row=1,
-        col=1,
-    )
-    fig.add_trace(
-        go.Bar(x=names, y=[table[n]["peak_rss_mib"] for n in names], marker_color=colors, showlegend=False),
-        row=1,
-        col=2,
-    )
-    fig.update_layout(template="plotly_white", width=800, height=440)
     return fig
 
 
