@@ -120,19 +120,22 @@ def _torch_worker(rank, args, port, out):
         warm, steps = per_epoch, args["steps"]
         params = [q for q in module.parameters()]
         t0 = None
+        cpu = {"compute and messages": 0.0, "all-reduce": 0.0, "optimizer": 0.0}  # training thread, measured steps
         for k in range(warm + steps):
             if k == warm:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c_start, p_start = time.perf_counter(), time.thread_time(), time.process_time()
             epoch, j = divmod(k, per_epoch)
             idx = batch_indices(n, B, 0, epoch, j * D + p)
             opt.zero_grad()
+            c0 = time.thread_time()
             if s == 0:
                 schedule.step(X[idx])
             elif s == S - 1:
                 schedule.step(target=Y[idx])
             else:
                 schedule.step()
+            c1 = time.thread_time()
             flat = torch.cat([q.grad.reshape(-1) for q in params])
             dist.all_reduce(flat, group=dps[s])
             flat.div_(D)
@@ -140,10 +143,18 @@ def _torch_worker(rank, args, port, out):
             for q in params:
                 q.grad.copy_(flat[off : off + q.numel()].view_as(q))
                 off += q.numel()
+            c2 = time.thread_time()
             opt.step()
+            if t0 is not None:
+                c3 = time.thread_time()
+                for key, c in zip(cpu, (c1 - c0, c2 - c1, c3 - c2), strict=True):
+                    cpu[key] += c
         dist.barrier()
         elapsed = time.perf_counter() - t0
-        out.put((rank, elapsed, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+        cpu["training thread"] = time.thread_time() - c_start
+        cpu["process"] = time.process_time() - p_start
+        per_step = {key: 1000 * v / steps for key, v in cpu.items()}  # ms of CPU per step
+        out.put((rank, elapsed, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, per_step))
     finally:
         dist.destroy_process_group()
 
@@ -181,6 +192,8 @@ def run_torch(args: dict) -> dict:
     return {
         "samples_per_s": args["steps"] * args["pipelines"] * args["batch_size"] / elapsed,
         "peak_rss_mib": max(r[2] for r in rows),
+        "cpu_ms_per_step": {r[0]: r[3] for r in rows},  # rank -> CPU ms per step by part
+        "step_ms": 1000 * elapsed / args["steps"],
     }
 
 
@@ -208,12 +221,13 @@ def run_sdpipe(args: dict) -> dict:
             cluster=client,
         ).result(timeout=1800)
         rss = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        events = result.events
     finally:
         client.close()
         cluster.close()
     # epochs after the first: samples of all pipelines over the epoch time (as the torch side: after a warm-up epoch)
     rates = [sum(h["samples_per_s"] for h in result.history if h["epoch"] == e) for e in range(1, epochs)]
-    return {"samples_per_s": statistics.median(rates), "peak_rss_mib": max(rss.values())}
+    return {"samples_per_s": statistics.median(rates), "peak_rss_mib": max(rss.values()), "events": events}
 
 
 def _cells(a) -> list:
@@ -281,6 +295,7 @@ def main(argv=None) -> int:
                 t = time.time()
                 args = {**base, "schedule": schedule}
                 row = run_sdpipe(args) if engine == "sdpipe" else run_torch(args)
+                row.pop("events", None), row.pop("cpu_ms_per_step", None)  # engine_breakdown.py reads them
                 samples.setdefault(f"{engine}-{schedule}", []).append(row)
                 print(
                     f"{model} {S}x{D} #{rep} {engine}-{schedule}: {row['samples_per_s']:.0f} samples/s, "

@@ -1,0 +1,115 @@
+"""Where a step's CPU time goes, per stage, in sdpipe and in torch.distributed.pipelining on the same work.
+
+    python benchmarks/engine_breakdown.py [--cells mlp:3x2,gpt:4x1] [--schedule 1f1b] [--steps 40]
+                                          [--out benchmarks/results/engine_breakdown.md]
+
+Runs ``benchmarks/engine.py``'s two contenders once per cell (sdpipe's ``allreduce`` on a LocalCluster, torch's
+``PipelineStage`` in plain processes) and prints, for pipeline 0's stages over the measured steps, milliseconds
+per step: the step's wall time, the CPU time of the thread that trains (split into forward and backward, the
+optimizer, and the rest: messages, the all-reduce, Python between them), and the CPU time of the process's
+other threads (gloo's network thread, Dask's event loop).  sdpipe's figures come from its own records
+(``forward``/``backward``/``optimizer`` spans' ``cpu``, the ``step_cpu`` and ``process_cpu`` of its
+``optimizer`` records, epochs after the first); torch's from ``time.thread_time`` around each part of its step.
+Machine-wide CPU of the driver (sdpipe's Dask scheduler and client) is not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+
+from _common import meta_lines, run_meta
+from engine import MODELS, run_sdpipe, run_torch
+
+
+def sdpipe_rows(events: list, stages: int) -> list:
+    rows = []
+    first = min(e["step"] for e in events if e["kind"] == "optimizer" and e["epoch"] >= 1)
+    for s in range(stages):
+        opt = sorted(
+            (e for e in events if e["kind"] == "optimizer" and e["pipeline"] == 0 and e["stage"] == s),
+            key=lambda e: e["step"],
+        )
+        opt = [e for e in opt if e["step"] > first]
+        steps = len(opt)
+        cpu = Counter()
+        for e in events:
+            if e.get("pipeline") == 0 and e.get("stage") == s and "cpu" in e and (e.get("step") or -1) > first:
+                cpu[e["kind"]] += e["cpu"]
+        train = sum(e["step_cpu"] for e in opt) / steps
+        process = sum(e["process_cpu"] for e in opt) / steps
+        compute = (cpu["forward"] + cpu["backward"]) / steps
+        optimizer = cpu["optimizer"] / steps
+        wall = statistics.median(b["end"] - a["end"] for a, b in itertools.pairwise(opt))
+        rows.append((s, wall, train, compute, optimizer, train - compute - optimizer, process - train))
+    return [(s, *(1000 * x for x in r)) for s, *r in rows]
+
+
+def torch_rows(result: dict, stages: int) -> list:
+    rows = []
+    for s in range(stages):
+        c = result["cpu_ms_per_step"][s]
+        rows.append(
+            (s, result["step_ms"], c["training thread"], c["compute and messages"], c["optimizer"],
+             c["training thread"] - c["compute and messages"] - c["optimizer"], c["process"] - c["training thread"])
+        )  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="mlp:3x2,gpt:4x1", help="MODEL:SxD, comma-separated")
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_breakdown.md"))
+    a = ap.parse_args(argv)
+    lines = []
+    for cell in a.cells.split(","):
+        model, shape = cell.split(":")
+        if model not in MODELS:
+            raise SystemExit(f"--cells: {model!r} is not one of {', '.join(MODELS)}")
+        S, D = (int(x) for x in shape.split("x"))
+        args = dict(
+            stages=S, pipelines=D, model=model, microbatches=4, batch_size=64, steps=a.steps, schedule=a.schedule
+        )
+        sd, tr = run_sdpipe(args), run_torch(args)
+        lines += [
+            "",
+            f"## {model} {S}x{D}, {a.schedule}: sdpipe {sd['samples_per_s']:.0f} samples/s, "
+            f"torch.distributed.pipelining {tr['samples_per_s']:.0f}",
+            "",
+            "| engine | stage | step (wall) | training thread | forward + backward | optimizer | the rest | "
+            "other threads |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, rows in (("sdpipe", sdpipe_rows(sd["events"], S)), ("torch", torch_rows(tr, S))):
+            for s, wall, train, compute, opt, rest, other in rows:
+                comp = f"{compute:.1f}" + ("*" if name == "torch" else "")
+                lines.append(
+                    f"| {name} | {s} | {wall:.1f} | {train:.1f} | {comp} | {opt:.1f} | {rest:.1f} | {other:.1f} |"
+                )
+        print("\n".join(lines[-(4 + 2 * S) :]), file=sys.stderr)
+    meta = run_meta("engine_breakdown.py", argv, f"cells {a.cells}, {a.schedule}, batch 64 in 4 micro-batches, Adam")
+    text = [
+        "# Where a step's CPU time goes: sdpipe and torch.distributed.pipelining",
+        "",
+        *meta_lines(meta),
+        "",
+        "Milliseconds per step, pipeline 0's stages over the measured steps.  training thread: CPU of the thread "
+        "that trains; forward + backward and optimizer: its CPU in them (* torch's with the step's messages: its "
+        "schedule does both); the rest: its CPU in messages, the all-reduce and Python between them; other "
+        "threads: the process's other threads (gloo's network thread, Dask's "
+        "event loop).",
+        *lines,
+    ]
+    Path(a.out).write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
