@@ -269,7 +269,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.from_json:
         recorded = json.loads(Path(a.from_json).read_text())
-        write_results(recorded["meta"], recorded["cells"], Path(a.out))
+        # a record from before the matrix holds one cell's table under "results"
+        cells = recorded.get("cells") or {recorded["meta"]["config"].split(",")[0]: recorded["results"]}
+        write_results(recorded["meta"], cells, Path(a.out))
         return 0
     cells = _cells(a)
     out = Path(a.out)

@@ -22,8 +22,7 @@ outside = faults()
 with training_thresholds():
     faults(5)  # the heap grows once
     inside = faults()
-after = faults()
-print(outside, inside, after)
+print(outside, inside)
 """
 
 
@@ -35,14 +34,13 @@ def _faults(env_extra: dict) -> list:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux only")
-def test_a_fixed_trim_threshold_is_lifted_while_training_and_put_back_after():
-    outside, inside, after = _faults({"MALLOC_TRIM_THRESHOLD_": "65536"})  # as Dask's nanny sets it
+def test_a_fixed_trim_threshold_is_lifted_while_training():
+    outside, inside = _faults({"MALLOC_TRIM_THRESHOLD_": "65536"})  # as Dask's nanny sets it
     assert outside >= 50 * 100  # every 1 MiB tensor faulted its pages in anew
     assert inside < outside / 20  # while training they reuse the heap
-    assert after >= 50 * 100  # and the process's own setting is back
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux only")
 def test_a_process_without_the_setting_is_left_alone():
-    outside, inside, after = _faults({})
-    assert outside < 50 * 100 and inside < 50 * 100 and after < 50 * 100  # glibc adapts by itself
+    outside, inside = _faults({})
+    assert outside < 50 * 100 and inside < 50 * 100  # glibc adapts by itself
