@@ -230,6 +230,15 @@ def run_sdpipe(args: dict) -> dict:
     return {"samples_per_s": statistics.median(rates), "peak_rss_mib": max(rss.values()), "events": events}
 
 
+def parse_shape(text: str, flag: str) -> tuple:
+    """``(stages, pipelines)`` of ``"SxD"``; one line naming ``flag`` for anything else."""
+    try:
+        S, D = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise SystemExit(f"{flag}: {text!r} is not STAGESxPIPELINES (e.g. 3x2)") from None
+    return S, D
+
+
 def _cells(a) -> list:
     """``[(model, stages, pipelines), ...]`` from ``--models`` and ``--shapes`` (or the single ``--model``,
     ``--stages``, ``--pipelines``)."""
@@ -239,12 +248,7 @@ def _cells(a) -> list:
     for m in models:
         if m not in MODELS:
             raise SystemExit(f"--models: {m!r} is not one of {', '.join(MODELS)}")
-        for shape in shapes:
-            try:
-                S, D = (int(x) for x in shape.split("x"))
-            except ValueError:
-                raise SystemExit(f"--shapes: {shape!r} is not STAGESxPIPELINES (e.g. 3x2)") from None
-            cells.append((m, S, D))
+        cells += [(m, *parse_shape(shape, "--shapes")) for shape in shapes]
     return cells
 
 
@@ -297,7 +301,8 @@ def main(argv=None) -> int:
                 t = time.time()
                 args = {**base, "schedule": schedule}
                 row = run_sdpipe(args) if engine == "sdpipe" else run_torch(args)
-                row.pop("events", None), row.pop("cpu_ms_per_step", None)  # engine_breakdown.py reads them
+                for detail in ("events", "cpu_ms_per_step"):  # what engine_breakdown.py reads
+                    row.pop(detail, None)
                 samples.setdefault(f"{engine}-{schedule}", []).append(row)
                 print(
                     f"{model} {S}x{D} #{rep} {engine}-{schedule}: {row['samples_per_s']:.0f} samples/s, "
@@ -390,12 +395,24 @@ def figure(cells: dict):
     fig = go.Figure()
     keys = list(cells)
     for schedule, color in (("1f1b", "#1f77b4"), ("gpipe", "#ff7f0e")):
+        mine, theirs = f"sdpipe-{schedule}", f"torch-{schedule}"
         fig.add_trace(
             go.Bar(
                 x=keys,
-                y=[_ratio(cells[k], f"sdpipe-{schedule}", f"torch-{schedule}") for k in keys],
+                y=[_ratio(cells[k], mine, theirs) for k in keys],
                 name=schedule,
                 marker_color=color,
+                offsetgroup=schedule,
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[k for k in keys for _ in cells[k][mine]["samples_per_s_each"]],
+                y=[v / cells[k][theirs]["samples_per_s"] for k in keys for v in cells[k][mine]["samples_per_s_each"]],
+                mode="markers",
+                marker=dict(color="black", size=6),
+                offsetgroup=schedule,
+                showlegend=False,
             )
         )
     fig.add_hline(y=1.0, line_dash="dot")
@@ -404,6 +421,7 @@ def figure(cells: dict):
         width=900,
         height=440,
         barmode="group",
+        scattermode="group",
         yaxis_title="sdpipe / torch.distributed.pipelining (samples/s)",
     )
     return fig

@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from _common import meta_lines, run_meta
-from engine import MODELS, run_sdpipe, run_torch
+from engine import MODELS, parse_shape, run_sdpipe, run_torch
 
 
 def sdpipe_rows(events: list, stages: int) -> list:
@@ -69,10 +69,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     lines = []
     for cell in a.cells.split(","):
-        model, shape = cell.split(":")
+        model, _, shape = cell.partition(":")
         if model not in MODELS:
-            raise SystemExit(f"--cells: {model!r} is not one of {', '.join(MODELS)}")
-        S, D = (int(x) for x in shape.split("x"))
+            raise SystemExit(f"--cells: {model!r} is not one of {', '.join(MODELS)} (MODEL:SxD, e.g. mlp:3x2)")
+        S, D = parse_shape(shape, "--cells")
         args = dict(
             stages=S, pipelines=D, model=model, microbatches=4, batch_size=64, steps=a.steps, schedule=a.schedule
         )
