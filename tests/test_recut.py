@@ -198,8 +198,11 @@ def test_under_sdpipe_a_recut_is_taken_after_a_global_sync_and_waits_for_a_polic
     the resume: every worker takes it at the first step boundary of an epoch, right after the global sync that
     ended the last one (its stage's two replicas, who agreed on it there), and the replicas end identical."""
     (X, Y), (EX, EY) = digits()
-    run = sdpipe.train(digits_mlp(), (X, Y), eval_data=(EX, EY), pipelines=2, policy="none",
-                       heterogeneity=sdpipe.Heterogeneity(slowdown={1: 2.0}), **common(shared_cluster))  # fmt: skip
+    # six epochs: the run is paused for the re-cut an epoch or two after the switch, and the re-cut needs a global
+    # sync after that pause with a step boundary after it (an epoch of this run lasts about half a second)
+    slow = sdpipe.Heterogeneity(slowdown={1: 2.0})
+    run = sdpipe.train(digits_mlp(), (X, Y), eval_data=(EX, EY), pipelines=2, policy="none", heterogeneity=slow,
+                       **common(shared_cluster, epochs=6))  # fmt: skip
     wait_for_step(run, 4)
     run.pause()
     run.set_policy("sdpipe")
@@ -294,11 +297,12 @@ def test_automatic_rebalancing_moves_layers_off_the_stage_that_stays_the_bottlen
             made = [e for e in recut_records(run) if e["applied_by"] == "driver" and e.get("reason")]
             if len(made) >= n:
                 return made
-            assert time.monotonic() < deadline and not run.done(), (run.status, made)
+            assert time.monotonic() < deadline and not run.done(), (run.status, made, run.rebalancing)
             time.sleep(0.2)
 
     try:
         first = automatic(1)[0]
+        assert run.rebalancing.startswith(("re-cut to ", "measuring the stages", "cut ")), run.rebalancing
         assert first["previous"] == [9] and first["cuts"][0] < 9, first
         assert first["reason"].startswith("stage 0 took "), first
         run.set_heterogeneity(compute_slowdown={(0, 1): 4.0, (1, 1): 4.0})
@@ -322,6 +326,7 @@ def test_a_checkpoint_after_a_recut_resumes_with_its_cut(shared_cluster, tmp_pat
     opts = dict(pipelines=1, policy="allreduce", checkpoint_every=1, checkpoint_dir=str(tmp_path))
     run = sdpipe.train(digits_mlp(), (X, Y), cuts=(4,), **common(shared_cluster, epochs=2), **opts)
     wait_for_step(run, 4)
+    assert run.rebalancing is None  # no automatic re-cuts asked for
     assert run.recut((2,)) == (2,)
     run.result(timeout=300)
     assert load_checkpoint(tmp_path).config["cuts"] == [2]

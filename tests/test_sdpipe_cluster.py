@@ -159,6 +159,34 @@ def test_overlapped_averaging_corrects_weights_and_conserves_the_mass(data, shar
         assert sum(by_round[r].values()) == pytest.approx(3 + steps[epoch], abs=0.01), (epoch, by_round[r], steps)
 
 
+def test_a_switch_out_of_none_is_taken_from_one_epoch_by_every_pipeline(data, shared_cluster):
+    """Under ``none`` the pipelines share each epoch's batches but not its end: the fast one starts the next epoch
+    while the slow one trains its last batch.  Switched live to ``sdpipe`` (whose epochs end with a global sync),
+    every pipeline takes the switch from one epoch on, so each global sync joins both pipelines at the same
+    epoch's end: none waits for a sync the other ended a different epoch with, and the last one is not left
+    waiting for a sync nobody joins (the run would fail after ``timeout``)."""
+    train_data, _ = data
+    # four batches an epoch, pipeline 1 twice as slow: most of the time the pipelines are in different epochs
+    slow = sdpipe.Heterogeneity(slowdown={1: 2.0})
+    run = sdpipe.train(digits_mlp(), train_data, stages=2, pipelines=2, policy="none", epochs=40, batch_size=360,
+                       heterogeneity=slow, timeout=30.0, cluster=shared_cluster)  # fmt: skip
+    wait_for(run, lambda evs: any(e["kind"] == "epoch" for e in evs))
+    run.set_policy("sdpipe")
+    result = run.result(timeout=300)
+    assert_records_valid(result.events)
+    took = [
+        e for e in result.events if e["kind"] == "control" and e.get("what") == "policy" and e["pipeline"] is not None
+    ]
+    assert sorted((e["pipeline"], e["stage"]) for e in took) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for stage in (0, 1):
+        syncs = [
+            e for e in result.events if e["kind"] == "sync" and e.get("reason") == "global" and e["stage"] == stage
+        ]
+        assert syncs and all(sorted(e["group"]) == [0, 1] for e in syncs), syncs
+        assert Counter(e["pipeline"] for e in syncs)[0] == Counter(e["pipeline"] for e in syncs)[1], syncs
+    assert result.max_param_diff() < 1e-5  # the last epoch's global sync
+
+
 def test_live_switch_allreduce_sdpipe_allreduce_and_slowdown(data, shared_cluster):
     train_data, _ = data
     run = sdpipe.train(

@@ -203,6 +203,9 @@ class Steering:
         together at the same step.  A run that started with the static
         ``allreduce`` or ``none`` moves to scheduled groups; from then on
         "allreduce" means every replica averages with all others after every step.
+        Out of ``none`` (whose pipelines may be an epoch apart: an epoch ends without a global sync) every
+        pipeline takes the switch from one epoch on, the latest any of them is in when the first one sees it,
+        so that their first global sync ends the same epoch.
         """
         name = policy or self.policy
         if not record(name).live or not record(self.config.policy).live:

@@ -118,6 +118,8 @@ class Rebalancer:
         self.run, self.policy = run, policy
         self.times = StageTimes(policy.steps)
         self._last = -float("inf")  # monotonic time of the last automatic re-cut
+        #: what it is at, in one line (:attr:`sdpipe.Run.rebalancing`)
+        self.state = "waiting for the run's workers"
         self._thread = threading.Thread(target=self._loop, name=f"sdpipe-rebalance-{run.run_id}", daemon=True)
 
     def start(self) -> None:
@@ -128,6 +130,7 @@ class Rebalancer:
         try:
             self._follow()
         except Exception as e:
+            self.state = f"stopped: {type(e).__name__}: {e}"
             if not self.run._done.is_set():  # (as a run ends its store closes under a call: nothing to say)
                 log.warning("sdpipe: run %s stopped rebalancing: %s: %s", self.run.run_id, type(e).__name__, e)
 
@@ -139,9 +142,11 @@ class Rebalancer:
         try:
             seconds = [c.seconds for c in run._layer_costs()]
         except Exception as e:  # the layers could not be timed: say so once, train on
+            self.state = f"off: timing the layers failed ({e})"
             log.warning("sdpipe: run %s rebalances nothing: timing its layers failed (%s)", run.run_id, e)
             return
         cursor = 0
+        self.state = "measuring the stages"
         while not run._done.wait(0.5):
             new, cursor = run.events_since(cursor)
             for e in new:  # a change the times must be measured anew after
@@ -156,18 +161,25 @@ class Rebalancer:
                 continue
             times = self.times.stage_times(run.pipelines, run.config.stages)
             if times is None:
+                self.state = f"measuring the stages ({self.policy.steps} whole steps each since the last change)"
                 continue
             cuts = decide(times, seconds, run.cuts, self.policy.margin)
-            if cuts is None:
-                continue
             wall = [t[0] for t in times]
             slow = max(range(len(wall)), key=lambda s: wall[s])
             reason = f"stage {slow} took {wall[slow] * 1e3:.1f} ms a step, the others {_listed(wall, slow)}"
+            if cuts is None:
+                self.state = (
+                    f"cut {tuple(run.cuts)} kept: {reason} (within {self.policy.margin:.0%}, or no cut is predicted "
+                    "that much faster)"
+                )
+                continue
             try:
                 run._recut(cuts, reason=reason)
             except (RuntimeError, ValueError, TimeoutError) as e:  # a switch or a join not taken up yet: later
+                self.state = f"re-cut to {cuts} put off: {e}"
                 log.info("sdpipe: run %s: automatic re-cut put off: %s", run.run_id, e)
                 continue
+            self.state = f"re-cut to {cuts}: {reason}"
             self._last = time.monotonic()
 
 

@@ -149,6 +149,7 @@ class Run(Steering, Elastic):
         self._from_sequential = from_sequential
         self._stage_modules = stage_modules
         self._first_cuts = spec.cuts
+        self._rebalancer = None  # its automatic re-cuts (TrainConfig.rebalance), set by train()
         self._emulated = cluster if isinstance(cluster, EmulatedHosts) else None
         self._init_state()
         _RUNS.add(self)
@@ -213,6 +214,12 @@ class Run(Steering, Elastic):
         """Where the model's layers are cut into stages now (the first layer of stages 1..S-1; :meth:`recut` moves
         them), or None for a model given as a list of stage modules."""
         return self._spec.cuts if self._spec is not None else self._first_cuts
+
+    @property
+    def rebalancing(self) -> Optional[str]:
+        """What the automatic re-cuts (``rebalance=``) are at, in one line: measuring, balanced (with the stages'
+        times), a re-cut made or put off and why; None for a run without them."""
+        return None if self._rebalancer is None else self._rebalancer.state
 
     @property
     def t0(self) -> float:

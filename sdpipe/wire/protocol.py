@@ -479,6 +479,18 @@ class Keys:
         return f"epoch{epoch}/steptime/{pipeline}"
 
     @staticmethod
+    def epochs_entered(pipeline: int) -> str:
+        """Under a policy whose epochs end without a global sync: the epoch ``pipeline``'s stage 0 is in (a
+        counter it raises at each epoch's end, before it looks for a policy switch)."""
+        return f"entered/{pipeline}"
+
+    @staticmethod
+    def switch_epoch(version: int) -> str:
+        """The epoch from which every pipeline runs policy switch ``version`` (out of a policy whose epochs end
+        without a global sync), set once by compare-and-set (see :meth:`PipelineControl.switch_version`)."""
+        return f"policy/{version}/epoch"
+
+    @staticmethod
     def group(name: str) -> str:
         """Prefix of the rendezvous of process group ``name``."""
         return f"group/{name}/"

@@ -81,6 +81,7 @@ class PipelineControl:
         #: the first micro-batch's input, received with the step's control message (see :meth:`exchange`)
         self.carried = None
         self.seen = worker.members_version  # stage 0: the last membership change looked at
+        self._switch_epoch = (0, 0)  # stage 0: (policy version, the epoch every pipeline takes it from)
         self.watcher = None
         if watcher_store is not None:
             self.watcher = CommandWatcher(watcher_store)
@@ -220,6 +221,42 @@ class PipelineControl:
         w.members_version = members
         if coupled:
             w.policy.connect(w, members)
+
+    def switch_version(self, epoch: int, at_end: bool, pv: int) -> int:
+        """Stage 0, at a boundary of ``epoch`` (``at_end``: its end): the policy version to send down.
+
+        Out of a policy whose epochs end without a global sync (``none``), the pipelines may be in different
+        epochs; one that took a switch to a policy with global syncs an epoch before another would wait at a
+        global sync the other ends a different epoch with, and the last pipeline would wait for one nobody
+        joins.  So such a switch is taken from one epoch ``E`` on by every pipeline: at its first boundary in
+        ``E`` (or at ``E``'s end), so that the first global sync ends ``E`` for all of them.
+
+        ``E`` is set once (compare-and-set) by the first pipeline to look: the latest epoch any pipeline has
+        entered.  A pipeline raises its entered epoch at each epoch's end before it looks, and looks at every
+        epoch's end once the switch exists, so none leaves ``E`` without it: one that left ``E`` before the
+        switch existed raised its epoch past ``E`` first, and one that left it later saw the switch and set
+        ``E`` itself (or found it set)."""
+        w, store = self.worker, self.worker.store
+        if w.policy.record.exchange != "nothing":
+            return pv
+        key = Keys.epochs_entered(w.pipeline)
+        if at_end:
+            store.add(key, epoch + 1 - store.add(key, 0))
+        nxt = w.policy_version + 1
+        if pv < nxt and not (at_end and store.check([Keys.policy(nxt)])):
+            return pv
+        if self._switch_epoch[0] != nxt:
+            spot = Keys.switch_epoch(nxt)
+            if store.check([spot]):
+                chosen = store.get(spot)
+            else:
+                ids = int(store.get(Keys.PIPELINE_IDS)) if store.check([Keys.PIPELINE_IDS]) else w.pipelines
+                entered = max(store.add(Keys.epochs_entered(p), 0) for p in range(ids))
+                chosen = store.compare_set(spot, "", str(max(entered, epoch)))
+            self._switch_epoch = (nxt, int(chosen))
+        if self._switch_epoch[1] > epoch:
+            return w.policy_version  # not yet: this pipeline is in an earlier epoch
+        return max(pv, nxt)
 
     def apply(self, step: int, hv: int, pv: int, epoch: int, j, members: int = 0) -> None:
         """Take up new heterogeneity, a new policy or a change of the pipelines present at this step boundary

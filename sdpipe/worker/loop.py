@@ -502,6 +502,8 @@ class Training:
             w.ctl.take_members(self.step, epoch, j, w.ctl.seen)
         batch = None if stop or leave else w.policy.next_batch(w, epoch, j)
         op = Op.STOP if stop else Op.LEAVE if leave else (Op.EPOCH_END if batch is None else Op.RUN)
+        if op is Op.RUN or op is Op.EPOCH_END:
+            pv = w.ctl.switch_version(epoch, op is Op.EPOCH_END, pv)
         mv = w.ctl.seen
         return w.ctl.exchange(ControlMessage(op, epoch, self.step, -1 if batch is None else batch, hv, pv, mv))
 
