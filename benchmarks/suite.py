@@ -4,9 +4,8 @@
 
 1. ``engine.py``: sdpipe's ``allreduce`` engine (1F1B, GPipe) against
    ``torch.distributed.pipelining`` on the same model, micro-batching and
-   data, contenders alternated over 4 repeats -> ``results/engine_suite.md``,
-   ``engine_suite.html``/``.png`` (the digits CNN at 2 x 2; ``engine.md`` holds the matrix of models and
-   shapes).
+   data, contenders alternated over 4 repeats -> ``results/engine.md``,
+   ``engine.html``/``.png``.
 2. ``time_to_accuracy.py``: every policy under none / 2x and 4x persistent
    straggler / transient straggles / a slow link, 3 seeds, policies
    alternated -> ``results/time_to_accuracy.md``, ``.html``/``.png``
@@ -48,7 +47,7 @@ def main(argv=None) -> int:
     out = Path(os.path.relpath(HERE / "results" / ("quick" if a.quick else "")))
     out.mkdir(parents=True, exist_ok=True)
     parts = [
-        ("engine", engine.main, ["--repeats", "1" if a.quick else "4", "--out", str(out / "engine_suite.md")]),
+        ("engine", engine.main, ["--repeats", "1" if a.quick else "4", "--out", str(out / "engine.md")]),
         (
             "time to accuracy",
             time_to_accuracy.main,
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
         fn(args)
         took[name] = time.time() - t
 
-    eng = json.loads((out / "engine_suite.json").read_text())["cells"]
+    eng = json.loads((out / "engine.json").read_text())["results"]
     tta = json.loads((out / "time_to_accuracy.json").read_text())["summary"]
     meta = run_meta("suite.py", argv, "engine.py then time_to_accuracy.py, as listed below")
     lines = [
@@ -73,21 +72,18 @@ def main(argv=None) -> int:
         "",
         "| part | results | minutes |",
         "|---|---|---|",
-        f"| engine efficiency | [engine_suite.md](engine_suite.md), [figure](engine_suite.html) | "
-        f"{minutes(took, 'engine')} |",
+        f"| engine efficiency | [engine.md](engine.md), [figure](engine.html) | {minutes(took, 'engine')} |",
         f"| time to accuracy | [time_to_accuracy.md](time_to_accuracy.md), [figure](time_to_accuracy.html) | "
         f"{minutes(took, 'time to accuracy')} |",
         "",
         "Headlines:",
         "",
     ]
-    for cell, table in eng.items():
-        for schedule in ("1f1b", "gpipe"):
-            ratio = table[f"sdpipe-{schedule}"]["samples_per_s"] / table[f"torch-{schedule}"]["samples_per_s"]
-            lines.append(
-                f"- {cell}, {schedule}: sdpipe's allreduce engine / torch.distributed.pipelining = {ratio:.2f}x "
-                "samples/s (median)"
-            )
+    for schedule in ("1f1b", "gpipe"):
+        ratio = eng[f"sdpipe-{schedule}"]["samples_per_s"] / eng[f"torch-{schedule}"]["samples_per_s"]
+        lines.append(
+            f"- {schedule}: sdpipe's allreduce engine / torch.distributed.pipelining = {ratio:.2f}x samples/s (median)"
+        )
     cells = {(c["scenario"], c["policy"]): c for c in tta}
     for scen in sorted({c["scenario"] for c in tta}):
         sd = cells.get((scen, "sdpipe"))
