@@ -89,7 +89,7 @@ def test_an_automatic_recut_follows_a_slowed_stage_and_only_where_it_pays():
     """The rebalancer's rule (sdpipe.driver.rebalance): per stage (time, CPU time, micro-batches) a step; a re-cut
     only where one stage exceeds the others' mean by the margin and the model (each stage's speed its time over its
     CPU time; its CPU beyond its layers' driver-measured times a fixed cost) predicts a cut that much faster."""
-    from sdpipe.driver.rebalance import StageTimes, decide
+    from sdpipe.driver.rebalance import StageTimes, decide, predict
 
     seconds = [1.0] * 6  # six layers of 1 ms a micro-batch, 4 micro-batches a step, cut (2, 4): 8 ms of CPU each
     slowed = [(8.0, 8.0, 4), (24.0, 8.0, 4), (8.0, 8.0, 4)]  # stage 1 sleeps twice its compute
@@ -97,6 +97,14 @@ def test_an_automatic_recut_follows_a_slowed_stage_and_only_where_it_pays():
     assert decide([(8.0, 8.0, 4), (9.0, 8.8, 4), (8.0, 8.0, 4)], seconds, (2, 4), 0.25) is None  # no bottleneck
     # the bottleneck holds a single layer: no cut makes it faster
     assert decide([(4.0, 4.0, 4), (20.0, 4.0, 4), (4.0, 4.0, 4)], [1.0] * 3, (1, 2), 0.25) is None
+    # why not, as Run.rebalancing says it (these figures are in seconds: 20 s a step is "20000.0 ms")
+    assert predict([(8.0, 8.0, 4), (9.0, 8.8, 4), (8.0, 8.0, 4)], seconds, (2, 4), 0.25) == (
+        None,
+        "within 25% of the others' mean",
+    )
+    _, why = predict([(4.0, 4.0, 4), (20.0, 4.0, 4), (4.0, 4.0, 4)], [1.0] * 3, (1, 2), 0.25)
+    assert why == "the model's best cut (1, 2) takes its slowest stage to 20000.0 ms from 20000.0 ms, not 25% faster"
+    assert predict(slowed, seconds, (2, 4), 0.25) == ((2, 3), "")
     # a bad cut: stage 1 holds one layer and spends 4 ms a step whatever it holds (the loss, autograd); its own
     # time over its layers' (8 / 4) is not a 2x slower worker, and the re-cut evens the stages out
     bad = [(36.0, 36.0, 4), (8.0, 8.0, 4)]

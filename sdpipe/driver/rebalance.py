@@ -27,7 +27,7 @@ from typing import Optional
 from sdpipe.config import Rebalance
 from sdpipe.core.partition import speed_cuts, stage_bounds
 
-__all__ = ["Rebalancer", "StageTimes", "decide"]
+__all__ = ["Rebalancer", "StageTimes", "decide", "predict"]
 
 log = logging.getLogger("sdpipe")
 
@@ -85,14 +85,20 @@ def decide(times: list, layer_seconds: list, cuts: tuple, margin: float) -> Opti
     ``cuts``, each layer measured at ``layer_seconds`` a micro-batch; or None: only where the slowest stage takes
     more than the others' mean by ``margin`` and the new cut is predicted to make the slowest stage that much
     faster (the model of the module's docstring)."""
+    return predict(times, layer_seconds, cuts, margin)[0]
+
+
+def predict(times: list, layer_seconds: list, cuts: tuple, margin: float) -> tuple:
+    """``(cut, why)``: :func:`decide`'s cut (or None) and, where it is None, why in a few words (the model's
+    slowest stage under the best cut against under ``cuts``, where it got that far)."""
     S = len(times)
     if S < 2:
-        return None
+        return None, "one stage"
     wall = [t[0] for t in times]
     slow = max(range(S), key=lambda s: wall[s])
     others = [w for s, w in enumerate(wall) if s != slow]
     if wall[slow] <= (1.0 + margin) * (sum(others) / len(others)):
-        return None
+        return None, f"within {margin:.0%} of the others' mean"
     n = len(layer_seconds)
     held = [sum(layer_seconds[a:b]) for a, b in stage_bounds(list(cuts), n)]
     mbs = max(1.0, statistics.median([t[2] for t in times]))  # micro-batches a step (all stages run as many)
@@ -106,9 +112,13 @@ def decide(times: list, layer_seconds: list, cuts: tuple, margin: float) -> Opti
         bounds = stage_bounds(list(c), n)
         return max(k * sum(layer_seconds[a:b]) + o for k, o, (a, b) in zip(scale, offset, bounds, strict=True))
 
-    if new == tuple(cuts) or slowest(new) * (1.0 + margin) > slowest(cuts):
-        return None
-    return new
+    now, then = slowest(cuts), slowest(new)
+    if new == tuple(cuts) or then * (1.0 + margin) > now:
+        return None, (
+            f"the model's best cut {new} takes its slowest stage to {then * 1e3:.1f} ms from {now * 1e3:.1f} ms, "
+            f"not {margin:.0%} faster"
+        )
+    return new, ""
 
 
 class Rebalancer:
@@ -163,15 +173,12 @@ class Rebalancer:
             if times is None:
                 self.state = f"measuring the stages ({self.policy.steps} whole steps each since the last change)"
                 continue
-            cuts = decide(times, seconds, run.cuts, self.policy.margin)
+            cuts, why = predict(times, seconds, run.cuts, self.policy.margin)
             wall = [t[0] for t in times]
             slow = max(range(len(wall)), key=lambda s: wall[s])
             reason = f"stage {slow} took {wall[slow] * 1e3:.1f} ms a step, the others {_listed(wall, slow)}"
             if cuts is None:
-                self.state = (
-                    f"cut {tuple(run.cuts)} kept: {reason} (within {self.policy.margin:.0%}, or no cut is predicted "
-                    "that much faster)"
-                )
+                self.state = f"cut {tuple(run.cuts)} kept: {reason}; {why}"
                 continue
             try:
                 run._recut(cuts, reason=reason)
