@@ -183,7 +183,8 @@ def test_a_switch_out_of_none_is_taken_from_one_epoch_by_every_pipeline(data, sh
             e for e in result.events if e["kind"] == "sync" and e.get("reason") == "global" and e["stage"] == stage
         ]
         assert syncs and all(sorted(e["group"]) == [0, 1] for e in syncs), syncs
-        assert Counter(e["pipeline"] for e in syncs)[0] == Counter(e["pipeline"] for e in syncs)[1], syncs
+        per_pipeline = Counter(e["pipeline"] for e in syncs)
+        assert per_pipeline[0] == per_pipeline[1], syncs
     assert result.max_param_diff() < 1e-5  # the last epoch's global sync
 
 

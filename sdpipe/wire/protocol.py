@@ -736,6 +736,12 @@ def first_lost(store, pipelines) -> int | None:
     return next((p for p in pipelines if pipeline_lost(store, p)), None)
 
 
+def pipeline_ids(store, default: int) -> int:
+    """How many pipeline ids the run has handed out (:attr:`Keys.PIPELINE_IDS`; ``default``, the pipelines it
+    started with, before the driver wrote it)."""
+    return int(store.get(Keys.PIPELINE_IDS)) if store.check([Keys.PIPELINE_IDS]) else default
+
+
 def pipeline_lost(store, pipeline: int) -> bool:
     """Whether the driver marked ``pipeline`` lost in the run's store."""
     return store.check([Keys.lost(pipeline)])

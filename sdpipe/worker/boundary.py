@@ -31,6 +31,7 @@ from sdpipe.wire.protocol import (
     MembershipChange,
     Op,
     PolicyChange,
+    pipeline_ids,
     pipeline_lost,
 )
 from sdpipe.worker.comm import TAG_CTRL
@@ -214,7 +215,7 @@ class PipelineControl:
             if store.check([spot]):
                 chosen = store.get(spot)
             else:
-                ids = int(store.get(Keys.PIPELINE_IDS)) if store.check([Keys.PIPELINE_IDS]) else w.pipelines
+                ids = pipeline_ids(store, w.pipelines)
                 entered = max(store.add(Keys.epochs_entered(p), 0) for p in range(ids))
                 chosen = store.compare_set(spot, "", str(max(entered, epoch)))
             self._switch_epoch = (nxt, int(chosen))
@@ -321,7 +322,7 @@ class Dispenser:
             # never measured, or too long ago: a pipeline that fell behind would otherwise keep a
             # stale estimate, leave every epoch and never measure itself again
             return False
-        ids = int(self.store.get(Keys.PIPELINE_IDS)) if self.store.check([Keys.PIPELINE_IDS]) else self.pipelines
+        ids = pipeline_ids(self.store, self.pipelines)
         keys = [
             Keys.step_time(epoch, p) for p in range(ids) if p != self.pipeline and not pipeline_lost(self.store, p)
         ]  # a lost pipeline takes nothing
