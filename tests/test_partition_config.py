@@ -88,12 +88,16 @@ def test_speed_cuts_minimize_the_slowest_stage_at_each_stages_speed():
 def test_an_automatic_recut_follows_a_slowed_stage_and_only_where_it_pays():
     """The rebalancer's rule (sdpipe.driver.rebalance): per stage (time, CPU time, micro-batches) a step; a re-cut
     only where one stage exceeds the others' mean by the margin and the model (each stage's speed its time over its
-    CPU time; its CPU beyond its layers' driver-measured times a fixed cost) predicts a cut that much faster."""
+    CPU time; its CPU work its layers' driver-measured times, scaled by one factor for all stages, plus a fixed
+    cost) predicts a cut that much faster."""
     from sdpipe.driver.rebalance import StageTimes, decide, predict
 
     seconds = [1.0] * 6  # six layers of 1 ms a micro-batch, 4 micro-batches a step, cut (2, 4): 8 ms of CPU each
     slowed = [(8.0, 8.0, 4), (24.0, 8.0, 4), (8.0, 8.0, 4)]  # stage 1 sleeps twice its compute
     assert decide(slowed, seconds, (2, 4), 0.25) == (2, 3)  # one layer left on it: 12 ms, not 24
+    # the driver timed the layers at a quarter of the workers' time (alone, on more threads): the same cut, where
+    # taking the CPU beyond a quarter as a fixed cost would predict one layer at 21 ms, not 25% faster than 24
+    assert decide(slowed, [0.25] * 6, (2, 4), 0.25) == (2, 3)
     assert decide([(8.0, 8.0, 4), (9.0, 8.8, 4), (8.0, 8.0, 4)], seconds, (2, 4), 0.25) is None  # no bottleneck
     # the bottleneck holds a single layer: no cut makes it faster
     assert decide([(4.0, 4.0, 4), (20.0, 4.0, 4), (4.0, 4.0, 4)], [1.0] * 3, (1, 2), 0.25) is None

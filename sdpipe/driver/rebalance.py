@@ -7,10 +7,13 @@ CPU time of its forwards and backwards, and how many micro-batches they ran.  On
 ``steps`` whole steps since the last change (a re-cut, or a change of the heterogeneity), a stage's figures are
 those of the median pipeline.  A stage is modelled as running ``f = time / CPU time`` slower than its CPU work (an
 emulated slowdown sleeps; two workers sharing a core wait for it), its CPU work as its layers' times measured on
-the driver (``cuts="time"``'s) once per micro-batch plus what it spends whatever layers it holds (the CPU time
-beyond them: the loss, autograd, the framework).  Worked case, 10 layers, cut ``(9,)``, 4 micro-batches a step:
-stage 0 holds 3.98 ms of layers and spends 17.8 ms a step at 16.9 ms of CPU (``f = 1.05``, 1.0 ms beyond its
-layers), stage 1 holds 0.24 ms and spends 2.1 ms at 2.0 ms of CPU (1.0 ms beyond): stage 0 is the bottleneck
+the driver (``cuts="time"``'s) once per micro-batch, times one factor ``k`` for all stages, plus what it spends
+whatever layers it holds (the CPU time beyond them: the loss, autograd, the framework).  ``k`` is the stages' CPU
+time over the driver's time for the layers they hold: the driver times each layer alone, with its own threads,
+perhaps on another machine, so the workers' time for the same layers may be twice it or half.  Worked case, 10
+layers, cut ``(9,)``, 4 micro-batches a step: stage 0 holds 3.98 ms of layers and spends 17.8 ms a step at 16.9 ms
+of CPU (``f = 1.05``), stage 1 holds 0.24 ms and spends 2.1 ms at 2.0 ms of CPU; ``k = 18.9 / (4 x 4.22) = 1.12``,
+so stage 0 spends nothing beyond its layers and stage 1 0.9 ms a step: stage 0 is the bottleneck
 (17.8 > 1.25 x 2.1), and the cut whose slowest stage is fastest under that model
 (:func:`sdpipe.core.partition.speed_cuts`) is taken if it makes the slowest stage ``margin`` faster, at most once
 every ``every`` seconds.
@@ -103,8 +106,10 @@ def predict(times: list, layer_seconds: list, cuts: tuple, margin: float) -> tup
     held = [sum(layer_seconds[a:b]) for a, b in stage_bounds(list(cuts), n)]
     mbs = max(1.0, statistics.median([t[2] for t in times]))  # micro-batches a step (all stages run as many)
     speed = [max(1.0, w / c) if c > 0 else 1.0 for w, (_, c, _) in zip(wall, times, strict=True)]
-    fixed = [max(0.0, c - mbs * h) for (_, c, _), h in zip(times, held, strict=True)]
-    scale = [f * mbs for f in speed]
+    cpu = sum(t[1] for t in times)
+    k = cpu / (mbs * sum(held)) if cpu > 0 and sum(held) > 0 else 1.0  # the workers' CPU over the driver's timing
+    fixed = [max(0.0, c - mbs * k * h) for (_, c, _), h in zip(times, held, strict=True)]
+    scale = [f * mbs * k for f in speed]
     offset = [f * x for f, x in zip(speed, fixed, strict=True)]
     new = tuple(speed_cuts(layer_seconds, scale, offset))
 
