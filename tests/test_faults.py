@@ -257,7 +257,8 @@ def test_allreduce_replaces_a_worker_lost_while_the_run_starts(data, cluster8):
 
 def _terminal_lines(policy: str, kill: str) -> tuple:
     """The lines a user's script (``tests/user_kill_script.py``, both streams as one terminal shows them) printed
-    until its run's result was in, and that result's line."""
+    until its run's result was in, that result's line, and for a failing assertion's message the last lines before
+    it with why each pipeline was lost."""
     script = os.path.join(os.path.dirname(__file__), "user_kill_script.py")
     out = subprocess.run(
         [sys.executable, script, policy, kill],
@@ -270,12 +271,13 @@ def _terminal_lines(policy: str, kill: str) -> tuple:
     lines = out.stdout.splitlines()
     at = next((i for i, line in enumerate(lines) if line.startswith("RESULT")), None)
     assert out.returncode == 0 and at is not None, "\n".join(lines[-40:])
-    return lines[:at], lines[at]
+    why = [line for line in lines[at + 1 :] if line.startswith("LOST")]
+    return lines[:at], lines[at], "\n".join(lines[max(0, at - 30) : at] + why)
 
 
 @functools.lru_cache(maxsize=None)
 def _without_a_loss() -> tuple:
-    return _terminal_lines("sdpipe", "none")
+    return _terminal_lines("sdpipe", "none")[:2]
 
 
 @pytest.mark.parametrize("when", ["kill", "start"])
@@ -285,8 +287,8 @@ def test_a_lost_worker_on_a_users_cluster_adds_at_most_ten_lines_to_the_terminal
     nor torch's warnings from a rendezvous that waited for the dead rank."""
     quiet, result = _without_a_loss()
     assert result == "RESULT [] [0, 1, 2, 3]"
-    lost, result = _terminal_lines("sdpipe", when)
-    assert result == "RESULT [1] [0, 2, 3]"
+    lost, result, seen = _terminal_lines("sdpipe", when)
+    assert result == "RESULT [1] [0, 2, 3]", seen  # (seen: the terminal's last lines and why each pipeline was lost)
     assert sum("was lost" in line for line in lost) == 1
     assert not [line for line in lost if "Compute Failed" in line or ("sdpipe-" in line and "Traceback" in line)]
     assert len(lost) - len(quiet) <= 10, "\n".join(lost)

@@ -31,5 +31,7 @@ if __name__ == "__main__":
         os.kill(client.run(os.getpid, workers=[addr])[addr], signal.SIGKILL)
     result = run.result(timeout=600)
     print("RESULT", sorted(result.lost), result.finished_pipelines, flush=True)
+    for p, why in sorted(result.lost.items()):  # (after the result's line: for a failing test's message)
+        print(f"LOST {p}: {why}", flush=True)
     client.close()
     cluster.close()
