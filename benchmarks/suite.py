@@ -4,8 +4,9 @@
 
 1. ``engine.py``: sdpipe's ``allreduce`` engine (1F1B, GPipe) against
    ``torch.distributed.pipelining`` on the same model, micro-batching and
-   data, contenders alternated over 4 repeats -> ``results/engine.md``,
-   ``engine.html``/``.png``.
+   data, contenders alternated over 4 repeats -> ``results/engine_suite.md``,
+   ``engine_suite.html``/``.png`` (the digits CNN at 2 x 2; ``engine.md`` holds the matrix of models and
+   shapes).
 2. ``time_to_accuracy.py``: every policy under none / 2x and 4x persistent
    straggler / transient straggles / a slow link, 3 seeds, policies
    alternated -> ``results/time_to_accuracy.md``, ``.html``/``.png``
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     out = Path(os.path.relpath(HERE / "results" / ("quick" if a.quick else "")))
     out.mkdir(parents=True, exist_ok=True)
     parts = [
-        ("engine", engine.main, ["--repeats", "1" if a.quick else "4", "--out", str(out / "engine.md")]),
+        ("engine", engine.main, ["--repeats", "1" if a.quick else "4", "--out", str(out / "engine_suite.md")]),
         (
             "time to accuracy",
             time_to_accuracy.main,
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
         fn(args)
         took[name] = time.time() - t
 
-    eng = json.loads((out / "engine.json").read_text())["results"]
+    eng = json.loads((out / "engine_suite.json").read_text())["cells"]
     tta = json.loads((out / "time_to_accuracy.json").read_text())["summary"]
     meta = run_meta("suite.py", argv, "engine.py then time_to_accuracy.py, as listed below")
     lines = [
@@ -72,18 +73,21 @@ def main(argv=None) -> int:
         "",
         "| part | results | minutes |",
         "|---|---|---|",
-        f"| engine efficiency | [engine.md](engine.md), [figure](engine.html) | {minutes(took, 'engine')} |",
+        f"| engine efficiency | [engine_suite.md](engine_suite.md), [figure](engine_suite.html) | "
+        f"{minutes(took, 'engine')} |",
         f"| time to accuracy | [time_to_accuracy.md](time_to_accuracy.md), [figure](time_to_accuracy.html) | "
         f"{minutes(took, 'time to accuracy')} |",
         "",
         "Headlines:",
         "",
     ]
-    for schedule in ("1f1b", "gpipe"):
-        ratio = eng[f"sdpipe-{schedule}"]["samples_per_s"] / eng[f"torch-{schedule}"]["samples_per_s"]
-        lines.append(
-            f"- {schedule}: sdpipe's allreduce engine / torch.distributed.pipelining = {ratio:.2f}x samples/s (median)"
-        )
+    for cell, table in eng.items():
+        for schedule in ("1f1b", "gpipe"):
+            ratio = table[f"sdpipe-{schedule}"]["samples_per_s"] / table[f"torch-{schedule}"]["samples_per_s"]
+            lines.append(
+                f"- {cell}, {schedule}: sdpipe's allreduce engine / torch.distributed.pipelining = {ratio:.2f}x "
+                "samples/s (median)"
+            )
     cells = {(c["scenario"], c["policy"]): c for c in tta}
     for scen in sorted({c["scenario"] for c in tta}):
         sd = cells.get((scen, "sdpipe"))

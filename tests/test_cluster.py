@@ -33,6 +33,20 @@ def reference_training(model, X, Y, *, epochs, batch_size, lr, seed=0):
     return model
 
 
+def reference_averaging(model, X, Y, *, pipelines, epochs, batch_size, lr, seed=0):
+    """One process, one step per step of ``allreduce``: the mean of the gradients of the batches the pipelines read
+    (pipeline p reads batch j x D + p at step j), then the optimizer."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for epoch in range(epochs):
+        for j in range(steps_per_epoch(len(X), batch_size, pipelines)):
+            opt.zero_grad()
+            for p in range(pipelines):
+                idx = batch_indices(len(X), batch_size, seed, epoch, j * pipelines + p)
+                (torch.nn.functional.cross_entropy(model(X[idx]), Y[idx]) / pipelines).backward()
+            opt.step()
+    return model
+
+
 def max_diff(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
@@ -103,6 +117,20 @@ def test_gpipe_and_1f1b_match_single_process(data, shared_cluster, stages):
     assert max_diff(r1.models[0], ref) < 1e-5
     assert max_diff(digits_mlp(), ref) > 1e-2  # training moved the weights
     assert live_process_groups(shared_cluster) == 0
+
+
+def test_allreduce_over_pipelines_matches_one_process_averaging_their_batches(data, shared_cluster, no_leaks):
+    """D = 2 replicas of a 2-stage pipeline: every step's averaged gradient (taken in place in the stage's flat
+    gradient buffer) is the one process's mean over the two batches, step after step."""
+    (X, Y), _ = data
+    run = sdpipe.train(
+        digits_mlp(), (X, Y), stages=2, pipelines=2, policy="allreduce", epochs=2, optimizer="sgd", lr=0.05,
+        momentum=0.9, batch_size=32, microbatches=4, cluster=shared_cluster,
+    )  # fmt: skip
+    result = run.result(timeout=300)
+    ref = reference_averaging(digits_mlp(), X, Y, pipelines=2, epochs=2, batch_size=32, lr=0.05)
+    assert max_diff(result.models[0], ref) < 1e-5 and max_diff(result.models[1], ref) < 1e-5
+    assert max_diff(digits_mlp(), ref) > 1e-2  # training moved the weights
 
 
 def test_existing_cluster_by_address_and_stop(data, shared_cluster, no_leaks):

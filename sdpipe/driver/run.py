@@ -36,7 +36,7 @@ from sdpipe.driver.elastic import Elastic
 from sdpipe.driver.result import RunError, RunResult, history
 from sdpipe.hosts import EmulatedHosts
 from sdpipe.simulation.whatif import check_window, last_end
-from sdpipe.wire.events import membership
+from sdpipe.wire.events import membership, unpack
 from sdpipe.wire.protocol import WorkerSpec
 
 __all__ = ["EventInbox", "Run", "RunError", "RunResult"]
@@ -60,7 +60,7 @@ class EventInbox:
     def on_event(self, event) -> None:
         """A batch from the Dask event log: ``(time, {"rank", "seq", "events"})``."""
         _, msg = event
-        batch = msg["events"]
+        batch = unpack(msg["events"])
         for rec in batch:  # msgpack hands lists back as tuples
             if "group" in rec:
                 rec["group"] = list(rec["group"])

@@ -39,9 +39,11 @@ __all__ = [
     "group",
     "instant",
     "membership",
+    "pack",
     "problems",
     "span",
     "stage_info",
+    "unpack",
     "validate",
     "worker_lost",
 ]
@@ -294,3 +296,19 @@ def validate(rec) -> dict:
     if found:
         raise ValueError(f"event record: {'; '.join(found)} in {rec!r}"[:500])
     return rec
+
+
+def pack(records: list) -> bytes:
+    """A batch of records as one msgpack blob, as a worker ships it through the Dask event log (:func:`unpack`)."""
+    import msgpack
+
+    return msgpack.packb(records, use_bin_type=True)
+
+
+def unpack(batch) -> list:
+    """A shipped batch's records: a blob from :func:`pack`, or a list as it is (the group service's)."""
+    if isinstance(batch, bytes):
+        import msgpack
+
+        return msgpack.unpackb(batch, raw=False)
+    return batch

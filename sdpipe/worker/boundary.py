@@ -34,7 +34,7 @@ from sdpipe.wire.protocol import (
     pipeline_ids,
     pipeline_lost,
 )
-from sdpipe.worker.comm import TAG_CTRL
+from sdpipe.worker.comm import TAG_ACT, TAG_CTRL
 from sdpipe.worker.handover import donate
 
 __all__ = ["CTL_INTERVAL", "CTL_MAX_AGE", "CommandWatcher", "Dispenser", "PipelineControl", "membership"]
@@ -76,7 +76,11 @@ class PipelineControl:
     def __init__(self, worker, watcher_store=None):
         self.worker = worker
         self._cache = None  # (monotonic time, raw value) of the last read
-        self._send = None  # (work, tensor) of the control message in flight to the next stage
+        self._send: list = []  # (work, tensor) of the control message in flight to the next stage
+        #: a RUN's control integers still to send on: they ride on this step's first message to the next stage
+        self.outgoing: tuple = ()
+        #: the first micro-batch's input, received with the step's control message (see :meth:`exchange`)
+        self.carried = None
         self.seen = worker.members_version  # stage 0: the last membership change looked at
         self._switch_epoch = (0, 0)  # stage 0: (policy version, the epoch every pipeline takes it from)
         self.watcher = None
@@ -84,32 +88,64 @@ class PipelineControl:
             self.watcher = CommandWatcher(watcher_store)
             self.watcher.start()
 
+    @property
+    def carries(self) -> bool:
+        """Whether a step's control message rides on its first micro-batch's message to the next stage: on a link
+        that packs structures (gloo) under a flushing schedule, where the first message a stage sends in a step is
+        its first micro-batch's output and the next stage's first receive takes it (an asynchronous schedule's
+        stage may wait for a gradient before it sends anything in a step: its control message goes on its own)."""
+        w = self.worker
+        return w.link is not None and w.link.packed and w.stream is None
+
     def exchange(self, msg: Optional[ControlMessage]) -> ControlMessage:
-        """Stage 0 sends ``msg`` down the pipeline; the others receive (``msg`` None) and pass it on."""
+        """Stage 0 sends ``msg`` down the pipeline; the others receive (``msg`` None) and pass it on.
+
+        A RUN goes on with the step's first micro-batch where :attr:`carries` (its receiver gets that input with it,
+        as :attr:`carried`, for the step's first receive); any other message, or any message elsewhere, at once.
+        """
         w = self.worker
         if w.link is None:
             return msg
         start = time.time()
+        carry = self.carries
         if w.first:
-            t = torch.tensor(msg.encode(), dtype=torch.int64)
+            ints = msg.encode()
         else:
             with w.pace.waiting():  # the previous stage's step and its slowdown: not this worker's own
-                t = w.link.recv((ControlMessage.SIZE,), torch.int64, w.stage - 1, TAG_CTRL)
+                if carry:
+                    ints, self.carried = w.link.recv_message(w.layout_in, w.stage - 1, TAG_ACT)
+                else:
+                    ints = w.link.recv((ControlMessage.SIZE,), torch.int64, w.stage - 1, TAG_CTRL).tolist()
+        got = ControlMessage.decode(list(ints))
         if not w.last:
-            # not waited for here: a gloo send completes only once the next stage posted its receive,
-            # i.e. once it finished its previous step; this stage starts its step meanwhile
-            self.wait_sent()
-            self._send = w.link.isend(t, w.stage + 1, TAG_CTRL)
-        got = ControlMessage.decode(t.tolist())
+            if carry and got.op is Op.RUN:
+                self.outgoing = tuple(ints)
+            else:
+                # not waited for here: a gloo send completes only once the next stage posted its receive,
+                # i.e. once it finished its previous step; this stage starts its step meanwhile
+                self.wait_sent()
+                if carry:
+                    self._send = w.link.isend_tree(None, w.stage + 1, TAG_ACT, control=tuple(ints))
+                else:
+                    self._send = [w.link.isend(torch.tensor(ints, dtype=torch.int64), w.stage + 1, TAG_CTRL)]
         if not w.first and got.op is not Op.PAUSE:
             w.span("wait", got.step, None, start, time.time())
         return got
 
+    def take_outgoing(self) -> tuple:
+        """The control integers to send with this step's first message to the next stage (then none)."""
+        out, self.outgoing = self.outgoing, ()
+        return out
+
+    def take_carried(self):
+        """The input that came with this step's control message, for the step's first receive (then None)."""
+        x, self.carried = self.carried, None
+        return x
+
     def wait_sent(self) -> None:
         """Wait for the last control message this stage sent down the pipeline to be received."""
-        if self._send is not None:
-            work, _ = self._send
-            self._send = None
+        sends, self._send = self._send, []
+        for work, _ in sends:
             work.wait()
 
     def read(self, max_age: float = 0.0) -> Command:
@@ -251,7 +287,7 @@ class PipelineControl:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
-        self._send = None
+        self._send, self.carried = [], None
 
 
 def membership(store, version: int) -> MembershipChange:

@@ -8,6 +8,7 @@ of some workers can be formed at any time, in any order, by name.
 from __future__ import annotations
 
 import datetime
+import math
 import threading
 import time
 from typing import Optional
@@ -205,16 +206,40 @@ def _abort(abort: Optional[threading.Event], helper: threading.Thread) -> None:
         helper.join(1.0)
 
 
+#: a structure's tensors travel inside its one message up to this many bytes in all (a copy on the sender), in their
+#: order as long as each fits what is left; the others follow it, a message each (no copy: a message's own cost is
+#: small beside theirs)
+INLINE_BYTES = 256 * 1024
+#: the first word of a packed message: a structure (with or without tensors), or "the next message is larger"
+_DATA, _GROW = 1, 2
+#: bytes of a packed message's fixed words: kind, control integers, tensors
+_FIXED = 3 * 8
+#: bytes a receiver's buffer holds before any message grew it (any control message fits)
+_FIRST_ROOM = 1024
+#: int64 words per tensor in a packed message's header: dtype, dimensions, sizes (tree.MAX_DIMS), inside or after
+_PER_TENSOR = 2 + _tree.MAX_DIMS + 1
+
+
 class Link:
     """Point-to-point traffic of one worker with its pipeline neighbours.
 
-    With NCCL tensors travel on the GPU; with gloo they are staged on the CPU.
+    With gloo (tensors staged on the CPU) a structure of tensors travels as one message: a header (what the
+    receiver must know: each tensor's dtype and sizes, and the control integers a step boundary carries) and the
+    tensors' bytes, packed (:meth:`isend_tree`).  gloo takes a message into a buffer at least as large, so the
+    receiver posts one of the size the sender's messages on that tag had so far; both sides keep that size (a
+    "room" per peer and tag), and a larger message is announced by a small one first.  A message costs tens of
+    microseconds of CPU on each side whatever its size, so one message instead of a header and a tensor is most of
+    what a small model's step pays for its communication.  With NCCL, tensors travel on the GPU and a receive
+    must know its size ahead: the header goes as a message of its own, then each tensor.
     """
 
     def __init__(self, group, device: torch.device, backend: str):
         self.group = group
         self.device = device
         self.comm_device = device if backend == "nccl" else torch.device("cpu")
+        #: structures travel packed (gloo); else a header message and a message per tensor (NCCL)
+        self.packed = backend != "nccl"
+        self._room: dict = {}  # (peer, tag) -> bytes of the receiver's buffer (the same figure on both sides)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
         t = tensor.detach().to(self.comm_device).contiguous()
@@ -229,30 +254,108 @@ class Link:
         self.group.recv([buf], src, tag).wait()
         return buf.to(self.device)
 
-    def isend_tree(self, obj, dst: int, tag: int, layout: Optional[_tree.Layout] = None, where: str = "output") -> list:
-        """Send a tensor structure (:mod:`sdpipe.worker.tree`): a header with every tensor's dtype and sizes, then the
-        tensors.  With ``layout``, a structure unlike it is a ``ValueError`` naming ``where`` (nothing is sent).
+    def isend_tree(
+        self, obj, dst: int, tag: int, layout: Optional[_tree.Layout] = None, where: str = "output", control=()
+    ) -> list:
+        """Send a tensor structure (:mod:`sdpipe.worker.tree`) with every tensor's dtype and sizes, and ``control``
+        (integers: a step boundary's message, received by :meth:`recv_message`).  With ``layout``, a structure
+        unlike it is a ``ValueError`` naming ``where`` (nothing is sent).  ``obj`` None: the control alone.
 
         Returns the ``(work, tensor)`` pairs of the sends, which must be waited for (or kept) until complete.
         """
-        leaves, skeleton = _tree.flatten(obj, where)
-        if layout is not None and skeleton != layout.skeleton:
+        leaves, skeleton = _tree.flatten(obj, where) if obj is not None else ([], None)
+        if layout is not None and obj is not None and skeleton != layout.skeleton:
             raise ValueError(
                 f"{where} {_tree.describe(obj)} is not structured as on the trial micro-batch; a stage must return "
                 f"the same nesting of tensors every time"
             )
-        header = torch.tensor(_tree.header(leaves), dtype=torch.int64)
-        return [self.isend(header, dst, tag)] + [self.isend(t, dst, tag) for t in leaves]
+        if not self.packed:
+            if control:
+                raise ValueError("a control message travels inside a structure's message on gloo links only")
+            header = torch.tensor(_tree.header(leaves), dtype=torch.int64)
+            return [self.isend(header, dst, tag)] + [self.isend(t, dst, tag) for t in leaves]
+        leaves = [t.detach() for t in leaves]
+        sizes = [t.numel() * t.element_size() for t in leaves]
+        inside, budget = [], INLINE_BYTES  # the smaller tensors first, as long as they fit the budget
+        for n in sizes:
+            inside.append(n <= budget)
+            budget -= n if n <= budget else 0
+        words = [_DATA, len(control), len(leaves), *control]
+        for t, inline in zip(leaves, inside, strict=True):
+            words += [_tree.dtype_number(t.dtype), t.dim(), *t.shape]
+            words += [0] * (_tree.MAX_DIMS - t.dim()) + [int(inline)]
+        head = 8 * len(words)
+        total = _aligned(head) + sum(_aligned(n) for n, inline in zip(sizes, inside, strict=True) if inline)
+        sends = []
+        room = self._room.get((dst, tag), _FIRST_ROOM)
+        if total > room:  # announced in a message that fits the receiver's buffer; both sides take the new size
+            grow = torch.tensor([_GROW, total, 0], dtype=torch.int64)
+            sends.append((self.group.send([grow], dst, tag), grow))
+            self._room[(dst, tag)] = total
+        buf = torch.empty(total, dtype=torch.uint8)
+        buf[:head].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+        offset = _aligned(head)
+        for t, n, inline in zip(leaves, sizes, inside, strict=True):
+            if inline:
+                buf[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
+                offset += _aligned(n)
+        sends.append((self.group.send([buf], dst, tag), buf))
+        return sends + [self.isend(t, dst, tag) for t, inline in zip(leaves, inside, strict=True) if not inline]
 
     def recv_tree(self, layout: _tree.Layout, src: int, tag: int):
-        """Receive a structure of ``layout`` sent by :meth:`isend_tree`; its dtypes and sizes come with it."""
-        header = self.recv((layout.header_size,), torch.int64, src, tag).tolist()
-        leaves = [self.recv(shape, getattr(torch, dtype), src, tag) for dtype, shape in _tree.read_header(header)]
-        return _tree.unflatten(layout.skeleton, leaves)
+        """Receive a structure of ``layout`` sent by :meth:`isend_tree` (without control integers)."""
+        control, obj = self.recv_message(layout, src, tag)
+        if control or obj is None:
+            raise RuntimeError(f"expected a structure from rank {src} (tag {tag}), got a control message {control}")
+        return obj
+
+    def recv_message(self, layout: Optional[_tree.Layout], src: int, tag: int) -> tuple:
+        """``(control integers, structure or None)`` of the next message :meth:`isend_tree` sent on ``tag``."""
+        if not self.packed:
+            header = self.recv((layout.header_size,), torch.int64, src, tag).tolist()
+            leaves = [self.recv(shape, getattr(torch, dtype), src, tag) for dtype, shape in _tree.read_header(header)]
+            return (), _tree.unflatten(layout.skeleton, leaves)
+        while True:
+            buf = torch.empty(self._room.get((src, tag), _FIRST_ROOM), dtype=torch.uint8)
+            self.group.recv([buf], src, tag).wait()
+            kind, c, n = buf[:_FIXED].view(torch.int64).tolist()
+            if kind != _GROW:
+                break
+            self._room[(src, tag)] = c  # the next message's size, announced
+        if kind != _DATA:
+            raise RuntimeError(f"a message from rank {src} (tag {tag}) is not one of sdpipe's (kind {kind})")
+        head = _FIXED + 8 * (c + n * _PER_TENSOR)
+        words = buf[_FIXED:head].view(torch.int64).tolist()
+        control = tuple(words[:c])
+        if not n:
+            return control, None
+        offset, leaves, after = _aligned(head), [], []
+        for i in range(n):
+            row = words[c + i * _PER_TENSOR : c + (i + 1) * _PER_TENSOR]
+            dtype, shape = getattr(torch, _tree.DTYPES[row[0]]), tuple(row[2 : 2 + row[1]])
+            if row[-1]:
+                t = buf[offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
+                leaves.append(t.to(self.device))
+                offset += _aligned(_nbytes(shape, dtype))
+            else:
+                leaves.append(None)
+                after.append((i, shape, dtype))
+        for i, shape, dtype in after:
+            leaves[i] = self.recv(shape, dtype, src, tag)
+        return control, _tree.unflatten(layout.skeleton, leaves)
 
     def recv_like(self, tensors: list, src: int, tag: int) -> list:
         """Receive one tensor of each of ``tensors``' shapes and dtypes (the gradients of tensors sent before)."""
         return [self.recv(tuple(t.shape), t.dtype, src, tag) for t in tensors]
+
+
+def _aligned(n: int) -> int:
+    """``n`` bytes rounded up to 16: where the next tensor of a packed message starts (any dtype's alignment)."""
+    return (n + 15) & ~15
+
+
+def _nbytes(shape: tuple, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 #: what torch's errors say when a peer's connection failed (gloo raises a plain RuntimeError with its message)

@@ -42,6 +42,7 @@ from sdpipe.wire.protocol import (
     WorkerSpec,
     first_lost,
 )
+from sdpipe.worker.allocator import training_thresholds
 from sdpipe.worker.boundary import CTL_MAX_AGE, Dispenser, PipelineControl
 from sdpipe.worker.comm import TAG_TARGET, Link, as_peer_lost, make_group
 from sdpipe.worker.connect import connect_store, nccl_interface, own_address
@@ -180,12 +181,14 @@ class Worker:
             params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:  # a stage of parameter-free layers (a lone activation) has nothing to update
             return None
+        # foreach: torch's multi-tensor path (its default on a GPU, not on the CPU): one call per operation over all
+        # the stage's tensors, not a Python loop over them; the same arithmetic
         opt, lr, wd = cfg["optimizer"], cfg["lr"], cfg["weight_decay"]
         if opt == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=cfg["momentum"], weight_decay=wd)
+            return torch.optim.SGD(params, lr=lr, momentum=cfg["momentum"], weight_decay=wd, foreach=True)
         if opt == "adam":
-            return torch.optim.Adam(params, lr=lr, weight_decay=wd)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+            return torch.optim.Adam(params, lr=lr, weight_decay=wd, foreach=True)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=True)
 
     def _pick_device(self, name: str) -> torch.device:
         if name == "cuda":
@@ -635,8 +638,14 @@ def worker_main(spec: WorkerSpec, rank: int, X=None, Y=None, EX=None, EY=None, r
 
     ``resume``: this rank's state from a checkpoint (weights, optimizer, random states).  ``join``: the rank's
     pipeline joins the running run (see :class:`Worker`); its result says ``joined=False`` when the driver gave
-    the join up before a replica gave it its state.
+    the join up before a replica gave it its state.  The C allocator keeps freed tensors' memory for reuse while
+    it trains (:mod:`sdpipe.worker.allocator`).
     """
+    with training_thresholds():
+        return _run_worker(spec, rank, X, Y, EX, EY, resume, join)
+
+
+def _run_worker(spec: WorkerSpec, rank: int, X, Y, EX, EY, resume, join) -> WorkerResult:
     torch.set_num_threads(1)
     torch.manual_seed(spec.config["seed"] + 1 + rank)
     sink = EventSink(spec.topic, rank)

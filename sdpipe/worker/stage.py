@@ -56,10 +56,11 @@ def train_step(w, step: int, xb, yb) -> Optional[float]:
                 outputs[m] = out
             w.slow(time.time() - t)
             w.span("forward", step, m, t, time.time(), cpu=time.thread_time() - c)
-        elif a.op == "SF":
+        elif a.op == "SF":  # the first carries the step's control message on (PipelineControl.exchange)
             pending += w.link.isend_tree(
-                outputs[m], w.stage + 1, TAG_ACT, w.layout_out, f"model: stage {w.stage}'s output"
-            )
+                outputs[m], w.stage + 1, TAG_ACT, w.layout_out, f"model: stage {w.stage}'s output",
+                w.ctl.take_outgoing(),
+            )  # fmt: skip
             w.span("send", step, m, t, time.time())
         elif a.op == "RB":
             grads[m] = w.link.recv_like(differentiable(outputs[m]), w.stage + 1, TAG_GRAD)
@@ -89,8 +90,11 @@ def differentiable(obj) -> list:
 
 
 def _receive(w):
-    """A micro-batch's input from the previous stage; its floating-point tensors will want their gradients."""
-    x = w.link.recv_tree(w.layout_in, w.stage - 1, TAG_ACT)
+    """A micro-batch's input from the previous stage (the step's first came with its control message); its
+    floating-point tensors will want their gradients."""
+    x = w.ctl.take_carried()
+    if x is None:
+        x = w.link.recv_tree(w.layout_in, w.stage - 1, TAG_ACT)
     for t in differentiable(x):
         t.requires_grad_(True)
     return x

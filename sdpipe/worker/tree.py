@@ -117,12 +117,23 @@ DTYPES = (
 )
 
 
+_DTYPE_NUMBERS: dict = {}  # torch dtype -> its number in DTYPES (filled at the first use)
+
+
+def dtype_number(dtype) -> int:
+    """A torch dtype's number in :data:`DTYPES` (how a header names it)."""
+    number = _DTYPE_NUMBERS.get(dtype)
+    if number is None:
+        number = _DTYPE_NUMBERS[dtype] = DTYPES.index(_dtype_name(dtype))
+    return number
+
+
 def header(leaves) -> list:
     """What travels ahead of a structure's tensors: per tensor its dtype's number in :data:`DTYPES`, its number
     of dimensions and its sizes, padded to :data:`MAX_DIMS` (a fixed length, :attr:`Layout.header_size`)."""
     out = []
     for t in leaves:
-        out += [DTYPES.index(_dtype_name(t.dtype)), t.dim(), *t.shape, *([0] * (MAX_DIMS - t.dim()))]
+        out += [dtype_number(t.dtype), t.dim(), *t.shape, *([0] * (MAX_DIMS - t.dim()))]
     return out
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
+
+import torch
 
 from sdpipe.wire.protocol import Keys, MembershipChange
 from sdpipe.worker.comm import RendezvousTimeout, allreduce_mean_
@@ -31,6 +34,7 @@ class AllReduce(SyncPolicy):
         #: epoch -> (batches dealt before, the step from which the current members deal the rest)
         self.shard: dict = dict(shard or {})
         self.group = None
+        self.bucket: Optional[GradBucket] = None
         self.connect(worker, version)
 
     def connect(self, worker, version: int) -> None:
@@ -87,18 +91,24 @@ class AllReduce(SyncPolicy):
     ) -> tuple:
         if self.group is None:
             return stop, version, pause, members
-        grads = []
-        for p in worker.module.parameters():
-            if p.grad is None:
-                p.grad = p.detach().new_zeros(p.shape)
-            grads.append(p.grad)
         start = time.time()
         worker.delay_link()
         # Only the first member proposes a policy and a membership version, so the sums are those versions.
         first = worker.pipeline == self.members[0]
         extras = [float(stop), float(version if first else 0), float(pause), float(members if first else 0)]
         size = len(self.members)
-        votes = allreduce_mean_(grads, self.group, size, extras=extras, comm_device=worker.link_device)
+        params = list(worker.module.parameters())
+        if self.bucket is None or not self.bucket.holds(params):
+            self.bucket = GradBucket.of(params, len(extras), worker.link_device)
+        if self.bucket is not None:
+            votes = self.bucket.allreduce_mean(self.group, size, extras)
+        else:
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = p.detach().new_zeros(p.shape)
+                grads.append(p.grad)
+            votes = allreduce_mean_(grads, self.group, size, extras=extras, comm_device=worker.link_device)
         worker.span("sync", step, None, start, time.time(), group=self.members)
         return votes[0] > 0.5, round(votes[1]), votes[2] > 0.5, round(votes[3])
 
@@ -109,7 +119,62 @@ class AllReduce(SyncPolicy):
         """Nothing: the replicas are identical already."""
 
     def close(self, failed: bool = False) -> None:
-        self.group = None
+        self.group = self.bucket = None
+
+
+class GradBucket:
+    """A stage's gradients as views of one flat buffer, with room for a few numbers after them (as DDP's
+    ``gradient_as_bucket_view``): the backward accumulates into the buffer, the all-reduce averages it in place,
+    and the optimizer reads the averaged gradients from it, with no copy into or out of a buffer at each step.
+
+    A parameter whose gradient was replaced since (set to None, or assigned) has it copied in and its view put
+    back at the next :meth:`allreduce_mean`.  Used where the gradients live on the device that communicates, in one
+    dtype (else :func:`~sdpipe.worker.comm.allreduce_mean_` flattens them at each step).
+    """
+
+    def __init__(self, params: list, extras: int):
+        self.params = params
+        self.n = sum(p.numel() for p in params)
+        self.flat = torch.zeros(self.n + extras, dtype=params[0].dtype, device=params[0].device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self._bind()
+
+    @classmethod
+    def of(cls, params: list, extras: int, comm_device) -> Optional["GradBucket"]:
+        """A bucket for ``params``, or None where they are not all of one dtype on ``comm_device``."""
+        if not params or any(p.dtype != params[0].dtype or p.device != comm_device for p in params):
+            return None
+        return cls(params, extras)
+
+    def holds(self, params: list) -> bool:
+        """Whether this bucket is of exactly ``params`` (a re-cut rebuilds the stage's module)."""
+        return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params, strict=True))
+
+    def _bind(self) -> None:
+        """Every parameter's gradient is its view again (a gradient held elsewhere is copied in; none is zero)."""
+        with torch.no_grad():
+            for p, v in zip(self.params, self.views, strict=True):
+                g = p.grad
+                if g is None:
+                    v.zero_()
+                elif g.data_ptr() != v.data_ptr():
+                    v.copy_(g)
+                else:
+                    continue
+                p.grad = v
+
+    def allreduce_mean(self, group, size: int, extras: list) -> list:
+        """Average the gradients over ``group`` of ``size`` members in place; returns ``extras`` summed over it."""
+        self._bind()
+        tail = self.flat[self.n :]
+        tail.copy_(torch.tensor(extras, dtype=torch.float64))
+        group.allreduce([self.flat]).wait()
+        sums = tail.tolist()
+        self.flat[: self.n].div_(size)
+        return sums
 
 
 def stage_group(worker, name: str) -> tuple:
