@@ -206,6 +206,8 @@ def run_sdpipe(args: dict) -> dict:
     epochs = 1 + -(-args["steps"] // per_epoch)  # a warm-up epoch, then at least ``steps`` steps
     client, cluster = local_cluster(S * D)  # fresh worker processes: their peak memory is this run's
     try:
+        if args.get("heap") == "fixed":  # the contender without sdpipe.worker.allocator (engine_breakdown --heap)
+            client.run(_heap_fixed)
         result = sdpipe.train(
             make_model(args["model"]),
             (X, Y),
@@ -228,6 +230,15 @@ def run_sdpipe(args: dict) -> dict:
     # epochs after the first: samples of all pipelines over the epoch time (as the torch side: after a warm-up epoch)
     rates = [sum(h["samples_per_s"] for h in result.history if h["epoch"] == e) for e in range(1, epochs)]
     return {"samples_per_s": statistics.median(rates), "peak_rss_mib": max(rss.values()), "events": events}
+
+
+def _heap_fixed() -> None:
+    """On a worker: train with glibc's thresholds as Dask's nanny left them (no raise while training)."""
+    import contextlib
+
+    import sdpipe.worker.loop
+
+    sdpipe.worker.loop.training_thresholds = contextlib.nullcontext
 
 
 def parse_shape(text: str, flag: str) -> tuple:

@@ -2,6 +2,8 @@
 
     python benchmarks/engine_breakdown.py [--cells mlp:3x2,gpt:4x1] [--schedule 1f1b] [--steps 40]
                                           [--out benchmarks/results/engine_breakdown.md]
+    python benchmarks/engine_breakdown.py --heap --repeats 3 [--cells gpt:4x1]
+                                          [--out benchmarks/results/engine_heap.md]
 
 Runs ``benchmarks/engine.py``'s two contenders once per cell (sdpipe's ``allreduce`` on a LocalCluster, torch's
 ``PipelineStage`` in plain processes) and prints, for pipeline 0's stages over the measured steps, milliseconds
@@ -11,6 +13,10 @@ other threads (gloo's network thread, Dask's event loop).  sdpipe's figures come
 (``forward``/``backward``/``optimizer`` spans' ``cpu``, the ``step_cpu`` and ``process_cpu`` of its
 ``optimizer`` records, epochs after the first); torch's from ``time.thread_time`` around each part of its step.
 Machine-wide CPU of the driver (sdpipe's Dask scheduler and client) is not in it.
+
+``--heap`` compares sdpipe with itself instead: as it is (glibc's thresholds raised while a worker trains,
+:mod:`sdpipe.worker.allocator`) and with the thresholds Dask's nanny fixed, the two alternated ``--repeats`` times;
+it prints each stage's CPU in forward and backward and the samples/s, medians with every repeat.
 """
 
 from __future__ import annotations
@@ -60,13 +66,47 @@ def torch_rows(result: dict, stages: int) -> list:
     return rows
 
 
+def _spread(values: list, fmt: str) -> str:
+    return f"{format(statistics.median(values), fmt)} ({', '.join(format(v, fmt) for v in values)})"
+
+
+def heap_lines(args: dict, repeats: int) -> list:
+    """sdpipe with glibc's thresholds raised while training and as Dask's nanny fixed them, alternated."""
+    S = args["stages"]
+    got: dict = {"raised": [], "fixed": []}
+    for _ in range(repeats):
+        for heap in got:
+            sd = run_sdpipe({**args, "heap": heap})
+            got[heap].append((sd["samples_per_s"], sdpipe_rows(sd["events"], S), sd["peak_rss_mib"]))
+    lines = [
+        "",
+        f"## {args['model']} {S}x{args['pipelines']}, {args['schedule']}: glibc's thresholds while training",
+        "",
+        "| thresholds | samples/s | " + " | ".join(f"stage {s} forward + backward CPU ms" for s in range(S))
+        + " | peak RSS MiB |",
+        "|---|---|" + "---|" * S + "---|",
+    ]  # fmt: skip
+    for heap, runs in got.items():
+        name = "raised while training (sdpipe)" if heap == "raised" else "fixed by Dask's nanny"
+        cells = [_spread([r[0] for r in runs], ".0f")]
+        cells += [_spread([r[1][s][3] for r in runs], ".1f") for s in range(S)]
+        cells.append(_spread([r[2] for r in runs], ".0f"))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="mlp:3x2,gpt:4x1", help="MODEL:SxD, comma-separated")
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_breakdown.md"))
+    ap.add_argument("--heap", action="store_true", help="sdpipe with and without its allocator thresholds")
+    ap.add_argument("--repeats", type=int, default=3, help="with --heap: alternated runs of each")
+    ap.add_argument("--out", default=None, help="default: results/engine_breakdown.md (engine_heap.md with --heap)")
     a = ap.parse_args(argv)
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats: at least 1, got {a.repeats}")
+    out = a.out or str(Path(__file__).parent / "results" / ("engine_heap.md" if a.heap else "engine_breakdown.md"))
     lines = []
     for cell in a.cells.split(","):
         model, _, shape = cell.partition(":")
@@ -76,6 +116,10 @@ def main(argv=None) -> int:
         args = dict(
             stages=S, pipelines=D, model=model, microbatches=4, batch_size=64, steps=a.steps, schedule=a.schedule
         )
+        if a.heap:
+            lines += heap_lines(args, a.repeats)
+            print("\n".join(lines[-4:]), file=sys.stderr)
+            continue
         sd, tr = run_sdpipe(args), run_torch(args)
         lines += [
             "",
@@ -94,19 +138,29 @@ def main(argv=None) -> int:
                 )
         print("\n".join(lines[-(4 + 2 * S) :]), file=sys.stderr)
     meta = run_meta("engine_breakdown.py", argv, f"cells {a.cells}, {a.schedule}, batch 64 in 4 micro-batches, Adam")
-    text = [
-        "# Where a step's CPU time goes: sdpipe and torch.distributed.pipelining",
-        "",
-        *meta_lines(meta),
-        "",
-        "Milliseconds per step, pipeline 0's stages over the measured steps.  training thread: CPU of the thread "
-        "that trains; forward + backward and optimizer: its CPU in them (* torch's with the step's messages: its "
-        "schedule does both); the rest: its CPU in messages, the all-reduce and Python between them; other "
-        "threads: the process's other threads (gloo's network thread, Dask's "
-        "event loop).",
-        *lines,
-    ]
-    Path(a.out).write_text("\n".join(text) + "\n")
+    if a.heap:
+        head = [
+            "# glibc's thresholds while a worker trains: sdpipe with and without sdpipe.worker.allocator",
+            "",
+            *meta_lines(meta),
+            "",
+            f"Medians of {a.repeats} runs each, alternated (every run in brackets).  forward + backward CPU: "
+            "milliseconds per step of pipeline 0's stage in its forwards and backwards (the CPU the page faults "
+            "of fresh allocations land in).",
+        ]
+    else:
+        head = [
+            "# Where a step's CPU time goes: sdpipe and torch.distributed.pipelining",
+            "",
+            *meta_lines(meta),
+            "",
+            "Milliseconds per step, pipeline 0's stages over the measured steps.  training thread: CPU of the thread "
+            "that trains; forward + backward and optimizer: its CPU in them (* torch's with the step's messages: "
+            "its schedule does both); the rest: its CPU in messages, the all-reduce and Python between them; other "
+            "threads: the process's other threads (gloo's network thread, Dask's event loop).",
+        ]
+    text = [*head, *lines]
+    Path(out).write_text("\n".join(text) + "\n")
     print("\n".join(text))
     return 0
 
