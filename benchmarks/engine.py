@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import queue
-import resource
 import statistics
 import sys
 import time
@@ -113,12 +112,12 @@ def _torch_worker(rank, args, port, out):
         stage = PipelineStage(module, s, S, torch.device("cpu"), group=pipes[p])
         kind = Schedule1F1B if args["schedule"] == "1f1b" else ScheduleGPipe
         schedule = kind(stage, M, loss_fn=loss_for(args["model"]))
-        opt = torch.optim.Adam(module.parameters(), lr=0.002)
+        params = [q for q in module.parameters()]
+        opt = torch.optim.Adam(params, lr=0.002) if params else None  # (a stage of a lone activation: nothing)
         X, Y = load_data(args["model"])
         n = len(X)
         per_epoch = n // B // D
         warm, steps = per_epoch, args["steps"]
-        params = [q for q in module.parameters()]
         t0 = None
         cpu = {"compute and messages": 0.0, "all-reduce": 0.0, "optimizer": 0.0}  # training thread, measured steps
         for k in range(warm + steps):
@@ -127,7 +126,8 @@ def _torch_worker(rank, args, port, out):
                 t0, c_start, p_start = time.perf_counter(), time.thread_time(), time.process_time()
             epoch, j = divmod(k, per_epoch)
             idx = batch_indices(n, B, 0, epoch, j * D + p)
-            opt.zero_grad()
+            if opt is not None:
+                opt.zero_grad()
             c0 = time.thread_time()
             if s == 0:
                 schedule.step(X[idx])
@@ -136,15 +136,17 @@ def _torch_worker(rank, args, port, out):
             else:
                 schedule.step()
             c1 = time.thread_time()
-            flat = torch.cat([q.grad.reshape(-1) for q in params])
-            dist.all_reduce(flat, group=dps[s])
-            flat.div_(D)
-            off = 0
-            for q in params:
-                q.grad.copy_(flat[off : off + q.numel()].view_as(q))
-                off += q.numel()
+            if params:
+                flat = torch.cat([q.grad.reshape(-1) for q in params])
+                dist.all_reduce(flat, group=dps[s])
+                flat.div_(D)
+                off = 0
+                for q in params:
+                    q.grad.copy_(flat[off : off + q.numel()].view_as(q))
+                    off += q.numel()
             c2 = time.thread_time()
-            opt.step()
+            if opt is not None:
+                opt.step()
             if t0 is not None:
                 c3 = time.thread_time()
                 for key, c in zip(cpu, (c1 - c0, c2 - c1, c3 - c2), strict=True):
@@ -154,7 +156,7 @@ def _torch_worker(rank, args, port, out):
         cpu["training thread"] = time.thread_time() - c_start
         cpu["process"] = time.process_time() - p_start
         per_step = {key: 1000 * v / steps for key, v in cpu.items()}  # ms of CPU per step
-        out.put((rank, elapsed, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, per_step))
+        out.put((rank, elapsed, peak_rss_mib(), per_step))
     finally:
         dist.destroy_process_group()
 
@@ -197,6 +199,14 @@ def run_torch(args: dict) -> dict:
     }
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (``VmHWM``), in MiB.  Not ``getrusage``'s ``ru_maxrss``: Linux carries
+    that over a fork and an exec, so a spawned worker would report its parent's peak when it is higher, and the
+    benchmark's own process grows from cell to cell."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def run_sdpipe(args: dict) -> dict:
     import sdpipe
 
@@ -222,7 +232,7 @@ def run_sdpipe(args: dict) -> dict:
             cuts=cuts_for(args["model"], S),
             cluster=client,
         ).result(timeout=1800)
-        rss = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        rss = client.run(peak_rss_mib)
         events = result.events
     finally:
         client.close()
