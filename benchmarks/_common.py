@@ -16,6 +16,16 @@ VARIANTS = {
 }
 
 
+def status_kib(field: str) -> int:
+    """A KiB figure of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``: its peak resident set, which
+    unlike ``getrusage``'s ``ru_maxrss`` does not carry a parent's peak over a fork and an exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 #: the small models the straggler benchmarks run (notebook 01's MLP, the digits CNN, the GPT example)
 WORKLOAD_NAMES = ("mlp", "cnn", "gpt")
 

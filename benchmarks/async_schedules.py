@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import local_cluster, meta_lines, run_meta
+from _common import local_cluster, meta_lines, run_meta, status_kib
 
 SCHEDULES = ("1f1b", "async-1f1b", "async-2bw")
 CONFIGS = ((2, 1, "none"), (2, 2, "sdpipe"), (4, 1, "none"))
@@ -86,19 +86,11 @@ def _reset_peak() -> int:
     """Reset this process's peak resident set (Linux: ``/proc/self/clear_refs``); its resident KiB now."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status_kib("VmRSS")
+    return status_kib("VmRSS")
 
 
 def _peak_kib() -> int:
-    return _status_kib("VmHWM")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    return status_kib("VmHWM")
 
 
 def measured_memory(hidden: int, repeats: int) -> list:

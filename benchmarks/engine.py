@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import local_cluster, meta_lines, run_meta, save_figure
+from _common import local_cluster, meta_lines, run_meta, save_figure, status_kib
 
 MODELS = ("mlp", "cnn", "resnet", "gpt")
 DESCRIBED = {
@@ -203,8 +203,7 @@ def peak_rss_mib() -> float:
     """This process's peak resident memory (``VmHWM``), in MiB.  Not ``getrusage``'s ``ru_maxrss``: Linux carries
     that over a fork and an exec, so a spawned worker would report its parent's peak when it is higher, and the
     benchmark's own process grows from cell to cell."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    return status_kib("VmHWM") / 1024
 
 
 def run_sdpipe(args: dict) -> dict:

@@ -115,7 +115,7 @@ def predict(times: list, layer_seconds: list, cuts: tuple, margin: float) -> tup
 
     def slowest(c) -> float:
         bounds = stage_bounds(list(c), n)
-        return max(k * sum(layer_seconds[a:b]) + o for k, o, (a, b) in zip(scale, offset, bounds, strict=True))
+        return max(x * sum(layer_seconds[a:b]) + o for x, o, (a, b) in zip(scale, offset, bounds, strict=True))
 
     now, then = slowest(cuts), slowest(new)
     if new == tuple(cuts) or then * (1.0 + margin) > now:

@@ -216,7 +216,7 @@ _DATA, _GROW = 1, 2
 _FIXED = 3 * 8
 #: bytes a receiver's buffer holds before any message grew it (any control message fits)
 _FIRST_ROOM = 1024
-#: int64 words per tensor in a packed message's header: dtype, dimensions, sizes (tree.MAX_DIMS), inside or after
+#: int64 words per tensor in a packed message's header: its tree.row (dtype, dimensions, sizes), inside or after
 _PER_TENSOR = 2 + _tree.MAX_DIMS + 1
 
 
@@ -282,8 +282,7 @@ class Link:
             budget -= n if n <= budget else 0
         words = [_DATA, len(control), len(leaves), *control]
         for t, inline in zip(leaves, inside, strict=True):
-            words += [_tree.dtype_number(t.dtype), t.dim(), *t.shape]
-            words += [0] * (_tree.MAX_DIMS - t.dim()) + [int(inline)]
+            words += [*_tree.row(t), int(inline)]
         head = 8 * len(words)
         total = _aligned(head) + sum(_aligned(n) for n, inline in zip(sizes, inside, strict=True) if inline)
         sends = []
@@ -332,7 +331,8 @@ class Link:
         offset, leaves, after = _aligned(head), [], []
         for i in range(n):
             row = words[c + i * _PER_TENSOR : c + (i + 1) * _PER_TENSOR]
-            dtype, shape = getattr(torch, _tree.DTYPES[row[0]]), tuple(row[2 : 2 + row[1]])
+            name, shape = _tree.read_row(row)
+            dtype = getattr(torch, name)
             if row[-1]:
                 t = buf[offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
                 leaves.append(t.to(self.device))

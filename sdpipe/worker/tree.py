@@ -128,20 +128,27 @@ def dtype_number(dtype) -> int:
     return number
 
 
+def row(t) -> list:
+    """One tensor's words in a header: its dtype's number in :data:`DTYPES`, its number of dimensions and its
+    sizes, padded to :data:`MAX_DIMS` (``2 + MAX_DIMS`` words; :func:`read_row` reads them)."""
+    return [dtype_number(t.dtype), t.dim(), *t.shape, *([0] * (MAX_DIMS - t.dim()))]
+
+
+def read_row(words) -> tuple:
+    """``(dtype name, shape)`` from a :func:`row` (extra words after it are ignored)."""
+    return DTYPES[words[0]], tuple(words[2 : 2 + words[1]])
+
+
 def header(leaves) -> list:
-    """What travels ahead of a structure's tensors: per tensor its dtype's number in :data:`DTYPES`, its number
-    of dimensions and its sizes, padded to :data:`MAX_DIMS` (a fixed length, :attr:`Layout.header_size`)."""
-    out = []
-    for t in leaves:
-        out += [dtype_number(t.dtype), t.dim(), *t.shape, *([0] * (MAX_DIMS - t.dim()))]
-    return out
+    """What travels ahead of a structure's tensors: a :func:`row` per tensor (a fixed length,
+    :attr:`Layout.header_size`)."""
+    return [w for t in leaves for w in row(t)]
 
 
 def read_header(values: list) -> list:
     """``[(dtype name, shape), ...]`` from a :func:`header`."""
     step = 2 + MAX_DIMS
-    rows = [values[i : i + step] for i in range(0, len(values), step)]
-    return [(DTYPES[r[0]], tuple(r[2 : 2 + r[1]])) for r in rows]
+    return [read_row(values[i : i + step]) for i in range(0, len(values), step)]
 
 
 def layout_of(obj, where: str = "output") -> Layout:
