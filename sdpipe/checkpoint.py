@@ -119,6 +119,39 @@ def staging(checkpoint_dir: str, epoch: int, run_id: str) -> Path:
     return Path(checkpoint_dir) / f".epoch-{epoch:04d}.tmp-{run_id}"
 
 
+def claim_part(store, epoch: int, rank: int) -> bool:
+    """A worker, before it writes its part of the checkpoint after ``epoch`` epochs: False where the driver closed
+    the part (:func:`close_parts`: it finished, or is finishing, that checkpoint without this worker's pipeline)."""
+    from sdpipe.wire.protocol import Keys
+
+    return store.compare_set(Keys.checkpoint_part(epoch, rank), "", "writing") == b"writing"
+
+
+def part_written(store, epoch: int, rank: int) -> None:
+    """A worker, once its part is in place (after :func:`write_rank`)."""
+    from sdpipe.wire.protocol import Keys
+
+    store.set(Keys.checkpoint_part(epoch, rank), "done")
+
+
+def close_parts(store, checkpoint_dir: str, epoch: int, run_id: str, ranks, writing_ok=()) -> bool:
+    """The driver, before it finishes the checkpoint after ``epoch`` epochs: close the parts of ``ranks``, the
+    workers of pipelines not in it (left or lost), so that one not begun is never written.  A pipeline may have
+    reached the epoch's end before it saw its leave: False while such a part is being written (except the ranks in
+    ``writing_ok``: their pipeline was lost, the part may never be finished); True once none is, with the parts
+    written taken out of the folder."""
+    from sdpipe.wire.protocol import Keys
+
+    ranks = list(ranks)
+    parts = {r: store.compare_set(Keys.checkpoint_part(epoch, r), "", "closed") for r in ranks}
+    if any(part == b"writing" and r not in writing_ok for r, part in parts.items()):
+        return False
+    folder = staging(checkpoint_dir, epoch, run_id)
+    for r in ranks:
+        (folder / f"rank{r}.pt").unlink(missing_ok=True)
+    return True
+
+
 def write_rank(checkpoint_dir: str, epoch: int, run_id: str, rank: int, state: dict) -> None:
     """A worker's part (written, then renamed)."""
     import torch

@@ -1,6 +1,6 @@
-"""What survivors wait for when a worker dies at an awkward moment, on a real TCPStore.
+"""What survivors wait for when a worker dies or leaves at an awkward moment, on a real TCPStore.
 
-Two moments that a SIGKILL at a random time hits now and then (``benchmarks/faults.py
+Moments that a SIGKILL or a leave at a random time hits now and then (``benchmarks/faults.py
 --random-kills`` tries them end to end):
 
 * a writer dies between claiming a mailbox slot and filling it: the server must still serve
@@ -9,17 +9,22 @@ Two moments that a SIGKILL at a random time hits now and then (``benchmarks/faul
   saw the loss: every member must take the same verdict (go or skip), or the ones that go
   sit in a rendezvous the others never join;
 * a worker waits in a group's rendezvous for a member that will never come (its worker was
-  killed while it was still starting): the wait ends once the driver marks that pipeline lost.
+  killed while it was still starting): the wait ends once the driver marks that pipeline lost;
+* a pipeline asked to leave reaches its epoch's end before it sees the leave and writes its
+  part of a checkpoint the driver is finishing without it.
 """
 
 import datetime
+import os
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from sdpipe.checkpoint import claim_part, close_parts, finish, part_written, write_rank
 from sdpipe.wire.protocol import GroupAnswer, first_lost, mark_lost
 from sdpipe.worker.comm import RendezvousTimeout, make_group
 from sdpipe.worker.sync import Scheduled
@@ -210,3 +215,26 @@ def test_the_driver_closes_a_groups_rendezvous_under_the_members_own_key():
     assert dist.PrefixStore(Keys.group("stage0"), store).get(VERDICT) == b"skip"
     dist.PrefixStore(Keys.group("stage1"), store).compare_set(VERDICT, "", "go")
     assert not close_group(store, "stage1")  # the members decided first: it formed
+
+
+def test_a_leaving_pipelines_checkpoint_part_is_waited_for_or_never_written(store, tmp_path):
+    """A pipeline asked to leave may reach its epoch's end before it sees the leave and write its part of the
+    checkpoint while the driver finishes that checkpoint without it: the driver waits for a part begun, closes one
+    not begun (never written then), and the folder holds only the parts of the pipelines in it."""
+    state = {"w": torch.ones(3)}
+    for r in (0, 1):  # pipeline 0 (stages 0, 1) is in the checkpoint after epoch 1
+        assert claim_part(store, 1, r)
+        write_rank(tmp_path, 1, "run", r, state)
+        part_written(store, 1, r)
+    assert claim_part(store, 1, 2)  # pipeline 1 left: its stage 0 began its part before the driver looked
+    assert not close_parts(store, tmp_path, 1, "run", [2, 3])
+    assert not claim_part(store, 1, 3)  # its stage 1 had not: closed, it writes nothing
+    write_rank(tmp_path, 1, "run", 2, state)
+    part_written(store, 1, 2)
+    assert close_parts(store, tmp_path, 1, "run", [2, 3])
+    final = finish(tmp_path, 1, "run", {"ranks": [0, 1]})
+    assert sorted(os.listdir(final)) == ["manifest.json", "rank0.pt", "rank1.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0001", "latest"]  # no staging folder left behind
+    # a lost pipeline's worker may never finish a part it began: not waited for
+    assert claim_part(store, 2, 2)
+    assert close_parts(store, tmp_path, 2, "run", [2, 3], writing_ok=[2, 3])

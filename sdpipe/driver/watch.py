@@ -25,7 +25,7 @@ import shutil
 import time
 from typing import Optional
 
-from sdpipe.checkpoint import finish, staging
+from sdpipe.checkpoint import close_parts, finish, staging
 from sdpipe.core.policies import of_mode
 from sdpipe.core.scheduler import bounds_of
 from sdpipe.driver.cluster import workers_now
@@ -109,6 +109,12 @@ class CheckpointWriter:
             # own part (finishing before one is in place moved the folder away under its rename)
             folder = staging(cfg.checkpoint_dir, epoch, run.run_id)
             if not all((folder / f"rank{r}.pt").exists() for r in ranks):
+                return None
+            # the parts of the pipelines not in it: one that left before it saw its leave may be writing its part
+            gone = [p for p in range(run._members.ids) if p not in present]
+            lost = [r for p in gone if p in run._members.lost for r in range(p * cfg.stages, (p + 1) * cfg.stages)]
+            gone_ranks = [r for p in gone for r in range(p * cfg.stages, (p + 1) * cfg.stages)]
+            if not close_parts(run._run_store, cfg.checkpoint_dir, epoch, run.run_id, gone_ranks, lost):
                 return None
             versions = {int(run._run_store.get(Keys.checkpoint_cut(epoch, r))) for r in ranks}
             if len(versions) > 1:  # a re-cut fell between pipelines' ends of that epoch: its parts are cut two ways

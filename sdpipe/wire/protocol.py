@@ -449,6 +449,13 @@ class Keys:
         return f"ckpt/{epoch}/n"
 
     @staticmethod
+    def checkpoint_part(epoch: int, rank: int) -> str:
+        """Rank ``rank``'s part of that checkpoint: ``writing`` and ``done`` (the worker's), or ``closed`` (the
+        driver's, for a pipeline not in the checkpoint: it left or was lost; a part it had not begun is not written,
+        one it had begun is waited for, then left out)."""
+        return f"ckpt/{epoch}/part{rank}"
+
+    @staticmethod
     def checkpoint_steps(epoch: int, rank: int) -> str:
         """Steps rank ``rank`` had taken when it wrote its part of that checkpoint."""
         return f"ckpt/{epoch}/rank{rank}"

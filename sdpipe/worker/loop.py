@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from sdpipe.checkpoint import write_rank
+from sdpipe.checkpoint import claim_part, part_written, write_rank
 from sdpipe.config import Heterogeneity
 from sdpipe.core.schedule import ASYNC_SCHEDULES, default_update_every
 from sdpipe.data import ShardReader, batch_indices
@@ -301,8 +301,13 @@ class Worker:
         torch.set_rng_state(state["torch_rng"])
 
     def checkpoint(self, epoch: int, step: int) -> None:
-        """Write this worker's part of the checkpoint after ``epoch`` epochs, then count it in the store."""
+        """Write this worker's part of the checkpoint after ``epoch`` epochs, then count it in the store.
+
+        Not if the driver closed the part: the pipeline left (or was lost) before the checkpoint, and the driver
+        may have finished it without this part (a leave this pipeline had not seen when its epoch ended)."""
         t = time.time()
+        if not claim_part(self.store, epoch, self.rank):
+            return
         state = {
             "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
@@ -315,6 +320,7 @@ class Worker:
         write_rank(self.cfg["checkpoint_dir"], epoch, self.run_id, self.rank, state)
         self.store.set(Keys.checkpoint_steps(epoch, self.rank), str(step))
         self.store.set(Keys.checkpoint_cut(epoch, self.rank), str(self.cut_version))
+        part_written(self.store, epoch, self.rank)
         self.store.add(Keys.checkpoint_count(epoch), 1)
         self.span("save", step, None, t, time.time(), epoch=epoch)
 
