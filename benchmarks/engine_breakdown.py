@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 from collections import Counter
@@ -64,6 +65,21 @@ def torch_rows(result: dict, stages: int) -> list:
              c["training thread"] - c["compute and messages"] - c["optimizer"], c["process"] - c["training thread"])
         )  # fmt: skip
     return rows
+
+
+def busy_lines(rows: list, pipelines: int, schedule: str) -> list:
+    """What a step of sdpipe's workers asks of the machine: their CPU per step (pipeline 0's stages, times the
+    pipelines) against the step's wall time times the machine's cores.  A schedule that does the same work (an
+    asynchronous one fills the bubble and does no less) can be at most the inverse of that share faster."""
+    cores = os.cpu_count() or 1
+    cpu = pipelines * sum(train + other for _, _, train, _, _, _, other in rows)
+    wall = statistics.median(r[1] for r in rows)
+    share = cpu / (wall * cores)
+    return [
+        f"Machine: sdpipe's workers used {cpu:.1f} ms of CPU per step of {wall:.1f} ms on {cores} cores: "
+        f"{share:.0%} of the machine; a schedule doing the same work could be at most {1 / share:.2f}x as fast as "
+        f"this {schedule} here (the driver's process not counted)."
+    ]
 
 
 def _spread(values: list, fmt: str) -> str:
@@ -136,7 +152,8 @@ def main(argv=None) -> int:
                 lines.append(
                     f"| {name} | {s} | {wall:.1f} | {train:.1f} | {comp} | {opt:.1f} | {rest:.1f} | {other:.1f} |"
                 )
-        print("\n".join(lines[-(4 + 2 * S) :]), file=sys.stderr)
+        lines += ["", *busy_lines(sdpipe_rows(sd["events"], S), D, a.schedule)]
+        print("\n".join(lines[-(6 + 2 * S) :]), file=sys.stderr)
     meta = run_meta("engine_breakdown.py", argv, f"cells {a.cells}, {a.schedule}, batch 64 in 4 micro-batches, Adam")
     if a.heap:
         head = [
