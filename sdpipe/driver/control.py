@@ -362,10 +362,14 @@ class Steering:
         return f"the switch to policy {self.policy!r} is still being taken up"
 
     def _not_taken(self, version: int) -> list:
-        """The ranks of the pipelines present that have not taken re-cut ``version`` yet."""
+        """The ranks of the pipelines present that have not taken re-cut ``version`` yet (all of them once the run
+        ended: its store went with it)."""
         S = self.config.stages
         ranks = [p * S + s for p in self.pipelines for s in range(S)]
-        return [r for r in ranks if not self._run_store.check([Keys.cut_done(version, r)])]
+        store = self._run_store
+        if store is None:
+            return ranks
+        return [r for r in ranks if not store.check([Keys.cut_done(version, r)])]
 
     def _cut_pending(self) -> bool:
         """Whether the last re-cut published is not yet taken by every worker of the pipelines present."""
@@ -379,7 +383,7 @@ class Steering:
             missing = self._not_taken(version)
             if not missing:
                 return
-            if self._done.is_set():
+            if self._done.is_set() or self._run_store is None:
                 raise RuntimeError(
                     f"recut: run {self.run_id} ended ({self.status}) before every worker took the re-cut"
                 )
