@@ -111,10 +111,9 @@ class CheckpointWriter:
             if not all((folder / f"rank{r}.pt").exists() for r in ranks):
                 return None
             # the parts of the pipelines not in it: one that left before it saw its leave may be writing its part
-            gone = [p for p in range(run._members.ids) if p not in present]
-            lost = [r for p in gone if p in run._members.lost for r in range(p * cfg.stages, (p + 1) * cfg.stages)]
-            gone_ranks = [r for p in gone for r in range(p * cfg.stages, (p + 1) * cfg.stages)]
-            if not close_parts(run._run_store, cfg.checkpoint_dir, epoch, run.run_id, gone_ranks, lost):
+            gone = [r for r in range(run._members.ids * cfg.stages) if r // cfg.stages not in present]
+            lost = [r for r in gone if r // cfg.stages in run._members.lost]
+            if not close_parts(run._run_store, cfg.checkpoint_dir, epoch, run.run_id, gone, lost):
                 return None
             versions = {int(run._run_store.get(Keys.checkpoint_cut(epoch, r))) for r in ranks}
             if len(versions) > 1:  # a re-cut fell between pipelines' ends of that epoch: its parts are cut two ways
