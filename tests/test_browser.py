@@ -642,6 +642,33 @@ def views_after_the_end(page, notebook: str, workers: Optional[int] = None, swit
     return shots
 
 
+PRESSES_DONE = "presses.done"
+
+
+def hold_stop(nb: Path) -> None:
+    """Notebook 03's plan stops the run 4 phases after its first step.  A test that presses the page's controls in a
+    phase cannot know how long the page takes to answer on a loaded machine, so its copy of the notebook makes the
+    plan's stop wait (up to 5 minutes) for a file the test writes when its presses are done; the phases' lengths
+    and every other cell stay as they are."""
+    import nbformat
+
+    book = nbformat.read(nb, as_version=4)
+    cell = next(c for c in book.cells if '("stopped", run.stop)' in c.source)
+    cell.source = cell.source.replace('("stopped", run.stop)', '("stopped", lambda: stop_after_the_presses())')
+    cell.source += f"""
+
+
+def stop_after_the_presses():  # added by the test
+    import os
+
+    deadline = time.time() + 300
+    while not os.path.exists({PRESSES_DONE!r}) and time.time() < deadline:
+        time.sleep(0.25)
+    run.stop()
+"""
+    nbformat.write(book, nb)
+
+
 def test_steering_notebook_controls_follow_the_run_and_a_press_changes_only_what_was_touched(tmp_path, no_leaks):
     """Notebook 03 with Run All: its plan slows pipeline 3 down from code; the page's slider shows it, and a press
     after moving pipeline 1's slider keeps pipeline 3's slowdown.  After the end nothing can be pressed; every panel
@@ -651,7 +678,8 @@ def test_steering_notebook_controls_follow_the_run_and_a_press_changes_only_what
     copy_notebooks(ROOT / "notebooks", tmp_path, [name])
     nb = tmp_path / name
     assert "PHASE = 8.0" in nb.read_text()
-    nb.write_text(nb.read_text().replace("PHASE = 8.0", "PHASE = 15.0"))  # time for the presses in one phase
+    nb.write_text(nb.read_text().replace("PHASE = 8.0", "PHASE = 15.0"))  # phases long enough to measure with presses
+    hold_stop(nb)  # and the plan's stop waits for the presses, however slowly the machine lets the page answer
     with jupyterlab(tmp_path) as (url, token), chromium_page(width=1440, height=1000) as page:
         run_notebook(page, url, token, name)
         wait_js(page, HEADER_RUNNING, 240, "the live dashboard's header saying the run is running", poll=0.25)
@@ -693,6 +721,7 @@ def test_steering_notebook_controls_follow_the_run_and_a_press_changes_only_what
             "/slowdowns applied at t = [0-9.]+ s: pipeline 3 x4, /.test(s.text)",
             "pipeline 1 back to full speed, pipeline 3 still 4x",
         )
+        (tmp_path / PRESSES_DONE).touch()
         finish(page)
         state = controls(page)
         assert state["enabled"] == [] and state["inputs"] == 0 and state["status"] == "stopped", state
