@@ -5,7 +5,7 @@ import pytest
 import sdpipe
 from sdpipe.core.partition import time_cuts
 from sdpipe.data import digits, digits_cnn
-from sdpipe.driver.layers import memory_of
+from sdpipe.driver.layers import boundary_seconds, memory_of
 
 pytestmark = pytest.mark.cluster
 
@@ -19,7 +19,9 @@ def test_a_run_cut_by_time_holds_the_cut_its_measured_layers_ask_for(shared_clus
     result = run.result(timeout=300)
     costs = run.layer_costs
     assert len(costs) == len(digits_cnn(8)) and all(c.forward >= 0 and c.backward >= 0 for c in costs)
-    assert isinstance(run.config.cuts, tuple) and list(run.config.cuts) == time_cuts([c.seconds for c in costs], 3)
+    assert isinstance(run.config.cuts, tuple) and list(run.config.cuts) == time_cuts(
+        [c.seconds for c in costs], 3, boundary=boundary_seconds(costs)
+    )
     assert result.config.to_dict()["cuts"] == list(run.config.cuts)
     assert len(result.history) == 2 and all(h["loss"] == h["loss"] for h in result.history)  # trained, no NaN
     largest = max(memory_of(c, run.config.microbatches) for c in costs)

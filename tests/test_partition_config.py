@@ -34,8 +34,8 @@ def test_balanced_cuts_brute_force_agreement():
 
 
 def test_time_cuts_minimize_the_slowest_stage_within_the_memory_limit():
-    """Against every cut tried: the slowest stage's seconds least, among the cuts whose stages all fit ``limit``
-    (none fits: one line naming memory_limit)."""
+    """Against every cut tried: the slowest stage's seconds least (with ``boundary``: a stage also pays for the
+    cuts at its ends), among the cuts whose stages all fit ``limit`` (none fits: one line naming memory_limit)."""
     import itertools
     import random
 
@@ -46,21 +46,28 @@ def test_time_cuts_minimize_the_slowest_stage_within_the_memory_limit():
         mem = [rng.choice([1.0, 10.0, 100.0]) for _ in range(n)]
         S = rng.randint(1, n)
         limit = rng.choice([None, 50.0, 120.0, 1000.0])
+        bd = rng.choice([None, [rng.choice([0.0, 0.002, 0.01]) for _ in range(n)]])
 
         def fits(cuts, n=n, mem=mem, limit=limit):
             return limit is None or all(sum(mem[a:b]) <= limit for a, b in stage_bounds(list(cuts), n))
 
-        def slowest(cuts, n=n, t=t):
-            return max(sum(t[a:b]) for a, b in stage_bounds(list(cuts), n))
+        def slowest(cuts, n=n, t=t, bd=bd):
+            edge = [0.0] * (n + 1) if bd is None else [0.0, *bd[:-1], 0.0]
+            return max(sum(t[a:b]) + edge[a] + edge[b] for a, b in stage_bounds(list(cuts), n))
 
         allowed = [c for c in itertools.combinations(range(1, n), S - 1) if fits(c)]
         if not allowed:
             with pytest.raises(ValueError, match=r"^memory_limit: no cut into \d+ stages fits"):
-                time_cuts(t, S, mem, limit)
+                time_cuts(t, S, mem, limit, bd)
             continue
-        got = time_cuts(t, S, mem, limit)
+        got = time_cuts(t, S, mem, limit, bd)
         assert len(got) == S - 1 and fits(got) and slowest(got) == pytest.approx(min(slowest(c) for c in allowed))
     assert time_cuts([0.001, 0.001, 0.01, 0.001], 2) == [2]  # the heavy layer and the light last one: 11 ms
+    # the cut after layer 1 (stages of 4 and 12 ms) sends a large output: with its 5 ms they take 9 and 17 ms, so the
+    # cut after layer 0 (2 and 14 ms) is faster
+    assert time_cuts([0.002, 0.002, 0.01, 0.002], 2, boundary=[0.0, 0.005, 0.0, 0.0]) == [1]
+    with pytest.raises(ValueError, match=r"^boundary: needs one number of seconds per layer$"):
+        time_cuts([0.001, 0.001], 2, boundary=[0.0])
 
 
 def test_speed_cuts_minimize_the_slowest_stage_at_each_stages_speed():

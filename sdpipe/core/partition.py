@@ -31,10 +31,18 @@ def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
     return _min_max_cuts([float(x) + 1.0 for x in weights], stages)
 
 
-def time_cuts(seconds: Sequence[float], stages: int, memory: Sequence[float] | None = None, limit=None) -> list[int]:
+def time_cuts(
+    seconds: Sequence[float],
+    stages: int,
+    memory: Sequence[float] | None = None,
+    limit=None,
+    boundary: Sequence[float] | None = None,
+) -> list[int]:
     """Cut points (start index of stages 1..S-1) minimizing the slowest stage's seconds (``seconds``: each layer's
-    forward and backward time).  With ``memory`` (bytes per layer) and ``limit`` (bytes per worker), only among
-    cuts whose every stage holds at most ``limit``; a ValueError in one line when none does.  Ties go to the
+    forward and backward time).  With ``boundary`` (one value per layer: the seconds a cut just after that layer
+    adds to each of the two stages it separates, for sending and receiving its output and gradient), a stage's
+    seconds count the cuts at its ends.  With ``memory`` (bytes per layer) and ``limit`` (bytes per worker), only
+    among cuts whose every stage holds at most ``limit``; a ValueError in one line when none does.  Ties go to the
     earliest cut."""
     fits = None
     if limit is not None:
@@ -45,7 +53,10 @@ def time_cuts(seconds: Sequence[float], stages: int, memory: Sequence[float] | N
         def fits(j: int, i: int) -> bool:
             return mem_prefix[i] - mem_prefix[j] <= limit
 
-    cuts = _min_max_cuts([float(x) for x in seconds], stages, fits)
+    if boundary is not None and len(boundary) != len(seconds):
+        raise ValueError("boundary: needs one number of seconds per layer")
+    edge = None if boundary is None else [0.0, *(float(x) for x in boundary[:-1]), 0.0]
+    cuts = _min_max_cuts([float(x) for x in seconds], stages, fits, edge=edge)
     if cuts is None:
         most = max(memory) if memory else 0.0
         raise ValueError(
@@ -71,10 +82,11 @@ def speed_cuts(seconds: Sequence[float], factors: Sequence[float], fixed: Sequen
     )
 
 
-def _min_max_cuts(cost: list, stages: int, fits=None, scale=None, offset=None):
+def _min_max_cuts(cost: list, stages: int, fits=None, scale=None, offset=None, edge=None):
     """The contiguous cut of ``cost`` (one value per layer) into ``stages`` stages of at least one layer whose
     largest stage sum is least (``fits(j, i)``: whether layers j..i-1 may form a stage; stage k's sum counts
-    ``scale[k]`` times, plus ``offset[k]``); None when no cut fits."""
+    ``scale[k]`` times, plus ``offset[k]``, plus ``edge[j] + edge[i]``: what its cuts at j and i cost it, ``edge``
+    having n + 1 values); None when no cut fits."""
     n = len(cost)
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages: must be an integer >= 1, got {stages!r}")
@@ -92,6 +104,8 @@ def _min_max_cuts(cost: list, stages: int, fits=None, scale=None, offset=None):
                 if fits is not None and not fits(j, i):
                     continue
                 own = (scale[k - 1] if scale else 1.0) * (prefix[i] - prefix[j]) + (offset[k - 1] if offset else 0.0)
+                if edge is not None:
+                    own += edge[j] + edge[i]
                 v = max(best[k - 1][j], own)
                 if v < best[k][i]:
                     best[k][i], arg[k][i] = v, j

@@ -244,6 +244,7 @@ class Steering:
         wait that a paused run under ``sdpipe`` would never end.
         """
         from sdpipe.core.partition import cut_points, time_cuts
+        from sdpipe.driver.layers import boundary_seconds
 
         if not self._from_sequential:
             raise ValueError("recut: the model was given as a list of stage modules; only an nn.Sequential is re-cut")
@@ -271,7 +272,8 @@ class Steering:
             cuts = tuple(cut_points(layers, S, None if cuts == "params" else cuts))
         self._require_running("recut")
         if cuts == "time":
-            cuts = tuple(time_cuts([c.seconds for c in self._layer_costs()], S))
+            costs = self._layer_costs()
+            cuts = tuple(time_cuts([c.seconds for c in costs], S, boundary=boundary_seconds(costs)))
         return self._recut(cuts, wait=wait, timeout=timeout)
 
     def _recut(

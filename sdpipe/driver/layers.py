@@ -13,7 +13,14 @@ import statistics
 import time
 from dataclasses import dataclass
 
-__all__ = ["LayerCost", "measure", "memory_of"]
+__all__ = ["BOUNDARY_SECONDS_PER_BYTE", "LayerCost", "boundary_seconds", "measure", "memory_of"]
+
+#: seconds per byte of a layer's output that a cut after it costs each of the two stages it separates, per
+#: micro-batch, once for the activation and once for its gradient (sender's and receiver's copies, gloo over
+#: loopback, Python between them).  Fitted on ``benchmarks/cuts.py``'s every-cut runs of the digits CNN on a 2-core
+#: machine: with it the time cut picks the fastest cut tried at S = 2 and 3 (without it, one that sends four times
+#: the bytes); 1-4 ns a byte all pick the same cuts there.
+BOUNDARY_SECONDS_PER_BYTE = 2e-9
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,12 @@ class LayerCost:
     @property
     def seconds(self) -> float:
         return self.forward + self.backward
+
+
+def boundary_seconds(costs: list) -> list:
+    """Per layer: the seconds a cut just after it adds to each stage beside the cut, per micro-batch (its output
+    sent forward and its gradient back; see :data:`BOUNDARY_SECONDS_PER_BYTE`): ``time_cuts``'s ``boundary``."""
+    return [2 * BOUNDARY_SECONDS_PER_BYTE * c.activation_bytes for c in costs]
 
 
 def memory_of(cost: LayerCost, microbatches: int) -> float:
