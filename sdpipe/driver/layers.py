@@ -18,8 +18,8 @@ __all__ = ["BOUNDARY_SECONDS_PER_BYTE", "LayerCost", "boundary_seconds", "measur
 #: seconds per byte of a layer's output that a cut after it costs each of the two stages it separates, per
 #: micro-batch, once for the activation and once for its gradient (sender's and receiver's copies, gloo over
 #: loopback, Python between them).  Fitted on ``benchmarks/cuts.py``'s every-cut runs of the digits CNN on a 2-core
-#: machine: with it the time cut picks the fastest cut tried at S = 2 and 3 (without it, one that sends four times
-#: the bytes); 1-4 ns a byte all pick the same cuts there.
+#: machine: with 2 to 4 ns a byte the time cut picks the fastest cut tried at S = 2 and 3 (without it, at S = 2 one
+#: that sends four times the bytes; with 1 ns, at S = 3 the second fastest).
 BOUNDARY_SECONDS_PER_BYTE = 2e-9
 
 
