@@ -243,8 +243,8 @@ class Steering:
         weights for the whole run), a pipeline joining, a policy switch or another re-cut not yet taken up, a
         wait that a paused run under ``sdpipe`` would never end.
         """
-        from sdpipe.core.partition import cut_points, time_cuts
-        from sdpipe.driver.layers import boundary_seconds
+        from sdpipe.core.partition import cut_points
+        from sdpipe.driver.layers import time_cut
 
         if not self._from_sequential:
             raise ValueError("recut: the model was given as a list of stage modules; only an nn.Sequential is re-cut")
@@ -272,8 +272,7 @@ class Steering:
             cuts = tuple(cut_points(layers, S, None if cuts == "params" else cuts))
         self._require_running("recut")
         if cuts == "time":
-            costs = self._layer_costs()
-            cuts = tuple(time_cuts([c.seconds for c in costs], S, boundary=boundary_seconds(costs)))
+            cuts = tuple(time_cut(self._layer_costs(), S))
         return self._recut(cuts, wait=wait, timeout=timeout)
 
     def _recut(

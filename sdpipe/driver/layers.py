@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-__all__ = ["BOUNDARY_SECONDS_PER_BYTE", "LayerCost", "boundary_seconds", "measure", "memory_of"]
+__all__ = ["BOUNDARY_SECONDS_PER_BYTE", "LayerCost", "boundary_seconds", "measure", "memory_of", "time_cut"]
 
 #: seconds per byte of a layer's output that a cut after it costs each of the two stages it separates, per
 #: micro-batch, once for the activation and once for its gradient (sender's and receiver's copies, gloo over
@@ -41,6 +41,14 @@ def boundary_seconds(costs: list) -> list:
     """Per layer: the seconds a cut just after it adds to each stage beside the cut, per micro-batch (its output
     sent forward and its gradient back; see :data:`BOUNDARY_SECONDS_PER_BYTE`): ``time_cuts``'s ``boundary``."""
     return [2 * BOUNDARY_SECONDS_PER_BYTE * c.activation_bytes for c in costs]
+
+
+def time_cut(costs: list, stages: int, memory=None, limit=None) -> list:
+    """``cuts="time"``'s cut points for layers measured at ``costs``: :func:`sdpipe.core.partition.time_cuts` on
+    their seconds, each cut counting its :func:`boundary_seconds` (``memory``/``limit``: as there)."""
+    from sdpipe.core.partition import time_cuts
+
+    return time_cuts([c.seconds for c in costs], stages, memory, limit, boundary_seconds(costs))
 
 
 def memory_of(cost: LayerCost, microbatches: int) -> float:

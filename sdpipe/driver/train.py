@@ -182,8 +182,7 @@ def _time_cut(model, config: TrainConfig, sample, targets, loss_fn, resume_from)
     """(cut points, each layer's :class:`~sdpipe.driver.layers.LayerCost`) of ``cuts="time"``: the slowest stage
     as fast as it can be on the times measured here (within ``memory_limit``); a resumed run keeps its
     checkpoint's cut (its stages' weights are cut that way)."""
-    from sdpipe.core.partition import time_cuts
-    from sdpipe.driver.layers import boundary_seconds, measure, memory_of
+    from sdpipe.driver.layers import measure, memory_of, time_cut
 
     layers = list(model)
     if config.stages > len(layers):
@@ -200,7 +199,7 @@ def _time_cut(model, config: TrainConfig, sample, targets, loss_fn, resume_from)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"cuts: timing the layers on a micro-batch failed: {type(e).__name__}: {first}") from None
     memory = [memory_of(c, config.microbatches) for c in costs]
-    cuts = time_cuts([c.seconds for c in costs], config.stages, memory, config.memory_limit, boundary_seconds(costs))
+    cuts = time_cut(costs, config.stages, memory, config.memory_limit)
     return cuts, costs
 
 
